@@ -1,0 +1,60 @@
+"""User-facing error types.
+
+Every mistake a user can make (a bad file, a bad option, a plan that does not match the launch)
+raises a subclass of :class:`PipedreamError`, which is a ``ValueError``. The CLI prints the
+message as one line and exits with status 2. ``assert`` is reserved for internal invariants.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "FormatError",
+    "LaunchError",
+    "PipedreamError",
+    "PlanningError",
+    "ScheduleError",
+    "WorkloadError",
+]
+
+
+class PipedreamError(ValueError):
+    """A user error: the message names the bad value and how to fix it."""
+
+
+class FormatError(PipedreamError):
+    """A profile, topology or plan file (or an option value) is malformed.
+
+    The message has the form ``FILE: FIELD: PROBLEM; FIX``.
+    """
+
+    def __init__(self, source: str, field: str, problem: str, fix: str = "") -> None:
+        self.source = source
+        self.field = field
+        self.problem = problem
+        self.fix = fix
+        where = f"{source}: {field}" if field else source
+        message = f"{where}: {problem}"
+        if fix:
+            message += f"; {fix}"
+        super().__init__(message)
+
+
+class WorkloadError(PipedreamError):
+    """A workload name, factory or workload argument is unusable."""
+
+
+class PlanningError(PipedreamError):
+    """The optimizer cannot produce a plan for the given inputs (e.g. nothing fits in memory)."""
+
+
+class ScheduleError(PipedreamError):
+    """A schedule name or its parameters are invalid, or an action table fails validation."""
+
+
+class LaunchError(PipedreamError):
+    """The plan does not match how the job was launched (world size, environment)."""
+
+
+class CheckpointError(PipedreamError):
+    """A checkpoint is missing, incomplete, corrupt or does not match the model."""

@@ -1,0 +1,194 @@
+"""The profile file (``format: pipedream/profile@1``): measured per-layer costs of a workload."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipedream.errors import FormatError
+from pipedream.formats.reader import MappingReader
+from pipedream.formats.yamlio import read_yaml_mapping, write_yaml
+
+__all__ = ["PROFILE_FORMAT", "LayerProfile", "Profile", "load_profile", "save_profile"]
+
+PROFILE_FORMAT = "pipedream/profile@1"
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """Measured costs of one layer, for one microbatch."""
+
+    name: str
+    """Module path of the layer in the model (``"3"`` in a Sequential, ``"blocks.2"``)."""
+    type: str
+    """Short description of the layer (class name and shape), for humans."""
+    forward_ms: float
+    """Median forward compute time in milliseconds."""
+    backward_ms: float
+    """Median backward compute time in milliseconds."""
+    output_bytes: int
+    """Bytes of the layer's output (the activation sent to the next stage if cut here)."""
+    parameter_bytes: int
+    """Bytes of the layer's parameters (and buffers)."""
+    saved_bytes: int | None = None
+    """Bytes the layer keeps alive for its backward (activation memory); optional."""
+    optimizer_state_bytes: int | None = None
+    """Bytes of optimizer state for the layer's parameters (e.g. 2x params for Adam); optional."""
+
+    @property
+    def compute_ms(self) -> float:
+        return self.forward_ms + self.backward_ms
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "name": self.name,
+            "type": self.type,
+            "forward_ms": round(self.forward_ms, 6),
+            "backward_ms": round(self.backward_ms, 6),
+            "output_bytes": self.output_bytes,
+            "parameter_bytes": self.parameter_bytes,
+        }
+        if self.saved_bytes is not None:
+            out["saved_bytes"] = self.saved_bytes
+        if self.optimizer_state_bytes is not None:
+            out["optimizer_state_bytes"] = self.optimizer_state_bytes
+        return out
+
+    @classmethod
+    def from_reader(cls, reader: MappingReader) -> LayerProfile:
+        layer = cls(
+            name=reader.str("name"),
+            type=reader.str("type", ""),
+            forward_ms=reader.number("forward_ms"),
+            backward_ms=reader.number("backward_ms"),
+            output_bytes=reader.int("output_bytes"),
+            parameter_bytes=reader.int("parameter_bytes"),
+            saved_bytes=reader.int("saved_bytes", None),
+            optimizer_state_bytes=reader.int("optimizer_state_bytes", None),
+        )
+        reader.finish()
+        return layer
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Per-layer costs of a workload, layers in execution (topological) order."""
+
+    workload: str
+    """Workload name or ``package.module:function`` the profile was measured on."""
+    microbatch_size: int
+    """Samples per microbatch during measurement."""
+    device: str
+    """Device the measurement ran on (``cpu``, ``cuda:0``, or ``pipedream-import``)."""
+    dtype: str
+    """Data type of the parameters during measurement (``float32``)."""
+    layers: tuple[LayerProfile, ...]
+    """The layers in execution order."""
+    cut_bytes: tuple[int, ...] | None = None
+    """Bytes live across the boundary after each layer (len(layers) - 1); None: output_bytes."""
+    workload_args: dict[str, str] = field(default_factory=dict)
+    """``--workload-arg`` options the workload was built with."""
+
+    def __post_init__(self) -> None:
+        assert self.cut_bytes is None or len(self.cut_bytes) == len(self.layers) - 1
+
+    @property
+    def layer_names(self) -> list[str]:
+        return [layer.name for layer in self.layers]
+
+    def boundary_bytes(self, index: int) -> int:
+        """Bytes crossing the cut right after layer ``index`` (0-based)."""
+        if self.cut_bytes is not None:
+            return self.cut_bytes[index]
+        return self.layers[index].output_bytes
+
+    def index_of(self, name: str) -> int:
+        for index, layer in enumerate(self.layers):
+            if layer.name == name:
+                return index
+        raise KeyError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "format": PROFILE_FORMAT,
+            "workload": self.workload,
+        }
+        if self.workload_args:
+            out["workload_args"] = dict(self.workload_args)
+        out.update(
+            {
+                "microbatch_size": self.microbatch_size,
+                "device": self.device,
+                "dtype": self.dtype,
+                "layers": [layer.to_dict() for layer in self.layers],
+            }
+        )
+        if self.cut_bytes is not None:
+            out["cut_bytes"] = list(self.cut_bytes)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "<profile>") -> Profile:
+        reader = MappingReader(data, source=source)
+        fmt = reader.str("format")
+        if fmt != PROFILE_FORMAT:
+            raise reader.error(
+                "format", f"expected {PROFILE_FORMAT!r}, got {fmt!r}", "is this a profile file?"
+            )
+        workload = reader.str("workload")
+        args = reader.mapping("workload_args", {})
+        microbatch_size = reader.int("microbatch_size", minimum=1)
+        device = reader.str("device")
+        dtype = reader.str("dtype")
+        raw_layers = reader.list("layers")
+        layers = []
+        names: set[str] = set()
+        for i, raw in enumerate(raw_layers):
+            layer = LayerProfile.from_reader(reader.child(raw, f"layers[{i}]"))
+            if layer.name in names:
+                raise reader.error(
+                    f"layers[{i}].name", f"duplicate layer name {layer.name!r}",
+                    "layer names must be unique",
+                )
+            names.add(layer.name)
+            layers.append(layer)
+        raw_cuts = reader.list("cut_bytes", None, nonempty=False)
+        cuts: tuple[int, ...] | None = None
+        if raw_cuts is not None:
+            if len(raw_cuts) != len(layers) - 1:
+                raise reader.error(
+                    "cut_bytes",
+                    f"has {len(raw_cuts)} entries but the profile has {len(layers)} layers",
+                    "give one entry per boundary (number of layers - 1)",
+                )
+            cut_reader = MappingReader(
+                {str(i): v for i, v in enumerate(raw_cuts)}, source=source, path="cut_bytes"
+            )
+            cuts = tuple(cut_reader.int(str(i)) for i in range(len(raw_cuts)))
+        reader.finish()
+        return cls(
+            workload=workload,
+            microbatch_size=microbatch_size,
+            device=device,
+            dtype=dtype,
+            layers=tuple(layers),
+            cut_bytes=cuts,
+            workload_args={str(k): str(v) for k, v in args.items()},
+        )
+
+
+def load_profile(path: str | os.PathLike[str]) -> Profile:
+    """Load and validate a profile YAML file."""
+    return Profile.from_dict(read_yaml_mapping(path, what="profile"), source=str(path))
+
+
+def save_profile(profile: Profile, path: str | os.PathLike[str]) -> None:
+    """Write ``profile`` atomically as YAML."""
+    write_yaml(
+        path,
+        profile.to_dict(),
+        header=f"pipedream profile of {profile.workload}: {len(profile.layers)} layers",
+    )
+
+

@@ -1,0 +1,153 @@
+"""A small strict reader that turns a YAML mapping into validated values.
+
+It collects the keys a format knows, so unknown keys are reported (typos such as
+``microbatch_szie`` must not be silently ignored), and every type or range problem names the
+file and the dotted field path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from pipedream.errors import FormatError
+
+__all__ = ["MISSING", "MappingReader"]
+
+T = TypeVar("T")
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+MISSING: Any = _Missing()
+
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+class MappingReader:
+    """Reads fields of one YAML mapping; call :meth:`finish` to reject unknown keys."""
+
+    def __init__(self, data: Any, *, source: str, path: str = "") -> None:
+        self.source = source
+        self.path = path
+        if not isinstance(data, dict):
+            raise FormatError(
+                source, path or "(top level)", f"expected a mapping, got {_describe(data)}"
+            )
+        self.data: dict[str, Any] = data
+        self._seen: set[str] = set()
+
+    def field(self, key: str) -> str:
+        """The dotted path of ``key`` for error messages."""
+        return f"{self.path}.{key}" if self.path else key
+
+    def error(self, key: str, problem: str, fix: str = "") -> FormatError:
+        return FormatError(self.source, self.field(key), problem, fix)
+
+    def raw(self, key: str, default: Any = MISSING) -> Any:
+        self._seen.add(key)
+        if key not in self.data or self.data[key] is None and default is not MISSING:
+            if default is MISSING:
+                raise self.error(key, "required field is missing", f"add '{key}: ...'")
+            return default
+        return self.data[key]
+
+    def str(self, key: str, default: Any = MISSING) -> Any:
+        value = self.raw(key, default)
+        if value is default and default is not MISSING:
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)  # YAML reads layer name 3 as an int; names are strings
+        if not isinstance(value, str) or not value:
+            raise self.error(key, f"expected a non-empty string, got {_describe(value)}")
+        return value
+
+    def int(self, key: str, default: Any = MISSING, *, minimum: int | None = 0) -> Any:
+        value = self.raw(key, default)
+        if value is default and default is not MISSING:
+            return value
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.error(key, f"expected {_TYPE_NAMES[int]}, got {_describe(value)}")
+        if minimum is not None and value < minimum:
+            raise self.error(key, f"must be >= {minimum}, got {value}")
+        return value
+
+    def number(
+        self,
+        key: str,
+        default: Any = MISSING,
+        *,
+        minimum: float | None = 0.0,
+        parse: Callable[[str], float] | None = None,
+        positive: bool = False,
+    ) -> Any:
+        value = self.raw(key, default)
+        if value is default and default is not MISSING:
+            return value
+        if isinstance(value, str) and parse is not None:
+            try:
+                value = parse(value)
+            except ValueError as exc:
+                raise self.error(key, str(exc)) from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.error(key, f"expected {_TYPE_NAMES[float]}, got {_describe(value)}")
+        value = float(value)
+        if not math.isfinite(value):
+            raise self.error(key, f"must be a finite number, got {value}")
+        if positive and value <= 0:
+            raise self.error(key, f"must be > 0, got {value:g}")
+        if minimum is not None and value < minimum:
+            raise self.error(key, f"must be >= {minimum:g}, got {value:g}")
+        return value
+
+    def bool(self, key: str, default: Any = MISSING) -> Any:
+        value = self.raw(key, default)
+        if value is default and default is not MISSING:
+            return value
+        if not isinstance(value, bool):
+            raise self.error(key, f"expected {_TYPE_NAMES[bool]}, got {_describe(value)}")
+        return value
+
+    def list(self, key: str, default: Any = MISSING, *, nonempty: bool = True) -> Any:
+        value = self.raw(key, default)
+        if value is default and default is not MISSING:
+            return value
+        if not isinstance(value, list):
+            raise self.error(key, f"expected a list, got {_describe(value)}")
+        if nonempty and not value:
+            raise self.error(key, "must not be empty")
+        return value
+
+    def mapping(self, key: str, default: Any = MISSING) -> Any:
+        value = self.raw(key, default)
+        if value is default and default is not MISSING:
+            return value
+        if not isinstance(value, dict):
+            raise self.error(key, f"expected a mapping, got {_describe(value)}")
+        return value
+
+    def child(self, value: Any, key: str) -> MappingReader:
+        return MappingReader(value, source=self.source, path=self.field(key))
+
+    def finish(self) -> None:
+        unknown = [key for key in self.data if key not in self._seen]
+        if unknown:
+            known = ", ".join(sorted(self._seen))
+            raise self.error(
+                str(unknown[0]), "unknown key", f"remove it or use one of: {known}"
+            )
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "nothing (null)"
+    text = repr(value)
+    if len(text) > 40:
+        text = text[:37] + "..."
+    return f"{type(value).__name__} {text}"

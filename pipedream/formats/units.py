@@ -1,0 +1,69 @@
+"""Parsing sizes and bandwidths written with units ("16 GiB", "10 GB/s", "100 Gbit/s")."""
+
+from __future__ import annotations
+
+import math
+import re
+
+__all__ = ["format_bytes", "parse_bandwidth", "parse_bytes"]
+
+_PREFIX = {
+    "": 1.0,
+    "k": 1e3,
+    "K": 1e3,
+    "M": 1e6,
+    "G": 1e9,
+    "T": 1e12,
+    "Ki": 2.0**10,
+    "Mi": 2.0**20,
+    "Gi": 2.0**30,
+    "Ti": 2.0**40,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([kKMGT]i?)?(B|bit|b)?\s*$")
+
+
+def _parse(text: str, *, per_second: bool) -> float:
+    original = text
+    body = text.strip()
+    if per_second:
+        if body.endswith("/s"):
+            body = body[:-2]
+        elif body.endswith("ps"):
+            body = body[:-2]
+    match = _SIZE.match(body)
+    if not match:
+        kind = "bandwidth such as '10 GB/s', '100 Gbit/s' or 1e9" if per_second else (
+            "size such as '16 GiB', '512 MB' or 1e9"
+        )
+        raise ValueError(f"cannot parse {original!r}; write a {kind}")
+    number = float(match.group(1))
+    prefix = match.group(2) or ""
+    unit = match.group(3) or "B"
+    value = number * _PREFIX[prefix]
+    if unit in ("bit", "b"):
+        value /= 8.0
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{original!r} is not a finite, non-negative amount")
+    return value
+
+
+def parse_bytes(text: str | float | int) -> float:
+    """Bytes from a number or a string with a unit (decimal kB/MB/GB or binary KiB/MiB/GiB)."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        return float(text)
+    return _parse(str(text), per_second=False)
+
+
+def parse_bandwidth(text: str | float | int) -> float:
+    """Bytes per second from a number or a string such as ``"10 GB/s"`` or ``"100 Gbit/s"``."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        return float(text)
+    return _parse(str(text), per_second=True)
+
+
+def format_bytes(value: float) -> str:
+    """A short human-readable size: ``1.5 MiB``."""
+    for unit, scale in (("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10)):
+        if abs(value) >= scale:
+            return f"{value / scale:.1f} {unit}"
+    return f"{value:.0f} B"

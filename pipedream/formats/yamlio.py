@@ -1,0 +1,72 @@
+"""Reading and atomically writing the YAML files of the formats."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipedream.errors import FormatError
+
+__all__ = ["atomic_write_text", "read_yaml_mapping", "write_yaml"]
+
+
+def read_yaml_mapping(path: str | os.PathLike[str], *, what: str) -> dict[str, Any]:
+    """Load ``path`` with ``yaml.safe_load`` and check that it holds a mapping.
+
+    ``what`` names the kind of file ("profile", "plan", ...) for the error messages.
+    """
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FormatError(source, "", f"{what} file not found", "check the path") from None
+    except IsADirectoryError:
+        raise FormatError(source, "", "is a directory", f"pass a {what} YAML file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise FormatError(source, "", f"cannot read {what} file ({exc})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise FormatError(
+            source, "", f"not valid YAML{where}", f"fix the syntax of this {what} file"
+        ) from None
+    if not isinstance(data, dict):
+        raise FormatError(
+            source,
+            "",
+            f"expected a YAML mapping at the top level, got {type(data).__name__}",
+            f"is this a {what} file?",
+        )
+    return data
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` to ``path`` atomically: a temporary file in the same folder, fsync, rename."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def write_yaml(path: str | os.PathLike[str], data: dict[str, Any], *, header: str = "") -> None:
+    """Dump ``data`` as block-style YAML (keys in insertion order) and write it atomically."""
+    body = yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=100)
+    comment = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines())
+    atomic_write_text(path, comment + body)

@@ -1,0 +1,142 @@
+"""The workload contract (DESIGN.md section 5) and how workloads are found by name.
+
+A workload is named by a built-in name (``mlp``, ``gpt``, ``digits``) or by
+``package.module:function``. The factory takes keyword options (``--workload-arg key=value``,
+converted to the types of its signature) and returns a :class:`Workload`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import Dataset
+
+from pipedream.errors import WorkloadError
+
+__all__ = ["BUILTIN_WORKLOADS", "Workload", "load_workload", "parse_workload_args"]
+
+BUILTIN_WORKLOADS: dict[str, str] = {
+    "mlp": "pipedream.workloads.mlp:build",
+    "gpt": "pipedream.workloads.gpt:build",
+    "digits": "pipedream.workloads.digits:build",
+}
+"""Built-in workload names and the factories they stand for."""
+
+
+@dataclass
+class Workload:
+    """Everything the profiler and the runtime need to know about a training job."""
+
+    model: nn.Module
+    """``nn.Sequential`` (layers = its children) or any module ``torch.export`` can trace."""
+    example_input: Tensor
+    """One microbatch of input, used for tracing and profiling."""
+    loss_fn: Callable[[Tensor, Tensor], Tensor]
+    """(output, target) -> mean loss over the microbatch."""
+    dataset: Dataset[tuple[Tensor, Tensor]]
+    """Items ``(input, target)``; the runtime draws them in a seeded deterministic order."""
+    optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+    """Builds the optimizer for a set of parameters (one stage's, or the whole model's)."""
+    evaluate: Callable[[nn.Module], dict[str, float]] | None = None
+    """Optional: metrics of a full trained model on held-out data (e.g. test accuracy)."""
+    description: str = ""
+    """One line for humans."""
+
+
+def parse_workload_args(pairs: Iterable[str]) -> dict[str, str]:
+    """Parse ``KEY=VALUE`` strings from ``--workload-arg``."""
+    out: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise WorkloadError(
+                f"--workload-arg {pair!r} is not KEY=VALUE; write e.g. --workload-arg layers=8"
+            )
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _resolve_factory(name: str) -> Callable[..., Workload]:
+    target = BUILTIN_WORKLOADS.get(name, name)
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise WorkloadError(
+            f"unknown workload {name!r}; use a built-in name ({', '.join(BUILTIN_WORKLOADS)}) "
+            "or package.module:function"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise WorkloadError(
+            f"workload {name!r}: cannot import module {module_name!r} ({exc}); "
+            "check the name and that the module is on PYTHONPATH"
+        ) from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise WorkloadError(
+            f"workload {name!r}: module {module_name!r} has no function {attr!r}"
+        )
+    return factory  # type: ignore[no-any-return]
+
+
+def _convert(value: str, annotation: Any, *, key: str, workload: str) -> Any:
+    kind = annotation if isinstance(annotation, type) else None
+    if isinstance(annotation, str):
+        kind = {"int": int, "float": float, "bool": bool, "str": str}.get(annotation)
+    try:
+        if kind is bool:
+            lowered = value.lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if kind in (int, float):
+            return kind(value)
+    except ValueError:
+        raise WorkloadError(
+            f"workload {workload!r}: --workload-arg {key}={value!r} is not a valid "
+            f"{kind.__name__ if kind else 'value'}"
+        ) from None
+    return value
+
+
+def load_workload(
+    name: str, args: Mapping[str, str] | None = None, *, microbatch_size: int | None = None
+) -> Workload:
+    """Build the workload ``name`` with string options ``args`` converted to the factory's types.
+
+    ``microbatch_size`` is passed to factories that accept it, so that ``example_input`` has the
+    microbatch size of the plan or profile.
+    """
+    factory = _resolve_factory(name)
+    signature = inspect.signature(factory)
+    params = signature.parameters
+    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    kwargs: dict[str, Any] = {}
+    for key, value in (args or {}).items():
+        if key not in params and not accepts_any:
+            known = ", ".join(p for p in params if p != "microbatch_size") or "none"
+            raise WorkloadError(
+                f"workload {name!r} has no option {key!r}; its options are: {known}"
+            )
+        annotation = params[key].annotation if key in params else str
+        if annotation is inspect.Parameter.empty and key in params:
+            default = params[key].default
+            annotation = type(default) if default is not inspect.Parameter.empty else str
+        kwargs[key] = _convert(value, annotation, key=key, workload=name)
+    if microbatch_size is not None and ("microbatch_size" in params or accepts_any):
+        kwargs["microbatch_size"] = microbatch_size
+    workload = factory(**kwargs)
+    if not isinstance(workload, Workload):
+        raise WorkloadError(
+            f"workload {name!r}: factory returned {type(workload).__name__}, "
+            "expected pipedream.workload.Workload"
+        )
+    return workload

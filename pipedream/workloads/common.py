@@ -1,0 +1,33 @@
+"""Pieces shared by the built-in workloads."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from pipedream.errors import WorkloadError
+
+__all__ = ["OPTIMIZERS", "optimizer_factory"]
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+
+
+def optimizer_factory(
+    name: str, *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0
+) -> Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]:
+    """Return a function that builds optimizer ``name`` over a set of parameters."""
+    if name not in OPTIMIZERS:
+        raise WorkloadError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)}")
+    if lr <= 0:
+        raise WorkloadError(f"learning rate must be > 0, got lr={lr}")
+
+    def build(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        if name == "sgd":
+            return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+        if name == "adam":
+            return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay or 0.01)
+
+    return build
