@@ -1,0 +1,172 @@
+"""Checkpoints: one directory per step, one file per stage, a manifest written last.
+
+Layout (DESIGN.md section 8)::
+
+    checkpoints/step-000100/
+        stage-00.pt      {"model": slice of the model's state_dict (the model's own keys),
+        stage-01.pt       "optimizer": {"state": {param name: {...}}, "param_groups": [...]},
+        ...               "step", "rng", "data_position", "stage", "layers"}
+        manifest.yaml    format, step, stages with their files and sha256 checksums
+
+Files are written atomically (temporary name, fsync, rename) and loaded with
+``torch.load(weights_only=True)``, so a checkpoint cannot run code. Because every file holds
+slices keyed by the model's own names, :func:`load_full_state_dict` rebuilds the whole model's
+state dict, and a run can resume under a different plan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from torch import nn
+
+from pipedream.errors import CheckpointError
+from pipedream.formats.yamlio import atomic_write_text
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "load_full_state_dict",
+    "load_manifest",
+    "load_stage_file",
+    "optimizer_state_by_name",
+    "save_stage_file",
+    "step_dir_name",
+    "write_manifest",
+]
+
+CHECKPOINT_FORMAT = "pipedream/checkpoint@1"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def optimizer_state_by_name(
+    optimizer: torch.optim.Optimizer, names: list[str]
+) -> dict[str, Any]:
+    """The optimizer's state dict with parameter indices replaced by parameter names."""
+    state = optimizer.state_dict()
+    return {
+        "state": {names[index]: value for index, value in state["state"].items()},
+        "param_groups": [
+            {**group, "params": [names[index] for index in group["params"]]}
+            for group in state["param_groups"]
+        ],
+    }
+
+
+def load_optimizer_by_name(
+    optimizer: torch.optim.Optimizer, names: list[str], saved: dict[str, Any]
+) -> None:
+    """Inverse of :func:`optimizer_state_by_name` for a (possibly differently split) stage."""
+    index = {name: i for i, name in enumerate(names)}
+    groups = optimizer.state_dict()["param_groups"]
+    hyper = saved["param_groups"][0] if saved["param_groups"] else {}
+    new_groups = [{**hyper, **{"params": g["params"]}} for g in groups]
+    state = {index[n]: v for n, v in saved["state"].items() if n in index}
+    optimizer.load_state_dict({"state": state, "param_groups": new_groups})
+
+
+def save_stage_file(directory: Path, stage: int, payload: dict[str, Any]) -> tuple[str, str]:
+    """Write ``stage-SS.pt`` atomically; returns (file name, sha256)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    name = f"stage-{stage:02d}.pt"
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            torch.save(payload, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, directory / name)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return name, _sha256(directory / name)
+
+
+def write_manifest(directory: Path, *, step: int, files: list[tuple[str, str]], extra: dict[str, Any]) -> None:
+    """The manifest is written last: a step directory without one is incomplete."""
+    manifest = {
+        "format": CHECKPOINT_FORMAT,
+        "step": step,
+        "stages": [{"file": name, "sha256": digest} for name, digest in files],
+        **extra,
+    }
+    atomic_write_text(directory / "manifest.yaml", yaml.safe_dump(manifest, sort_keys=False))
+
+
+def load_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    path = Path(directory) / "manifest.yaml"
+    if not path.is_file():
+        raise CheckpointError(
+            f"{directory}: no manifest.yaml (not a checkpoint directory, or an incomplete one); "
+            "pass a runs/<run>/checkpoints/step-NNNNNN directory"
+        )
+    try:
+        manifest = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError:
+        raise CheckpointError(f"{path}: not valid YAML; the checkpoint is corrupt") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path}: not a {CHECKPOINT_FORMAT} manifest")
+    return manifest
+
+
+def load_stage_file(directory: Path, entry: dict[str, Any]) -> dict[str, Any]:
+    """Load one stage file after checking its checksum; never unpickles arbitrary objects."""
+    path = directory / str(entry.get("file"))
+    if not path.is_file():
+        raise CheckpointError(f"{path}: stage file listed in the manifest is missing")
+    if _sha256(path) != entry.get("sha256"):
+        raise CheckpointError(f"{path}: checksum mismatch; the file is corrupt or truncated")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # unpickling errors come in many types
+        raise CheckpointError(f"{path}: refused to load ({type(exc).__name__}: {exc})") from None
+    if not isinstance(payload, dict) or "model" not in payload:
+        raise CheckpointError(f"{path}: not a pipedream stage file")
+    return payload
+
+
+def load_full_state_dict(directory: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The whole model's state dict, merged from every stage file of a checkpoint."""
+    root = Path(directory)
+    manifest = load_manifest(root)
+    merged: dict[str, torch.Tensor] = {}
+    for entry in manifest["stages"]:
+        merged.update(load_stage_file(root, entry)["model"])
+    return merged
+
+
+def stage_payload(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    stage: int,
+    step: int,
+    data_position: int,
+) -> dict[str, Any]:
+    names = [name for name, _ in module.named_parameters()]
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "stage": stage,
+        "step": step,
+        "layers": [name for name, _ in module.named_children()],
+        "model": {k: v.detach().cpu().clone() for k, v in module.state_dict().items()},
+        "optimizer": optimizer_state_by_name(optimizer, names),
+        "rng": torch.get_rng_state(),
+        "data_position": data_position,
+    }

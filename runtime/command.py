@@ -1,0 +1,44 @@
+"""CLI glue for ``pipedream train`` and ``pipedream export``."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from pipedream.errors import CheckpointError, LaunchError
+from pipedream.runtime.checkpoint import load_full_state_dict
+
+__all__ = ["export", "run"]
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipedream.runtime.train import TrainOptions, train
+
+    if args.resume is not None:
+        raise LaunchError("--resume is not implemented yet; start a new run")
+    return train(
+        TrainOptions(
+            plan_path=args.plan,
+            steps=args.steps,
+            run_dir=args.run_dir,
+            seed=args.seed,
+            checkpoint_every=args.checkpoint_every,
+            trace=args.trace,
+            precision=args.precision,
+            recompute=args.recompute,
+            timeout=args.timeout,
+            progress=not args.no_progress,
+        )
+    )
+
+
+def export(args: argparse.Namespace) -> int:
+    directory = Path(args.checkpoint)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: no such checkpoint directory")
+    state = load_full_state_dict(directory)
+    torch.save(state, args.output)
+    print(f"wrote {len(state)} tensors to {args.output}")
+    return 0

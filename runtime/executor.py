@@ -1,0 +1,138 @@
+"""The distributed interpreter of one rank's action table.
+
+It walks the table in order: receives and sends go through :class:`~pipedream.runtime.comm.P2P`
+(receives posted ``lookahead`` messages ahead), compute goes to the
+:class:`~pipedream.runtime.worker.StageWorker`, allreduces average the gradients of a stage's
+replicas in the stage's own process group. Any wait that outlasts the timeout raises an error
+naming the rank, the stage and the action that was waiting.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from pipedream.runtime.actions import Action, Op
+from pipedream.runtime.comm import P2P, PeerTimeoutError
+from pipedream.runtime.worker import StageWorker
+
+__all__ = ["Executor", "UpdateEvent"]
+
+_RECVS = {Op.RECV_ACT: "act", Op.RECV_GRAD: "grad"}
+_SENDS = {Op.SEND_ACT: "act", Op.SEND_GRAD: "grad"}
+
+UpdateEvent = tuple[Action, list[int]]
+"""An update and the microbatches whose gradients it applied."""
+
+
+class Executor:
+    """Runs one rank's table against peers over torch.distributed."""
+
+    def __init__(
+        self,
+        worker: StageWorker,
+        table: Sequence[Action],
+        p2p: P2P,
+        *,
+        rank: int,
+        replica_group: Any = None,
+        num_replicas: int = 1,
+        check_versions: bool = False,
+        lookahead: int = 8,
+        timeout: float = 300.0,
+        on_update: Callable[[Action, list[int]], None] | None = None,
+        trace: list[tuple[str, float, float]] | None = None,
+    ) -> None:
+        self.worker = worker
+        self.table = table
+        self.p2p = p2p
+        self.rank = rank
+        self.replica_group = replica_group
+        self.num_replicas = num_replicas
+        self.check_versions = check_versions
+        self.lookahead = lookahead
+        self.timeout = timeout
+        self.on_update = on_update
+        self.trace = trace
+        self._inbox: dict[tuple[str, int], tuple[list[Tensor], int]] = {}
+        self._outbox: dict[tuple[str, int], tuple[list[Tensor], int]] = {}
+        self._since_update: list[int] = []
+
+    def run(self) -> None:
+        receives = [p for p, a in enumerate(self.table) if a.op in _RECVS]
+        posted = 0
+        for position, action in enumerate(self.table):
+            while posted < len(receives) and receives[posted] < position + self.lookahead * 4:
+                ahead = self.table[receives[posted]]
+                assert ahead.peer is not None
+                self.p2p.post_recv(_RECVS[ahead.op], ahead.index, ahead.peer)
+                posted += 1
+            self.p2p.poll()
+            start = time.perf_counter()
+            self._execute(position, action)
+            if self.trace is not None:
+                self.trace.append((str(action), start, time.perf_counter()))
+        self.p2p.drain(what=f"the last sends of stage {self.worker.config.stage}")
+
+    def _execute(self, position: int, action: Action) -> None:
+        op = action.op
+        what = f"the {action.describe()}"
+        if op in _RECVS:
+            assert action.peer is not None
+            tensors, version = self.p2p.recv(_RECVS[op], action.index, action.peer, what=what)
+            self._inbox[(_RECVS[op], action.index)] = (tensors, version)
+        elif op in _SENDS:
+            assert action.peer is not None
+            tensors, version = self._outbox.pop((_SENDS[op], action.index))
+            self.p2p.send(_SENDS[op], action.index, action.peer, tensors, version)
+        elif op is Op.FORWARD:
+            received = self._inbox.pop(("act", action.index), None)
+            if self.check_versions and received is not None and received[1] != action.version:
+                raise AssertionError(
+                    f"rank {self.rank}: {what} uses version {action.version} but the activations "
+                    f"carry version {received[1]}"
+                )
+            outputs = self.worker.forward(action, received[0] if received else None)
+            assert action.version is not None
+            if outputs:
+                self._outbox[("act", action.index)] = (outputs, action.version)
+        elif op is Op.BACKWARD:
+            received = self._inbox.pop(("grad", action.index), None)
+            grads = self.worker.backward(action, received[0] if received else None)
+            assert action.version is not None
+            if grads:
+                self._outbox[("grad", action.index)] = (grads, action.version)
+            self._since_update.append(action.index)
+            self.worker.release(position + 1)
+        elif op is Op.ALLREDUCE:
+            self._allreduce(what)
+        elif op is Op.UPDATE:
+            self.worker.update(position)
+            done, self._since_update = self._since_update, []
+            if self.on_update is not None:
+                self.on_update(action, done)
+        else:  # pragma: no cover - every Op is handled above
+            raise AssertionError(f"unknown action {action}")
+
+    def _allreduce(self, what: str) -> None:
+        grads = self.worker.gradients()
+        flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
+        work = dist.all_reduce(flat, group=self.replica_group, async_op=True)
+        try:
+            finished = work.wait(timeout=timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            raise PeerTimeoutError(f"rank {self.rank}: {what} failed: {exc}") from None
+        if finished is False:
+            raise PeerTimeoutError(f"rank {self.rank}: timed out waiting for {what}")
+        flat /= self.num_replicas
+        offset = 0
+        with torch.no_grad():
+            for grad in grads:
+                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+                offset += grad.numel()

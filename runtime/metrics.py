@@ -1,0 +1,71 @@
+"""Training metrics: a JSON-lines file, a progress bar and the end-of-run summary numbers."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+__all__ = ["MetricsLogger"]
+
+
+class MetricsLogger:
+    """Records one line per optimizer update on the rank that computes the loss."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        total_steps: int,
+        samples_per_step: int,
+        progress: bool,
+        stream: TextIO = sys.stderr,
+    ) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("a", encoding="utf-8")
+        self.total_steps = total_steps
+        self.samples_per_step = samples_per_step
+        self.stream = stream
+        self.start = time.perf_counter()
+        self.step_times: list[float] = []
+        self.losses: list[float] = []
+        self._bar: Any = None
+        self._every = max(1, total_steps // 10)
+        if progress and stream.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, unit="step", file=stream, dynamic_ncols=True)
+
+    def log(self, step: int, loss: float, extra: dict[str, Any] | None = None) -> None:
+        now = time.perf_counter()
+        self.step_times.append(now)
+        self.losses.append(loss)
+        elapsed = now - self.start
+        rate = len(self.step_times) * self.samples_per_step / max(elapsed, 1e-9)
+        record = {"step": step, "loss": loss, "time_s": round(elapsed, 4),
+                  "samples_per_s": round(rate, 2), **(extra or {})}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:.0f}")
+            self._bar.update(1)
+        elif (step + 1) % self._every == 0 or step + 1 == self.total_steps:
+            print(
+                f"step {step + 1:>6}/{self.total_steps}  loss {loss:.4f}  {rate:,.0f} samples/s",
+                file=self.stream,
+                flush=True,
+            )
+
+    def time_per_step_ms(self) -> float | None:
+        """Steady-state time per minibatch: median gap between updates in the second half."""
+        times = self.step_times[len(self.step_times) // 2 :]
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        return statistics.median(gaps) * 1000 if gaps else None
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        self._file.close()

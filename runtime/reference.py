@@ -1,0 +1,90 @@
+"""The single-process reference executor: all ranks' tables in one process.
+
+It interprets exactly the same action tables with the same :class:`StageWorker` as the
+distributed runtime, but "sends" are entries in a dictionary and an allreduce averages the
+replicas' gradients in place. Tests compare the distributed runtime with it, and it is the
+easiest place to debug a schedule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from pipedream.runtime.actions import Action, Op
+from pipedream.runtime.worker import StageWorker
+
+__all__ = ["run_reference"]
+
+_SEND_TO_RECV = {Op.SEND_ACT: Op.RECV_ACT, Op.SEND_GRAD: Op.RECV_GRAD}
+
+
+def run_reference(
+    tables: Mapping[int, Sequence[Action]], workers: Mapping[int, StageWorker]
+) -> None:
+    """Run every rank's table to completion (round-robin, each rank until it must wait)."""
+    position = {rank: 0 for rank in tables}
+    mail: dict[tuple[Op, int, int, int], list[Tensor]] = {}
+    produced: dict[tuple[int, str, int], list[Tensor]] = {}
+    arrived: dict[tuple[int, int], set[int]] = {}
+    averaged: set[tuple[int, int]] = set()
+    stage_ranks: dict[int, set[int]] = {}
+    for rank, table in tables.items():
+        stage_ranks.setdefault(table[0].stage if table else -1, set()).add(rank)
+
+    progress = True
+    while progress:
+        progress = False
+        for rank, table in tables.items():
+            worker = workers[rank]
+            while position[rank] < len(table):
+                pos = position[rank]
+                action = table[pos]
+                op = action.op
+                if op in (Op.RECV_ACT, Op.RECV_GRAD):
+                    key = (op, action.index, action.peer or 0, rank)
+                    if key not in mail:
+                        break
+                    kind = "act" if op is Op.RECV_ACT else "grad"
+                    produced[(rank, "in-" + kind, action.index)] = mail.pop(key)
+                elif op in _SEND_TO_RECV:
+                    kind = "act" if op is Op.SEND_ACT else "grad"
+                    tensors = produced.pop((rank, "out-" + kind, action.index))
+                    key = (_SEND_TO_RECV[op], action.index, rank, action.peer or 0)
+                    mail[key] = [t.detach().clone() for t in tensors]
+                elif op is Op.FORWARD:
+                    received = produced.pop((rank, "in-act", action.index), None)
+                    out = worker.forward(action, received)
+                    if out:
+                        produced[(rank, "out-act", action.index)] = out
+                elif op is Op.BACKWARD:
+                    received = produced.pop((rank, "in-grad", action.index), None)
+                    out = worker.backward(action, received)
+                    if out:
+                        produced[(rank, "out-grad", action.index)] = out
+                    worker.release(pos + 1)
+                elif op is Op.ALLREDUCE:
+                    group = arrived.setdefault((action.stage, action.index), set())
+                    group.add(rank)
+                    if group != stage_ranks[action.stage]:
+                        break
+                    if (action.stage, action.index) not in averaged:
+                        averaged.add((action.stage, action.index))
+                        _average([workers[r] for r in sorted(group)])
+                elif op is Op.UPDATE:
+                    worker.update(pos)
+                position[rank] = pos + 1
+                progress = True
+    stuck = {r: p for r, p in position.items() if p < len(tables[r])}
+    assert not stuck, f"reference executor deadlocked at {stuck}"
+
+
+@torch.no_grad()
+def _average(workers: Sequence[StageWorker]) -> None:
+    grads = [w.gradients() for w in workers]
+    for parts in zip(*grads):
+        mean = torch.stack(list(parts)).sum(0) / len(parts)
+        for part in parts:
+            part.copy_(mean)

@@ -1,0 +1,374 @@
+"""``pipedream train``: one process of a pipeline job, started by torchrun (or launch.sh).
+
+Every rank loads the plan and the workload, builds the same action tables and validates them,
+then joins the process group, takes its stage's slice of the model and runs its table. The run
+is cut into segments at checkpoints: a segment's tables drain the pipeline, so every checkpoint
+is a consistent state (DESIGN.md section 8).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipedream.data import MicrobatchStream
+from pipedream.errors import LaunchError, ScheduleError
+from pipedream.formats.plan import Plan, load_plan
+from pipedream.formats.units import format_bytes
+from pipedream.runtime.actions import Action
+from pipedream.runtime.checkpoint import (
+    load_full_state_dict,
+    save_stage_file,
+    stage_payload,
+    step_dir_name,
+    write_manifest,
+)
+from pipedream.runtime.comm import P2P
+from pipedream.runtime.executor import Executor
+from pipedream.runtime.metrics import MetricsLogger
+from pipedream.runtime.schedule import PipelineSpec, build_tables
+from pipedream.runtime.stage import build_stage_module, layer_names, stage_layer_names
+from pipedream.runtime.validate import validate_tables
+from pipedream.runtime.worker import StageWorker, WorkerConfig
+from pipedream.workload import Workload, load_workload
+
+__all__ = ["LaunchEnv", "TrainOptions", "read_launch_env", "train"]
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """Options of ``pipedream train`` (see ``pipedream train --help``)."""
+
+    plan_path: str
+    steps: int
+    run_dir: str | None = None
+    seed: int = 0
+    checkpoint_every: int = 0
+    trace: bool = False
+    precision: str = "fp32"
+    recompute: bool = False
+    timeout: float = 300.0
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in the job (from torchrun's environment variables)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    under_torchrun: bool
+
+
+def read_launch_env(plan: Plan, *, source: str) -> LaunchEnv:
+    """Read torchrun's variables and check them against the plan before joining anything."""
+    if "WORLD_SIZE" not in os.environ:
+        if plan.world_size != 1:
+            raise LaunchError(
+                f"{source}: world_size: the plan needs {plan.world_size} processes but this is a "
+                f"single process; launch it with `./launch.sh {source}` (or torchrun "
+                f"--nproc-per-node {plan.world_size} -m pipedream.cli train {source})"
+            )
+        return LaunchEnv(0, 1, 0, under_torchrun=False)
+    world_size = int(os.environ["WORLD_SIZE"])
+    if world_size != plan.world_size:
+        raise LaunchError(
+            f"{source}: world_size: the plan needs {plan.world_size} processes but torchrun "
+            f"started {world_size}; launch with `./launch.sh {source}` (it sets "
+            f"--nproc-per-node from the plan) or re-plan with --workers {world_size}"
+        )
+    return LaunchEnv(
+        rank=int(os.environ.get("RANK", "0")),
+        world_size=world_size,
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        under_torchrun=True,
+    )
+
+
+def _device_and_backend(env: LaunchEnv) -> tuple[torch.device, str]:
+    """NCCL with one GPU per rank when every local rank has one, else gloo on the CPU."""
+    if torch.cuda.is_available() and torch.cuda.device_count() > env.local_rank:
+        device = torch.device("cuda", env.local_rank)
+        torch.cuda.set_device(device)
+        return device, "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def _segments(steps: int, every: int) -> list[tuple[int, int]]:
+    if every <= 0 or every >= steps:
+        return [(0, steps)]
+    out = [(start, min(every, steps - start)) for start in range(0, steps, every)]
+    return out
+
+
+def _spec(plan: Plan, first: int, count: int) -> PipelineSpec:
+    return PipelineSpec(
+        schedule=plan.schedule,
+        stage_ranks=tuple(stage.ranks for stage in plan.stages),
+        microbatches=plan.microbatches,
+        num_minibatches=count,
+        first_minibatch=first,
+    )
+
+
+def _check_options(options: TrainOptions, plan: Plan) -> None:
+    if options.steps < 1:
+        raise LaunchError(f"--steps must be >= 1, got {options.steps}")
+    if options.checkpoint_every < 0:
+        raise LaunchError(f"--checkpoint-every must be >= 0, got {options.checkpoint_every}")
+    if options.timeout <= 0:
+        raise LaunchError(f"--timeout must be > 0 seconds, got {options.timeout}")
+    for start, count in _segments(options.steps, options.checkpoint_every):
+        for index, stage in enumerate(plan.stages):
+            if count % stage.replicas:
+                raise LaunchError(
+                    f"stage {index} has {stage.replicas} replicas, so --steps and "
+                    f"--checkpoint-every must be multiples of {stage.replicas} "
+                    f"(a segment of {count} minibatches starts at {start})"
+                )
+
+
+def train(options: TrainOptions) -> int:
+    plan = load_plan(options.plan_path)
+    source = options.plan_path
+    _check_options(options, plan)
+    env = read_launch_env(plan, source=source)
+    workload = load_workload(
+        plan.workload, plan.workload_args, microbatch_size=plan.microbatch_size
+    )
+    stage_layers = stage_layer_names(plan, layer_names(workload.model), source=source)
+    segments = _segments(options.steps, options.checkpoint_every)
+    try:
+        tables = {first: build_tables(_spec(plan, first, count)) for first, count in segments}
+        for first, count in segments:
+            validate_tables(_spec(plan, first, count), tables[first])
+    except ScheduleError as exc:
+        raise ScheduleError(f"{source}: the action tables are invalid: {exc}") from None
+
+    device, backend = _device_and_backend(env)
+    timeout = timedelta(seconds=options.timeout)
+    if env.under_torchrun:
+        dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    try:
+        return _run(options, plan, env, workload, stage_layers, segments, tables, device, backend)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(
+    options: TrainOptions,
+    plan: Plan,
+    env: LaunchEnv,
+    workload: Workload,
+    stage_layers: list[list[str]],
+    segments: list[tuple[int, int]],
+    tables: dict[int, dict[int, list[Action]]],
+    device: torch.device,
+    backend: str,
+) -> int:
+    rank = env.rank
+    groups: dict[int, Any] = {}
+    for index, stage in enumerate(plan.stages):  # every rank creates every group, in order
+        if stage.replicas > 1:
+            groups[index] = dist.new_group(list(stage.ranks))
+    stage_index = plan.stage_of_rank(rank)
+    stage = plan.stages[stage_index]
+    last = plan.num_stages - 1
+    run_dir = _agree_on_run_dir(options.run_dir)
+
+    module = build_stage_module(workload.model, stage_layers[stage_index])
+    needs_data = stage_index in (0, last)
+    data = (
+        MicrobatchStream(workload.dataset, plan.microbatch_size, options.seed)
+        if needs_data
+        else None
+    )
+    config = WorkerConfig(
+        stage=stage_index,
+        num_stages=plan.num_stages,
+        microbatches=plan.microbatches,
+        device=device,
+        recompute=options.recompute or plan.recompute,
+        precision=options.precision,
+    )
+    logs_loss = stage_index == last and stage.ranks[0] == rank
+    logger = (
+        MetricsLogger(
+            run_dir / "metrics.jsonl",
+            total_steps=options.steps // stage.replicas,
+            samples_per_step=plan.microbatch_size * plan.microbatches * stage.replicas,
+            progress=options.progress,
+        )
+        if logs_loss
+        else None
+    )
+    if logs_loss:
+        print(
+            f"pipedream: {plan.workload} on {plan.world_size} {backend} processes, "
+            f"{plan.num_stages} stages, schedule {plan.schedule}, {options.steps} minibatches "
+            f"of {plan.microbatches} x {plan.microbatch_size} samples; run dir {run_dir}",
+            file=sys.stderr,
+            flush=True,
+        )
+    worker: StageWorker | None = None
+    trace: list[tuple[str, float, float]] | None = [] if options.trace else None
+    stats = {"max_versions": 0, "max_copies": 0, "max_in_flight": 0}
+    start = time.perf_counter()
+    checkpoint_dir = run_dir / "checkpoints"
+    for first, count in segments:
+        table = tables[first][rank]
+        worker = StageWorker(
+            config,
+            module,
+            table,
+            optimizer_factory=workload.optimizer,
+            loss_fn=workload.loss_fn,
+            data=data,
+            initial_version=first // stage.replicas,
+        ) if worker is None else _continue(worker, table, first // stage.replicas)
+
+        def on_update(action: Action, microbatches: list[int], worker: StageWorker = worker) -> None:
+            if logger is not None:
+                losses = [worker.losses.pop(mb) for mb in microbatches]
+                logger.log(action.index, sum(losses) / len(losses))
+
+        executor = Executor(
+            worker,
+            table,
+            P2P(rank=rank, device=device, timeout=options.timeout, post_early=backend == "gloo"),
+            rank=rank,
+            replica_group=groups.get(stage_index),
+            num_replicas=stage.replicas,
+            check_versions=plan.schedule == "pipedream-vs",
+            timeout=options.timeout,
+            on_update=on_update,
+            trace=trace,
+        )
+        executor.run()
+        stats["max_versions"] = max(stats["max_versions"], worker.versions.max_versions)
+        stats["max_copies"] = max(stats["max_copies"], worker.versions.max_copies)
+        stats["max_in_flight"] = max(stats["max_in_flight"], worker.max_in_flight)
+        _checkpoint(checkpoint_dir / step_dir_name(first + count), worker, plan, rank,
+                    stage_index, first + count, data_position=(first + count) * plan.microbatches)
+    elapsed = time.perf_counter() - start
+    assert worker is not None
+    stats.update(stage=stage_index, rank=rank, copy_bytes=worker.versions.copy_bytes)
+    everyone: list[Any] = [None] * env.world_size
+    dist.all_gather_object(everyone, stats)
+    if trace is not None:
+        (run_dir / "traces").mkdir(parents=True, exist_ok=True)
+        (run_dir / "traces" / f"rank-{rank:03d}.json").write_text(json.dumps(trace))
+    final = checkpoint_dir / step_dir_name(options.steps)
+    if logger is not None:
+        _summary(options, plan, workload, logger, elapsed, everyone, final, run_dir)
+        logger.close()
+    dist.barrier()
+    return 0
+
+
+def _continue(worker: StageWorker, table: list[Action], initial_version: int) -> StageWorker:
+    """Reuse a stage's module and optimizer for the next segment's table."""
+    from pipedream.runtime.weights import WeightVersions
+
+    worker.versions = WeightVersions(worker.module, table, initial_version=initial_version)
+    return worker
+
+
+def _agree_on_run_dir(requested: str | None) -> Path:
+    """All ranks use rank 0's choice (a timestamp differs between processes)."""
+    choice = [requested or time.strftime("runs/%Y%m%d-%H%M%S")]
+    dist.broadcast_object_list(choice, src=0)
+    path = Path(choice[0])
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _checkpoint(
+    directory: Path,
+    worker: StageWorker,
+    plan: Plan,
+    rank: int,
+    stage_index: int,
+    step: int,
+    *,
+    data_position: int,
+) -> None:
+    """Replica 0 of every stage writes its file; rank 0 writes the manifest last."""
+    entry = None
+    if plan.stages[stage_index].ranks[0] == rank:
+        payload = stage_payload(
+            worker.module, worker.optimizer, stage=stage_index, step=step,
+            data_position=data_position,
+        )
+        entry = (stage_index, *save_stage_file(directory, stage_index, payload))
+    entries: list[Any] = [None] * plan.world_size
+    dist.all_gather_object(entries, entry)
+    if rank == 0:
+        files = sorted(e for e in entries if e is not None)
+        write_manifest(
+            directory,
+            step=step,
+            files=[(name, digest) for _, name, digest in files],
+            extra={"schedule": plan.schedule, "num_stages": plan.num_stages,
+                   "workload": plan.workload, "workload_args": dict(plan.workload_args),
+                   "microbatch_size": plan.microbatch_size, "microbatches": plan.microbatches},
+        )
+    dist.barrier()
+
+
+def _summary(
+    options: TrainOptions,
+    plan: Plan,
+    workload: Workload,
+    logger: MetricsLogger,
+    elapsed: float,
+    everyone: list[dict[str, Any]],
+    checkpoint: Path,
+    run_dir: Path,
+) -> None:
+    measured = logger.time_per_step_ms()
+    predicted = plan.prediction.time_per_minibatch_ms if plan.prediction else None
+    summary: dict[str, Any] = {
+        "minibatches": options.steps,
+        "wall_time_s": round(elapsed, 3),
+        "time_per_minibatch_ms_measured": round(measured, 3) if measured else None,
+        "time_per_minibatch_ms_predicted": predicted,
+        "final_loss": logger.losses[-1] if logger.losses else None,
+        "first_loss": logger.losses[0] if logger.losses else None,
+        "stages": sorted(everyone, key=lambda s: s["rank"]),
+        "checkpoint": str(checkpoint),
+    }
+    lines = [
+        f"done: {options.steps} minibatches in {elapsed:.1f} s; "
+        f"loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}",
+        "time per minibatch: "
+        + (f"{measured:.2f} ms measured (steady state)" if measured else "n/a measured")
+        + (f", {predicted:.2f} ms predicted by the plan" if predicted is not None else
+           " (hand-written plan: no prediction)"),
+    ]
+    for stats in summary["stages"]:
+        lines.append(
+            f"  rank {stats['rank']} stage {stats['stage']}: up to {stats['max_in_flight']} "
+            f"microbatches in flight, {stats['max_versions']} weight versions held "
+            f"({stats['max_copies']} copies x {format_bytes(stats['copy_bytes'])})"
+        )
+    if workload.evaluate is not None:
+        workload.model.load_state_dict(load_full_state_dict(checkpoint))
+        metrics = workload.evaluate(workload.model)
+        summary["evaluation"] = metrics
+        lines.append("evaluation: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    lines.append(f"checkpoint: {checkpoint}")
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print("\n".join(lines), file=sys.stderr, flush=True)

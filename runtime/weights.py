@@ -1,0 +1,105 @@
+"""Weight versions for weight stashing, without in-place swaps under autograd.
+
+The live parameters of a stage belong to its optimizer (and its state). A forward never runs
+on them directly when an update could happen before its backward: it runs through
+``torch.func.functional_call`` on a *version*: a set of tensors that nothing modifies in place.
+The gradient with respect to those tensors is then added to the live parameters' ``.grad``.
+
+Which versions need a copy is known in advance from the action table: version ``v`` (the
+weights after ``v`` updates) can simply alias the live tensors if its last use comes before the
+next update; otherwise it is cloned when it is created. So synchronous schedules hold no copy at
+all, PipeDream's last stage holds none, and earlier stages hold as many as they have
+minibatches in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from pipedream.runtime.actions import Action, Op
+
+__all__ = ["WeightVersions"]
+
+
+class WeightVersions:
+    """The versions of one stage replica's parameters that its action table still needs."""
+
+    def __init__(self, module: nn.Module, table: Sequence[Action], *, initial_version: int):
+        self.params: dict[str, nn.Parameter] = dict(module.named_parameters())
+        self.live_version = initial_version
+        self._last_use: dict[int, int] = {}
+        update_positions: list[int] = []
+        for position, action in enumerate(table):
+            if action.version is not None:
+                self._last_use[action.version] = position
+            if action.op is Op.UPDATE:
+                update_positions.append(position)
+        # version v is created by the (v - initial)-th update and replaced by the next one
+        self._replaced_at: dict[int, int] = {
+            initial_version + i: pos for i, pos in enumerate(update_positions)
+        }
+        self._versions: dict[int, dict[str, Tensor]] = {}
+        self._copied: set[int] = set()
+        self.max_versions = 0
+        self.max_copies = 0
+        self._create(initial_version)
+
+    def _needs_copy(self, version: int) -> bool:
+        last = self._last_use.get(version)
+        replaced = self._replaced_at.get(version)
+        return last is not None and replaced is not None and last > replaced
+
+    def _create(self, version: int) -> None:
+        if version not in self._last_use:
+            return  # never used (e.g. the weights after the final update)
+        if self._needs_copy(version):
+            self._versions[version] = {n: p.detach().clone() for n, p in self.params.items()}
+            self._copied.add(version)
+        else:
+            self._versions[version] = {n: p.detach() for n, p in self.params.items()}
+        self.max_versions = max(self.max_versions, len(self._versions))
+        self.max_copies = max(self.max_copies, len(self._copied))
+
+    def get(self, version: int) -> dict[str, Tensor]:
+        """The tensors of ``version`` (read-only: never modify them in place)."""
+        try:
+            return self._versions[version]
+        except KeyError:
+            raise AssertionError(
+                f"weight version {version} is not held (live {self.live_version}, held "
+                f"{sorted(self._versions)})"
+            ) from None
+
+    def release_before(self, position: int) -> None:
+        """Drop versions whose last use is before ``position`` in the table."""
+        for version in [v for v in self._versions if self._last_use[v] < position]:
+            del self._versions[version]
+            self._copied.discard(version)
+
+    def updated(self) -> None:
+        """Call right after the optimizer step: the live weights are the next version."""
+        old = self.live_version
+        if old in self._versions and old not in self._copied:
+            raise AssertionError(f"version {old} aliased the live weights but is still needed")
+        self.live_version += 1
+        self._create(self.live_version)
+
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes of one copy of the parameters."""
+        return sum(p.numel() * p.element_size() for p in self.params.values())
+
+    @torch.no_grad()
+    def accumulate(self, grads: dict[str, Tensor | None]) -> None:
+        """Add gradients (keyed by parameter name) into the live parameters' ``.grad``."""
+        for name, grad in grads.items():
+            if grad is None:
+                continue
+            param = self.params[name]
+            if param.grad is None:
+                param.grad = grad.detach().clone()
+            else:
+                param.grad.add_(grad)

@@ -1,0 +1,207 @@
+"""The compute of one stage replica: forward, backward, update, with weight stashing.
+
+A :class:`StageWorker` knows nothing about communication: the distributed executor and the
+single-process reference executor feed it tensors and ship what it returns. This keeps the
+numerics in one place, so both interpreters of an action table compute exactly the same thing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from pipedream.data import MicrobatchStream
+from pipedream.runtime.actions import Action
+from pipedream.runtime.weights import WeightVersions
+
+__all__ = ["StageWorker", "WorkerConfig"]
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """How a stage replica computes."""
+
+    stage: int
+    """Stage index."""
+    num_stages: int
+    """Number of stages in the pipeline."""
+    microbatches: int
+    """Microbatches per minibatch (the loss of each is divided by this)."""
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """Where the stage's parameters and activations live."""
+    recompute: bool = False
+    """Keep only the stage inputs in forward and recompute the forward in backward."""
+    precision: str = "fp32"
+    """``fp32`` or ``bf16`` (autocast; the weights stay fp32)."""
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+
+@dataclass
+class _Stashed:
+    """What a forward leaves for its backward."""
+
+    version: int
+    inputs: list[Tensor]
+    outputs: list[Tensor] = field(default_factory=list)
+    params: dict[str, Tensor] = field(default_factory=dict)
+    loss: Tensor | None = None
+
+
+class StageWorker:
+    """Runs the forward, backward and update actions of one stage replica."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        module: nn.Module,
+        table: Sequence[Action],
+        *,
+        optimizer_factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+        loss_fn: Callable[[Tensor, Tensor], Tensor],
+        data: MicrobatchStream | None,
+        initial_version: int = 0,
+    ) -> None:
+        self.config = config
+        self.module = module.to(config.device)
+        self.loss_fn = loss_fn
+        self.data = data
+        self.optimizer = optimizer_factory(list(self.module.parameters()))
+        self.param_names = [name for name, _ in self.module.named_parameters()]
+        self.versions = WeightVersions(self.module, table, initial_version=initial_version)
+        self._stash: dict[int, _Stashed] = {}
+        self.max_in_flight = 0
+        self.losses: dict[int, float] = {}
+        """Unscaled loss of each microbatch (last stage only)."""
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _autocast(self) -> contextlib.AbstractContextManager[None]:
+        if self.config.precision == "bf16":
+            return torch.autocast(self.config.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _run(self, params: dict[str, Tensor], inputs: list[Tensor]) -> list[Tensor]:
+        with self._autocast():
+            out = functional_call(self.module, params, tuple(inputs))
+        outputs = list(out) if isinstance(out, (tuple, list)) else [out]
+        # activations cross stages in fp32 so that receivers need not know the autocast policy
+        return [o.float() if o.is_floating_point() else o for o in outputs]
+
+    def _leaf_params(self, version: int) -> dict[str, Tensor]:
+        return {
+            name: tensor.detach().requires_grad_(True)
+            for name, tensor in self.versions.get(version).items()
+        }
+
+    def _inputs(self, microbatch: int, received: list[Tensor] | None) -> list[Tensor]:
+        if self.config.is_first:
+            assert self.data is not None
+            inputs, _ = self.data.microbatch(microbatch)
+            return [inputs.to(self.config.device)]
+        assert received is not None
+        return [
+            t.detach().requires_grad_(t.is_floating_point()) for t in received
+        ]
+
+    def _loss(self, microbatch: int, outputs: list[Tensor]) -> Tensor:
+        assert self.data is not None
+        _, targets = self.data.microbatch(microbatch)
+        loss = self.loss_fn(outputs[0], targets.to(self.config.device))
+        self.losses[microbatch] = float(loss.detach())
+        return loss / self.config.microbatches
+
+    # -- actions ---------------------------------------------------------------------------
+    def forward(self, action: Action, received: list[Tensor] | None) -> list[Tensor]:
+        """Run the forward of ``action.index`` on weight version ``action.version``.
+
+        Returns the tensors to send to the next stage (nothing for the last stage).
+        """
+        assert action.version is not None
+        inputs = self._inputs(action.index, received)
+        stash = _Stashed(version=action.version, inputs=inputs)
+        if self.config.recompute:
+            with torch.no_grad():
+                outputs = self._run(self.versions.get(action.version), inputs)
+        else:
+            stash.params = self._leaf_params(action.version)
+            outputs = self._run(stash.params, inputs)
+            stash.outputs = outputs
+            if self.config.is_last:
+                stash.loss = self._loss(action.index, outputs)
+        if self.config.recompute and self.config.is_last:
+            self.losses[action.index] = float(
+                self.loss_fn(outputs[0], self.data.microbatch(action.index)[1])  # type: ignore[union-attr]
+            )
+        self._stash[action.index] = stash
+        self.max_in_flight = max(self.max_in_flight, len(self._stash))
+        return [] if self.config.is_last else [o.detach() for o in outputs]
+
+    def backward(self, action: Action, grads: list[Tensor] | None) -> list[Tensor]:
+        """Backward of ``action.index`` with the version its forward used.
+
+        Accumulates the parameter gradients into the live parameters and returns the gradients
+        of the stage inputs (to send to the previous stage; nothing for the first stage).
+        """
+        stash = self._stash.pop(action.index)
+        assert stash.version == action.version, (stash.version, action)
+        if self.config.recompute:
+            stash.params = self._leaf_params(stash.version)
+            stash.outputs = self._run(stash.params, stash.inputs)
+            if self.config.is_last:
+                _, targets = self.data.microbatch(action.index)  # type: ignore[union-attr]
+                stash.loss = (
+                    self.loss_fn(stash.outputs[0], targets.to(self.config.device))
+                    / self.config.microbatches
+                )
+        if self.config.is_last:
+            assert stash.loss is not None
+            roots, root_grads = [stash.loss], [None]
+        else:
+            assert grads is not None and len(grads) == len(stash.outputs)
+            pairs = [(o, g) for o, g in zip(stash.outputs, grads) if o.requires_grad]
+            roots = [o for o, _ in pairs]
+            root_grads = [g for _, g in pairs]
+        wrt_inputs = [t for t in stash.inputs if t.requires_grad]
+        wrt = wrt_inputs + list(stash.params.values())
+        computed = torch.autograd.grad(roots, wrt, root_grads, allow_unused=True)
+        input_grads = list(computed[: len(wrt_inputs)])
+        param_grads = dict(zip(stash.params, computed[len(wrt_inputs) :]))
+        self.versions.accumulate(param_grads)
+        if self.config.is_first:
+            return []
+        out = []
+        it = iter(input_grads)
+        for tensor in stash.inputs:
+            grad = next(it) if tensor.requires_grad else None
+            out.append(torch.zeros_like(tensor) if grad is None else grad)
+        return out
+
+    def gradients(self) -> list[Tensor]:
+        """The live parameters' gradients (zeros where a parameter got none)."""
+        out = []
+        for param in self.module.parameters():
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            out.append(param.grad)
+        return out
+
+    def update(self, position: int) -> None:
+        """Optimizer step on the live weights, then they become the next version."""
+        self.versions.release_before(position)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.versions.updated()
+
+    def release(self, position: int) -> None:
+        self.versions.release_before(position)
