@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from pipedream.errors import WorkloadError
 from pipedream.workload import Workload
 from pipedream.workloads.common import optimizer_factory
 
@@ -35,7 +36,7 @@ def build(
 ) -> Workload:
     """Build the MLP workload; every call with the same arguments gives identical weights."""
     if layers < 1 or width < 1 or samples < 1:
-        raise ValueError("mlp: layers, width and samples must be >= 1")
+        raise WorkloadError(f"mlp: layers, width and samples must be >= 1, got {layers}, {width}, {samples}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         blocks = [_block(in_features if i == 0 else width, width) for i in range(layers)]

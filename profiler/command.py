@@ -1,0 +1,171 @@
+"""``pipedream profile``: measure a workload's layers (or import a PipeDream graph) to a YAML file.
+
+::
+
+    pipedream profile WORKLOAD [--workload-arg KEY=VALUE ...] [--microbatch-size B] -o PROFILE
+    pipedream profile --from-pipedream graph.txt -o PROFILE
+
+The measurement runs on the first GPU when CUDA is available, else on the CPU with torch's
+current number of threads (set ``OMP_NUM_THREADS`` / ``torch.set_num_threads`` to match the
+workers that will train; the summary line shows the value used).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TextIO
+
+import torch
+from pipedream.profiler.measure import ProfilerError, measure_sequential
+from torch import nn
+
+from pipedream.formats.profile import Profile, save_profile
+from pipedream.workload import load_workload, parse_workload_args
+
+__all__ = ["default_device", "format_table", "profile_workload", "run"]
+
+
+def default_device() -> torch.device:
+    """``cuda:0`` when a GPU is visible, else ``cpu``."""
+    return torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _human_bytes(num: int | None) -> str:
+    if num is None:
+        return "-"
+    value = float(num)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_table(profile: Profile) -> str:
+    """Per-layer table (times in ms, sizes in binary units) followed by a totals row."""
+    header = ("layer", "type", "fwd ms", "bwd ms", "output", "params", "saved", "optim state")
+    rows = []
+    for layer in profile.layers:
+        rows.append(
+            (
+                layer.name,
+                layer.type if len(layer.type) <= 40 else layer.type[:37] + "...",
+                f"{layer.forward_ms:.3f}",
+                f"{layer.backward_ms:.3f}",
+                _human_bytes(layer.output_bytes),
+                _human_bytes(layer.parameter_bytes),
+                _human_bytes(layer.saved_bytes),
+                _human_bytes(layer.optimizer_state_bytes),
+            )
+        )
+
+    def total(values: list[int | None]) -> int | None:
+        return None if any(v is None for v in values) else sum(v or 0 for v in values)
+
+    layers = profile.layers
+    rows.append(
+        (
+            "total",
+            f"{len(layers)} layers",
+            f"{sum(layer.forward_ms for layer in layers):.3f}",
+            f"{sum(layer.backward_ms for layer in layers):.3f}",
+            "",
+            _human_bytes(sum(layer.parameter_bytes for layer in layers)),
+            _human_bytes(total([layer.saved_bytes for layer in layers])),
+            _human_bytes(total([layer.optimizer_state_bytes for layer in layers])),
+        )
+    )
+    widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header))]
+
+    def line(row: tuple[str, ...]) -> str:
+        cells = [
+            cell.ljust(width) if i < 2 else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(row, widths))
+        ]
+        return "  ".join(cells).rstrip()
+
+    rule = "  ".join("-" * width for width in widths)
+    return "\n".join([line(header), rule, *(line(row) for row in rows[:-1]), rule, line(rows[-1])])
+
+
+def profile_workload(
+    name: str,
+    workload_args: dict[str, str],
+    *,
+    microbatch_size: int | None = None,
+    warmup: int = 3,
+    repeats: int = 10,
+    device: torch.device | None = None,
+) -> Profile:
+    """Build workload ``name`` and measure every layer of its ``nn.Sequential`` model."""
+    if microbatch_size is not None and microbatch_size < 1:
+        raise ProfilerError(f"--microbatch-size must be >= 1, got {microbatch_size}")
+    if warmup < 0:
+        raise ProfilerError(f"--warmup must be >= 0, got {warmup}")
+    if repeats < 1:
+        raise ProfilerError(f"--repeats must be >= 1, got {repeats}")
+    workload = load_workload(name, workload_args, microbatch_size=microbatch_size)
+    if not isinstance(workload.model, nn.Sequential):
+        raise ProfilerError(
+            f"workload {name!r}: the model is a {type(workload.model).__name__}, not an "
+            "nn.Sequential; graph-based profiling of non-Sequential models is not supported yet, "
+            "so wrap the layers in nn.Sequential (one child per layer, one tensor in and out)"
+        )
+    device = device or default_device()
+    model = workload.model.to(device)
+    layers = measure_sequential(
+        model,
+        workload.example_input.to(device),
+        warmup=warmup,
+        repeats=repeats,
+        optimizer=workload.optimizer,
+    )
+    param = next(iter(model.parameters()), None)
+    dtype = param.dtype if param is not None else torch.get_default_dtype()
+    return Profile(
+        workload=name,
+        microbatch_size=int(workload.example_input.shape[0]),
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        layers=tuple(layers),
+        workload_args=dict(workload_args),
+    )
+
+
+def run(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
+    """Entry point of ``pipedream profile`` (user errors raise ``PipedreamError``)."""
+    out = out or sys.stdout
+    if args.from_pipedream:
+        if args.workload:
+            raise ProfilerError(
+                f"give either a workload ({args.workload!r}) or --from-pipedream, not both"
+            )
+        from pipedream.profiler.pipedream_import import import_pipedream_graph
+
+        profile = import_pipedream_graph(args.from_pipedream)
+        how = f"imported from {args.from_pipedream}"
+    else:
+        if not args.workload:
+            raise ProfilerError(
+                "no workload given; write e.g. `pipedream profile mlp -o profile.yaml` "
+                "or import one with --from-pipedream graph.txt"
+            )
+        profile = profile_workload(
+            args.workload,
+            parse_workload_args(args.workload_arg),
+            microbatch_size=args.microbatch_size,
+            warmup=args.warmup,
+            repeats=args.repeats,
+            device=torch.device(args.device) if getattr(args, "device", None) else None,
+        )
+        threads = f", {torch.get_num_threads()} CPU threads" if profile.device == "cpu" else ""
+        how = (
+            f"measured on {profile.device}{threads}, median of {args.repeats} runs "
+            f"after {args.warmup} warm-up"
+        )
+    save_profile(profile, args.output)
+    print(f"{profile.workload}: microbatch size {profile.microbatch_size}, {how}", file=out)
+    print(format_table(profile), file=out)
+    print(f"wrote {args.output}", file=out)
+    return 0

@@ -1,0 +1,256 @@
+"""Measure every layer of an ``nn.Sequential``: compute times, bytes sent, memory kept.
+
+Each child of the Sequential is one layer (its name is the child's name, as in ``state_dict``
+keys). The layers are measured one at a time on the activation the previous layers produce from
+the workload's example microbatch, which is what a pipeline stage sees:
+
+- ``forward_ms``: median over ``repeats`` timed forward passes (after ``warmup`` untimed ones),
+  with autograd recording, as in training.
+- ``backward_ms``: median time of ``backward`` alone: the forward runs untimed on a *detached*
+  copy of the input that requires grad (if it is floating point), then backward is timed with a
+  gradient of the output's shape. So it includes the input gradient a pipeline stage must send
+  back, and the parameter gradients, and nothing of the other layers.
+- ``output_bytes``: bytes of the output (summed over tensors if it is a tuple/list/dict).
+- ``parameter_bytes``: parameters plus buffers.
+- ``saved_bytes``: storages that autograd keeps for backward (found with
+  ``torch.autograd.graph.saved_tensors_hooks``), each distinct storage once, *excluding* the
+  layer's parameters/buffers (counted in ``parameter_bytes``) and the layer's input (it is the
+  previous layer's output, counted there or stashed by the stage). So the activation memory of a
+  stage for one microbatch is about its input bytes plus the sum of its layers' ``saved_bytes``.
+- ``optimizer_state_bytes``: state tensors the workload's optimizer creates after one step over
+  copies of the layer's parameters (0 for plain SGD, 2x parameters for Adam, ...).
+
+Times on CUDA use CUDA events (GPU time of the work); on CPU ``time.perf_counter``. The number of
+CPU threads is torch's setting; this module leaves it alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from pipedream.errors import PipedreamError
+from pipedream.formats.profile import LayerProfile
+
+__all__ = [
+    "OptimizerFactory",
+    "ProfilerError",
+    "layer_inputs",
+    "measure_layer",
+    "measure_sequential",
+    "tensors_in",
+]
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+class ProfilerError(PipedreamError):
+    """The model or the measurement options cannot be profiled as given."""
+
+
+def tensors_in(value: Any) -> list[Tensor]:
+    """The tensors in a layer's output: a tensor, or nested tuples/lists/dicts of them."""
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in tensors_in(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in tensors_in(item)]
+    return []
+
+
+def _nbytes(tensors: Iterable[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _storage_key(tensor: Tensor) -> tuple[str, int]:
+    return (str(tensor.device), tensor.untyped_storage().data_ptr())
+
+
+def _storage_nbytes(tensor: Tensor) -> int:
+    try:
+        return int(tensor.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):  # tensors without a plain storage
+        return tensor.numel() * tensor.element_size()
+
+
+def _fresh_input(x: Any) -> Any:
+    """A detached copy of the layer input (same storage) that requires grad where it can."""
+    if isinstance(x, Tensor):
+        detached = x.detach()
+        return detached.requires_grad_(True) if detached.is_floating_point() else detached
+    if isinstance(x, (tuple, list)):
+        return type(x)(_fresh_input(item) for item in x)
+    return x
+
+
+def _elapsed_ms(fn: Callable[[], Any], device: torch.device) -> float:
+    if device.type == "cuda":
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = fn()
+        end.record()
+        end.synchronize()
+        del result  # freed outside the timed region
+        return float(start.elapsed_time(end))
+    begin = time.perf_counter()
+    result = fn()
+    elapsed = time.perf_counter() - begin
+    del result
+    return elapsed * 1000.0
+
+
+def _describe(layer: nn.Module, output: list[Tensor]) -> str:
+    """``Linear+ReLU -> [32, 64]``: class names (a Sequential's children) and output shape."""
+    if isinstance(layer, nn.Sequential):
+        kind = "+".join(type(child).__name__ for child in layer) or "Sequential"
+    else:
+        kind = type(layer).__name__
+    shapes = ", ".join(str(list(t.shape)) for t in output)
+    return f"{kind} -> {shapes}" if shapes else kind
+
+
+def layer_inputs(model: nn.Sequential, example_input: Any) -> list[Any]:
+    """The input each child sees when ``example_input`` runs through ``model`` (no grad)."""
+    inputs = []
+    x = example_input
+    with torch.no_grad():
+        for layer in model:
+            inputs.append(x)
+            x = layer(x)
+    return inputs
+
+
+def _backward_once(layer: nn.Module, x: Any, device: torch.device) -> float:
+    for param in layer.parameters():
+        param.grad = None  # as after optimizer.zero_grad(): backward allocates the grads
+    outputs = [t for t in tensors_in(layer(_fresh_input(x))) if t.requires_grad]
+    if not outputs:
+        return 0.0
+    grads = [torch.ones_like(t) for t in outputs]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return _elapsed_ms(lambda: torch.autograd.backward(outputs, grads), device)
+
+
+def _saved_bytes(layer: nn.Module, x: Any) -> int:
+    fresh = _fresh_input(x)
+    excluded = {_storage_key(t) for t in (*layer.parameters(), *layer.buffers())}
+    excluded.update(_storage_key(t) for t in tensors_in(fresh))
+    seen: dict[tuple[str, int], int] = {}
+
+    def pack(tensor: Tensor) -> Tensor:
+        key = _storage_key(tensor)
+        if key not in excluded:
+            seen[key] = _storage_nbytes(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        output = layer(fresh)  # kept alive while counting, so storage addresses stay unique
+    del output
+    return sum(seen.values())
+
+
+def _optimizer_state_bytes(layer: nn.Module, optimizer: OptimizerFactory) -> int:
+    params = [p for p in layer.parameters() if p.requires_grad]
+    if not params:
+        return 0
+    copies = [nn.Parameter(torch.zeros_like(p)) for p in params]
+    for clone in copies:
+        clone.grad = torch.zeros_like(clone)
+    opt = optimizer(copies)
+    opt.step()
+    return sum(
+        _nbytes([value])
+        for state in opt.state.values()
+        for value in state.values()
+        if isinstance(value, Tensor)
+    )
+
+
+def measure_layer(
+    name: str,
+    layer: nn.Module,
+    x: Any,
+    *,
+    warmup: int = 3,
+    repeats: int = 10,
+    optimizer: OptimizerFactory | None = None,
+    device: torch.device | None = None,
+) -> LayerProfile:
+    """Measure one layer on input ``x`` (see the module docstring for what each number means)."""
+    if warmup < 0:
+        raise ProfilerError(f"warmup (--warmup) must be >= 0, got {warmup}")
+    if repeats < 1:
+        raise ProfilerError(f"repeats (--repeats) must be >= 1, got {repeats}")
+    if device is None:
+        device = next((t.device for t in tensors_in(x)), torch.device("cpu"))
+    with torch.enable_grad():
+        output = tensors_in(layer(_fresh_input(x)))
+        forward, backward = [], []
+        for i in range(warmup + repeats):
+            forward_ms = _elapsed_ms(functools.partial(layer, _fresh_input(x)), device)
+            backward_ms = _backward_once(layer, x, device)
+            if i >= warmup:
+                forward.append(forward_ms)
+                backward.append(backward_ms)
+        for param in layer.parameters():
+            param.grad = None
+        saved = _saved_bytes(layer, x)
+    return LayerProfile(
+        name=name,
+        type=_describe(layer, output),
+        forward_ms=statistics.median(forward),
+        backward_ms=statistics.median(backward),
+        output_bytes=_nbytes(output),
+        parameter_bytes=_nbytes([*layer.parameters(), *layer.buffers()]),
+        saved_bytes=saved,
+        optimizer_state_bytes=None
+        if optimizer is None
+        else _optimizer_state_bytes(layer, optimizer),
+    )
+
+
+def measure_sequential(
+    model: nn.Module,
+    example_input: Any,
+    *,
+    warmup: int = 3,
+    repeats: int = 10,
+    optimizer: OptimizerFactory | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> list[LayerProfile]:
+    """Measure every child of ``model`` (an ``nn.Sequential``) on the device of its parameters.
+
+    ``example_input`` is moved to that device. ``progress(i, n, name)`` is called before each layer.
+    """
+    if not isinstance(model, nn.Sequential):
+        raise ProfilerError(
+            f"the model is a {type(model).__name__}, not an nn.Sequential: graph-based profiling "
+            "of non-Sequential models is not supported yet; wrap the layers in nn.Sequential "
+            "(one child per layer, each taking one tensor and returning one tensor)"
+        )
+    if len(model) == 0:
+        raise ProfilerError("the model is an empty nn.Sequential; give it at least one layer")
+    param = next(iter(model.parameters()), None)
+    device = param.device if param is not None else torch.device("cpu")
+    if isinstance(example_input, Tensor):
+        example_input = example_input.to(device)
+    inputs = layer_inputs(model, example_input)
+    profiles = []
+    for index, ((name, layer), x) in enumerate(zip(model.named_children(), inputs)):
+        if progress is not None:
+            progress(index, len(model), name)
+        profiles.append(
+            measure_layer(
+                name, layer, x, warmup=warmup, repeats=repeats, optimizer=optimizer, device=device
+            )
+        )
+    return profiles

@@ -1,0 +1,115 @@
+"""``pipedream profile`` end to end: a loadable profile, and one clean line for bad input."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from pipedream.cli import main
+from pipedream.formats.profile import load_profile
+from pipedream.workload import Workload
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_profile_mlp_writes_a_loadable_profile(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "x.yaml"
+    code = main(
+        [
+            "profile",
+            "mlp",
+            "--workload-arg",
+            "layers=2",
+            "--warmup",
+            "0",
+            "--repeats",
+            "1",
+            "-o",
+            str(out),
+        ]
+    )
+    assert code == 0
+    profile = load_profile(out)
+    assert profile.workload == "mlp"
+    assert profile.workload_args == {"layers": "2"}
+    assert profile.layer_names == ["0", "1", "2"]
+    assert profile.microbatch_size == 32
+    assert profile.device in ("cpu", "cuda:0")
+    assert profile.dtype == "float32"
+    assert [layer.output_bytes for layer in profile.layers] == [
+        32 * 64 * 4,
+        32 * 64 * 4,
+        32 * 4 * 4,
+    ]
+    assert profile.layers[0].parameter_bytes == (16 * 64 + 64) * 4
+    assert all(layer.forward_ms > 0 and layer.backward_ms > 0 for layer in profile.layers)
+    assert all(layer.optimizer_state_bytes == 0 for layer in profile.layers)  # plain SGD
+    printed = capsys.readouterr().out
+    assert "total" in printed and str(out) in printed
+
+
+def test_microbatch_size_option(tmp_path: Path) -> None:
+    out = tmp_path / "p.yaml"
+    assert (
+        main(["profile", "digits", "--microbatch-size", "8", "--repeats", "1", "-o", str(out)]) == 0
+    )
+    profile = load_profile(out)
+    assert profile.microbatch_size == 8
+    assert profile.layers[-1].output_bytes == 8 * 10 * 4
+
+
+@pytest.fixture
+def fake_workloads(monkeypatch: pytest.MonkeyPatch) -> str:
+    """An importable module with a workload whose model is not an nn.Sequential."""
+    module = types.ModuleType("pd_fake_workloads")
+
+    def not_sequential() -> Workload:
+        return Workload(
+            model=nn.Linear(2, 2),
+            example_input=torch.zeros(1, 2),
+            loss_fn=nn.functional.mse_loss,
+            dataset=torch.utils.data.TensorDataset(torch.zeros(4, 2), torch.zeros(4, 2)),
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        )
+
+    module.not_sequential = not_sequential  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "pd_fake_workloads", module)
+    return "pd_fake_workloads:not_sequential"
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["profile", "nope"], "unknown workload 'nope'"),
+        (["profile", "mlp", "--workload-arg", "colour=red"], "has no option 'colour'"),
+        (["profile", "mlp", "--workload-arg", "layers"], "not KEY=VALUE"),
+        (["profile", "mlp", "--workload-arg", "layers=many"], "not a valid int"),
+        (["profile"], "no workload given"),
+        (["profile", "mlp", "--repeats", "0"], "--repeats must be >= 1"),
+        (["profile", "mlp", "--warmup", "-1"], "--warmup must be >= 0"),
+        (["profile", "mlp", "--microbatch-size", "0"], "--microbatch-size must be >= 1"),
+        (["profile", "mlp", "--from-pipedream", "graph.txt"], "not both"),
+        (["profile", "FAKE"], "graph-based profiling of non-Sequential models is not supported"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(
+    argv: list[str], expected: str, tmp_path: Path, capsys, fake_workloads: str
+) -> None:
+    out = tmp_path / "never.yaml"
+    argv = [fake_workloads if arg == "FAKE" else arg for arg in argv]
+    assert main([*argv, "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert expected in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not out.exists()

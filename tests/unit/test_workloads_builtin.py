@@ -1,0 +1,152 @@
+"""The built-in workloads: deterministic builds, data shapes, and that they actually learn."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import Tensor
+from torch.func import functional_call
+
+from pipedream.data import MicrobatchStream
+from pipedream.errors import WorkloadError
+from pipedream.workload import Workload, load_workload
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the CI box is shared; these are tiny models anyway
+    yield
+    torch.set_num_threads(threads)
+
+
+def _train(workload: Workload, steps: int, batch: int, *, stale_stages: int = 1) -> float:
+    """Train in one process; return the mean loss of the last 10 steps.
+
+    With ``stale_stages = S > 1`` it simulates PipeDream's asynchronous pipeline of S stages
+    (contiguous, equal-ish groups of children): at step t, stage s computes forward and backward
+    with its weights after max(0, t - (S-1-s)) updates, and the gradient updates the live weights.
+    """
+    model = workload.model
+    names = [name for name, _ in model.named_children()]
+    bounds = [round(i * len(names) / stale_stages) for i in range(stale_stages + 1)]
+    stage_of = {name: s for s in range(stale_stages) for name in names[bounds[s] : bounds[s + 1]]}
+    optimizer = workload.optimizer(model.parameters())
+    stream = MicrobatchStream(workload.dataset, batch, seed=0)
+    history: list[dict[str, Tensor]] = []  # the last S versions, oldest first
+    losses = []
+    for t in range(steps):
+        history.append({k: v.detach().clone() for k, v in model.named_parameters()})
+        del history[:-stale_stages]
+        params = {}
+        for key in history[-1]:
+            lag = min(stale_stages - 1 - stage_of[key.split(".")[0]], t)
+            params[key] = history[-1 - lag][key].clone().requires_grad_(True)
+        inputs, targets = stream.microbatch(t)
+        loss = workload.loss_fn(functional_call(model, params, (inputs,)), targets)
+        grads = torch.autograd.grad(loss, list(params.values()))
+        for param, grad in zip(model.parameters(), grads):
+            param.grad = grad
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return sum(losses[-10:]) / 10
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt", "digits"])
+def test_two_builds_are_identical(name: str) -> None:
+    first, second = load_workload(name), load_workload(name)
+    state_a, state_b = first.model.state_dict(), second.model.state_dict()
+    assert list(state_a) == list(state_b)
+    assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+    assert torch.equal(first.example_input, second.example_input)
+    for index in (0, len(first.dataset) - 1):  # type: ignore[arg-type]
+        for a, b in zip(first.dataset[index], second.dataset[index]):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["gpt", "digits"])
+def test_children_map_one_tensor_to_one_tensor(name: str) -> None:
+    workload = load_workload(name, microbatch_size=4)
+    x = workload.example_input
+    assert x.shape[0] == 4
+    for child in workload.model:
+        x = child(x)
+        assert isinstance(x, Tensor)
+    assert torch.allclose(x, workload.model(workload.example_input))
+
+
+def test_gpt_layout_and_data() -> None:
+    workload = load_workload("gpt")
+    names = [name for name, _ in workload.model.named_children()]
+    assert names == ["embed", "h0", "h1", "h2", "h3", "norm", "head"]
+    inputs, targets = workload.dataset[0]
+    assert inputs.shape == targets.shape == (32,)
+    assert inputs.dtype == targets.dtype == torch.long
+    assert torch.equal(inputs[1:], targets[:-1])  # targets are the next tokens
+    assert int(inputs.max()) < 64 and int(inputs.min()) >= 0
+    assert workload.example_input.shape == (16, 32)
+    assert workload.model(workload.example_input).shape == (16, 32, 64)
+
+
+def test_gpt_seeds_are_independent() -> None:
+    base = load_workload("gpt")
+    reseeded = load_workload("gpt", {"seed": "1"})
+    head = "head.weight"
+    assert not torch.equal(base.model.state_dict()[head], reseeded.model.state_dict()[head])
+    assert torch.equal(base.dataset[5][0], reseeded.dataset[5][0])  # same data
+    other_data = load_workload("gpt", {"data_seed": "1"})
+    assert torch.equal(base.model.state_dict()[head], other_data.model.state_dict()[head])
+    assert not torch.equal(base.dataset[5][0], other_data.dataset[5][0])
+
+
+def test_gpt_is_causal() -> None:
+    workload = load_workload("gpt", {"layers": "2"}, microbatch_size=2)
+    tokens = workload.example_input.clone()
+    changed = tokens.clone()
+    changed[:, 20] = (changed[:, 20] + 1) % 64
+    with torch.no_grad():
+        before, after = workload.model(tokens), workload.model(changed)
+    assert torch.equal(before[:, :20], after[:, :20])
+    assert not torch.allclose(before[:, 20:], after[:, 20:])
+
+
+def test_gpt_rejects_bad_shapes() -> None:
+    with pytest.raises(WorkloadError, match="divisible"):
+        load_workload("gpt", {"heads": "3"})
+    with pytest.raises(WorkloadError, match="branching"):
+        load_workload("gpt", {"branching": "100"})
+
+
+def test_gpt_learns_the_chain() -> None:
+    workload = load_workload("gpt")
+    assert workload.evaluate is not None
+    initial = workload.evaluate(workload.model)
+    assert initial["test_loss"] == pytest.approx(math.log(64), abs=0.1)
+    assert initial["best_loss"] < 0.5 * math.log(64)
+    final_train = _train(workload, steps=100, batch=16)
+    final = workload.evaluate(workload.model)
+    assert final_train < 0.7 * math.log(64)
+    assert final["test_loss"] < 0.7 * math.log(64)
+
+
+def test_digits_split_and_data() -> None:
+    workload = load_workload("digits")
+    inputs, target = workload.dataset[0]
+    assert inputs.shape == (64,) and inputs.dtype == torch.float32
+    assert target.dtype == torch.long and 0 <= int(target) < 10
+    num_train = len(workload.dataset)  # type: ignore[arg-type]
+    assert 1797 * 0.79 < num_train < 1797 * 0.81
+    all_inputs = workload.dataset.tensors[0]  # type: ignore[attr-defined]
+    assert all_inputs.mean(dim=0).abs().max() < 1e-4  # standardized with training statistics
+    assert len(list(workload.model.children())) >= 4
+
+
+@pytest.mark.parametrize("stale_stages", [1, 4], ids=["sync", "pipedream-4-stages"])
+def test_digits_reaches_90_percent(stale_stages: int) -> None:
+    workload = load_workload("digits")
+    assert workload.evaluate is not None
+    assert workload.evaluate(workload.model)["test_accuracy"] < 0.3
+    _train(workload, steps=300, batch=32, stale_stages=stale_stages)
+    assert workload.evaluate(workload.model)["test_accuracy"] >= 0.9
