@@ -47,7 +47,7 @@ def format_grid(
     width = max((len(c) for cells in rows.values() for c in cells), default=3) + 1
     steps = max((len(cells) for cells in rows.values()), default=0)
     shown = min(steps, max_steps)
-    lines = ["rank | " + "".join(f"{s:<{width}}" for s in range(shown))]
+    lines = [("rank | " + "".join(f"{s:<{width}}" for s in range(shown))).rstrip()]
     for rank, cells in rows.items():
         line = f"{rank:>4} | " + "".join(f"{c:<{width}}" for c in cells[:shown])
         if len(cells) > shown:

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Launch a pipedream plan with torchrun: one process per worker of the plan.
+#
+#   ./launch.sh PLAN [options]
+#
+# torchrun's own options (--nnodes, --node-rank, --nproc-per-node, --rdzv-backend,
+# --rdzv-endpoint, --rdzv-id, --rdzv-conf, --max-restarts, --master-addr, --master-port,
+# --monitor-interval, --standalone) go to torchrun; all others go to `pipedream train`.
+# --nproc-per-node defaults to the plan's world_size divided by --nnodes (default 1).
+# A single-node launch without rendezvous options uses torchrun --standalone (loopback only).
+# Set PYTHON to choose the interpreter (default: python, else python3).
+set -euo pipefail
+
+if [[ $# -lt 1 || "$1" == "-h" || "$1" == "--help" ]]; then
+  sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
+  exit $([[ $# -lt 1 ]] && echo 2 || echo 0)
+fi
+
+plan="$1"
+shift
+python_bin="${PYTHON:-$(command -v python || command -v python3)}"
+
+torchrun_args=()
+train_args=()
+nnodes=""
+nproc=""
+rendezvous=0
+while [[ $# -gt 0 ]]; do
+  arg="$1"
+  case "$arg" in
+    --standalone)
+      torchrun_args+=("$arg"); rendezvous=1; shift ;;
+    --nnodes|--node-rank|--node_rank|--nproc-per-node|--nproc_per_node|--rdzv-backend|--rdzv_backend|\
+    --rdzv-endpoint|--rdzv_endpoint|--rdzv-id|--rdzv_id|--rdzv-conf|--rdzv_conf|--max-restarts|\
+    --max_restarts|--master-addr|--master_addr|--master-port|--master_port|--monitor-interval)
+      if [[ $# -lt 2 ]]; then echo "launch.sh: error: $arg needs a value" >&2; exit 2; fi
+      value="$2"; shift 2
+      name="${arg//_/-}"
+      case "$name" in
+        --nnodes) nnodes="$value" ;;
+        --nproc-per-node) nproc="$value"; continue ;;
+        --rdzv-*|--master-*) rendezvous=1 ;;
+      esac
+      torchrun_args+=("$name" "$value") ;;
+    --nnodes=*|--node-rank=*|--nproc-per-node=*|--rdzv-backend=*|--rdzv-endpoint=*|--rdzv-id=*|\
+    --rdzv-conf=*|--max-restarts=*|--master-addr=*|--master-port=*|--monitor-interval=*)
+      name="${arg%%=*}"; value="${arg#*=}"; shift
+      case "$name" in
+        --nnodes) nnodes="$value" ;;
+        --nproc-per-node) nproc="$value"; continue ;;
+        --rdzv-*|--master-*) rendezvous=1 ;;
+      esac
+      torchrun_args+=("$name" "$value") ;;
+    *)
+      train_args+=("$arg"); shift ;;
+  esac
+done
+
+# Validate the plan and work out processes per node before starting anything: a bad plan or a
+# world size that does not match gives one line and exit code 2, not a torchrun error report.
+nproc=$("$python_bin" -m pipedream.runtime.launch_info "$plan" --nnodes "${nnodes:-1}" \
+          ${nproc:+--nproc-per-node "$nproc"})
+
+if [[ $rendezvous -eq 0 && "${nnodes:-1}" == "1" ]]; then
+  torchrun_args+=(--standalone)
+fi
+
+exec "$python_bin" -m torch.distributed.run "${torchrun_args[@]}" --nproc-per-node "$nproc" \
+  -m pipedream.cli train "$plan" "${train_args[@]}"

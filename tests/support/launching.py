@@ -1,0 +1,100 @@
+"""Helpers for tests that launch real multi-process jobs (gloo on loopback)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = ["REPO", "launch", "run_cli", "straight_plan", "write_plan"]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def straight_plan(
+    workload: str,
+    stages: list[list[str]],
+    *,
+    schedule: str = "pipedream",
+    microbatch_size: int = 8,
+    microbatches: int = 1,
+    workload_args: dict[str, str] | None = None,
+    replicas: list[int] | None = None,
+) -> dict[str, Any]:
+    """A plan dict with the given layer groups (one replica each unless ``replicas``)."""
+    replicas = replicas or [1] * len(stages)
+    out_stages = []
+    rank = 0
+    for layers, count in zip(stages, replicas):
+        out_stages.append(
+            {
+                "first_layer": layers[0],
+                "last_layer": layers[-1],
+                "replicas": count,
+                "ranks": list(range(rank, rank + count)),
+            }
+        )
+        rank += count
+    return {
+        "format": "pipedream/plan@1",
+        "workload": workload,
+        "workload_args": dict(workload_args or {}),
+        "schedule": schedule,
+        "microbatch_size": microbatch_size,
+        "microbatches": microbatches,
+        "world_size": rank,
+        "stages": out_stages,
+    }
+
+
+def write_plan(plan: dict[str, Any], path: Path) -> Path:
+    path.write_text(yaml.safe_dump(plan, sort_keys=False))
+    return path
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHON"] = sys.executable
+    env["OMP_NUM_THREADS"] = "1"
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` in its own session; on timeout kill the whole process group."""
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{cmd} timed out after {timeout}s\n{out}\n{err}") from None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # no orphans, whatever happened
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def launch(plan_path: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """``./launch.sh PLAN ARGS...`` with a hard timeout."""
+    return _run(["bash", str(REPO / "launch.sh"), str(plan_path), *args], timeout)
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``pipedream ARGS...`` in a subprocess (exit code and stderr as a user sees them)."""
+    return _run([sys.executable, "-m", "pipedream.cli", *args], timeout)
