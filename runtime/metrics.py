@@ -52,9 +52,16 @@ class MetricsLogger:
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:.0f}")
             self._bar.update(1)
-        elif (step + 1) % self._every == 0 or step + 1 == self.total_steps:
+        elif len(self.losses) % self._every == 0 or len(self.losses) == self.total_steps:
+            recent = self.losses[-self._every :]
+            since = self.step_times[-len(recent) - 1] if len(self.step_times) > len(recent) else (
+                self.start
+            )
+            rate = len(recent) * self.samples_per_step / max(now - since, 1e-9)
             print(
-                f"step {step + 1:>6}/{self.total_steps}  loss {loss:.4f}  {rate:,.0f} samples/s",
+                f"step {len(self.losses):>6}/{self.total_steps}  "
+                f"loss {sum(recent) / len(recent):.4f} (mean of last {len(recent)})  "
+                f"{rate:,.0f} samples/s",
                 file=self.stream,
                 flush=True,
             )
