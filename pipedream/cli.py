@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--memory", metavar="X", help="memory per worker, e.g. '16 GiB'")
     plan.add_argument("--cost-model", default="pipedream", help="cost model (default pipedream)")
     plan.add_argument("--compare", action="store_true", help="print baseline plans too")
+    plan.add_argument("--fewer-workers", action="store_true",
+                      help="allow plans that leave workers idle when that is no slower")
     plan.add_argument("-o", "--output", required=True, metavar="PLAN")
 
     train = verbs.add_parser("train", help="train a plan (run under torchrun / launch.sh)")

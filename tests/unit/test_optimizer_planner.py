@@ -1,0 +1,232 @@
+"""The planner and ``pipedream plan``: ranks, prediction block, defaults, user errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipedream.cli import main
+from pipedream.errors import PlanningError
+from pipedream.formats import (
+    LayerProfile,
+    Level,
+    Plan,
+    Profile,
+    Topology,
+    load_plan,
+    save_profile,
+    save_topology,
+)
+from pipedream.optimizer.planner import PlanOptions, make_plan
+
+MB = 1_000_000
+
+
+def toy_profile(compute: list[float], params: list[int], outputs: list[int]) -> Profile:
+    layers = tuple(
+        LayerProfile(
+            name=f"l{i}",
+            type="Linear",
+            forward_ms=ms / 2,
+            backward_ms=ms / 2,
+            output_bytes=out,
+            parameter_bytes=p,
+        )
+        for i, (ms, p, out) in enumerate(zip(compute, params, outputs))
+    )
+    return Profile(
+        workload="mlp",
+        microbatch_size=8,
+        device="cpu",
+        dtype="float32",
+        layers=layers,
+        workload_args={"hidden": "64"},
+    )
+
+
+# At 1e9 B/s, 1 MB of boundary costs 2 ms per minibatch.
+PROFILE = toy_profile([40, 10, 10, 20], [0, 1 * MB, 1 * MB, 2 * MB], [1 * MB] * 4)
+
+
+def plan_for(workers: int, **options) -> Plan:
+    return make_plan(
+        PROFILE, topology=Topology.single_level(workers), options=PlanOptions(**options)
+    )
+
+
+def test_plan_fields_ranks_and_prediction() -> None:
+    plan = plan_for(4)
+    assert plan.workload == "mlp" and plan.workload_args == {"hidden": "64"}
+    assert plan.microbatch_size == 8 and plan.microbatches == 1 and plan.world_size == 4
+    assert plan.layers == ("l0", "l1", "l2", "l3")
+    rank = 0
+    for stage in plan.stages:  # replicas of a stage get consecutive ranks
+        assert stage.ranks == tuple(range(rank, rank + stage.replicas))
+        rank += stage.replicas
+    pred = plan.prediction
+    assert pred is not None and pred.cost_model == "pipedream"
+    assert pred.time_per_minibatch_ms == pytest.approx(max(pred.stage_ms))
+    assert pred.bottleneck == pred.stage_ms.index(max(pred.stage_ms))
+    assert pred.throughput_samples_per_s == pytest.approx(8 * 1000 / pred.time_per_minibatch_ms)
+    # data parallel: (80 ms + 4 * 3 * 4 MB / (1e9 * 4) s) / 4 = (80 + 12) / 4
+    assert pred.data_parallel_time_per_minibatch_ms == pytest.approx(23.0)
+    assert len(pred.memory_bytes) == plan.num_stages
+    # the plan survives a round trip through its own strict loader
+    loaded = Plan.from_dict(plan.to_dict())
+    assert loaded.stages == plan.stages and loaded.prediction is not None
+    assert loaded.prediction.stage_ms == pytest.approx(pred.stage_ms)
+
+
+def test_straight_plan_gives_stage_s_rank_s() -> None:
+    plan = plan_for(4, straight=True)
+    assert plan.is_straight and plan.num_stages == 4
+    assert [stage.ranks for stage in plan.stages] == [(0,), (1,), (2,), (3,)]
+    assert plan.prediction is not None
+    assert plan.prediction.time_per_minibatch_ms == pytest.approx(40.0)
+
+
+def test_sync_schedules_default_microbatches_and_bubble() -> None:
+    for schedule in ("2bw", "1f1b", "gpipe"):
+        plan = plan_for(4, schedule=schedule, straight=True)
+        assert plan.microbatches == 4  # max(4, number of stages)
+        assert plan.prediction is not None
+        slowest = max(plan.prediction.stage_ms)
+        slots = 4 if schedule == "2bw" else 4 + plan.num_stages - 1
+        assert plan.prediction.time_per_minibatch_ms == pytest.approx(slots * slowest)
+        assert plan.prediction.throughput_samples_per_s == pytest.approx(
+            8 * 4 * 1000 / plan.prediction.time_per_minibatch_ms
+        )
+    many = make_plan(
+        toy_profile([10] * 6, [0] * 6, [0] * 6),
+        topology=Topology.single_level(6),
+        options=PlanOptions(schedule="2bw", straight=True),
+    )
+    assert many.num_stages == 6 and many.microbatches == 6
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "2bw", "1f1b", "gpipe"])
+@pytest.mark.parametrize("workers", [1, 2, 3, 4, 6])
+def test_never_predicted_slower_than_data_parallel(schedule: str, workers: int) -> None:
+    # data parallelism is one of the candidates (one stage, all replicas), also for the flush
+    # schedules, whose bubble makes deep pipelines lose on this small model
+    plan = plan_for(workers, schedule=schedule)
+    assert plan.prediction is not None
+    pred = plan.prediction
+    assert pred.time_per_minibatch_ms <= pred.data_parallel_time_per_minibatch_ms * (1 + 1e-12)
+
+
+def test_flush_schedule_picks_the_stage_count_with_its_bubble() -> None:
+    # 1f1b, m = 4: three stages of 20 ms cost (4 + 2) x 20 = 120 ms; data parallel costs
+    # 4 x (80 + 12 / 4) / 4 = 83 ms; PipeDream (no flush) keeps the three stages.
+    assert plan_for(4, schedule="pipedream").num_stages == 3
+    plan = plan_for(4, schedule="1f1b")
+    assert plan.num_stages == 1 and plan.stages[0].replicas == 4
+    assert plan.prediction is not None
+    assert plan.prediction.time_per_minibatch_ms == pytest.approx(83.0)
+
+
+@pytest.mark.parametrize(
+    ("options", "workers", "message"),
+    [
+        ({"schedule": "pipe"}, 2, "unknown schedule 'pipe'"),
+        ({"cost_model": "alpa"}, 2, "unknown cost model 'alpa'"),
+        ({"microbatches": 4}, 2, "--microbatches 4 with schedule 'pipedream'"),
+        ({"microbatches": 2, "schedule": "pipedream-vs"}, 2, "must be 1"),
+        ({"microbatches": 0, "schedule": "gpipe"}, 2, "--microbatches 0"),
+        ({"straight": True}, 5, "--straight with 5 workers needs at least 5 layers"),
+        ({"memory": 1000.0}, 2, "fits in 1000 B per worker"),
+        ({"schedule": "2bw", "microbatches": 2, "straight": True}, 4, "use --microbatches 4"),
+    ],
+)
+def test_user_errors(options: dict, workers: int, message: str) -> None:
+    with pytest.raises(PlanningError, match=message.replace("(", r"\(")):
+        plan_for(workers, **options)
+
+
+def test_multi_level_topology_is_refused_clearly() -> None:
+    two = Topology((Level("server", 4, 1e11), Level("cluster", 2, 1e9)))
+    with pytest.raises(PlanningError, match="multi-level"):
+        make_plan(PROFILE, topology=two, options=PlanOptions())
+    # a level of one unit is no level: this is one level of 4 workers
+    flat = Topology((Level("server", 4, 1e10), Level("cluster", 1, 1e9)))
+    assert make_plan(PROFILE, topology=flat, options=PlanOptions()).world_size == 4
+
+
+# ---------------------------------------------------------------- the command line
+
+
+@pytest.fixture
+def profile_file(tmp_path: Path) -> Path:
+    path = tmp_path / "profile.yaml"
+    save_profile(PROFILE, path)
+    return path
+
+
+def test_cli_writes_plan_and_prints_table(
+    profile_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "plan.yaml"
+    argv = ["plan", str(profile_file), "--workers", "4", "--bandwidth", "1 GB/s", "--compare"]
+    assert main([*argv, "-o", str(out)]) == 0
+    plan = load_plan(out)
+    assert plan.stages == plan_for(4).stages
+    text = capsys.readouterr().out
+    for expected in (
+        "stage",
+        "replicas",
+        "ranks",
+        "predicted time per minibatch",
+        "data parallel",
+        "straight pipeline",
+        "one worker",
+        f"wrote {out}",
+    ):
+        assert expected in text
+
+
+def test_cli_topology_file(profile_file: Path, tmp_path: Path) -> None:
+    topo = tmp_path / "topo.yaml"
+    save_topology(Topology.single_level(3, 1e9, memory=2**40), topo)
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", str(profile_file), "--topology", str(topo), "-o", str(out)]) == 0
+    assert load_plan(out).world_size == 3
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ([], "no cluster given"),
+        (["--workers", "2", "--topology", "t.yaml"], "not both"),
+        (["--workers", "0"], "--workers 0"),
+        (["--workers", "2", "--bandwidth", "fast"], "cannot parse 'fast'"),
+        (["--workers", "2", "--bandwidth", "0"], "must be positive"),
+        (["--workers", "2", "--memory", "lots"], "--memory"),
+        (["--workers", "2", "--schedule", "zb"], "unknown schedule 'zb'"),
+        (["--workers", "2", "--microbatches", "3"], "must be 1"),
+        (["--workers", "9", "--straight"], "use --workers 4 or fewer"),
+    ],
+)
+def test_cli_errors_are_one_line_exit_2(
+    profile_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], extra, message
+) -> None:
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", str(profile_file), *extra, "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and message in err, err
+    assert not out.exists()
+
+
+def test_planning_never_imports_torch(profile_file: Path, tmp_path: Path) -> None:
+    code = (
+        "import sys\n"
+        "import pipedream.optimizer, pipedream.optimizer.command, pipedream.optimizer.report\n"
+        "from pipedream.cli import main\n"
+        f"assert main(['plan', {str(profile_file)!r}, '--workers', '3', '--compare',\n"
+        f"             '-o', {str(tmp_path / 'p.yaml')!r}]) == 0\n"
+        "assert 'torch' not in sys.modules, 'planning imported torch'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
