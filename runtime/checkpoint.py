@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -31,10 +32,12 @@ from pipedream.formats.yamlio import atomic_write_text
 
 __all__ = [
     "CHECKPOINT_FORMAT",
+    "find_latest_checkpoint",
     "load_full_state_dict",
     "load_manifest",
     "load_stage_file",
     "optimizer_state_by_name",
+    "restore_stage",
     "save_stage_file",
     "step_dir_name",
     "write_manifest",
@@ -55,9 +58,7 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def optimizer_state_by_name(
-    optimizer: torch.optim.Optimizer, names: list[str]
-) -> dict[str, Any]:
+def optimizer_state_by_name(optimizer: torch.optim.Optimizer, names: list[str]) -> dict[str, Any]:
     """The optimizer's state dict with parameter indices replaced by parameter names."""
     state = optimizer.state_dict()
     return {
@@ -98,7 +99,9 @@ def save_stage_file(directory: Path, stage: int, payload: dict[str, Any]) -> tup
     return name, _sha256(directory / name)
 
 
-def write_manifest(directory: Path, *, step: int, files: list[tuple[str, str]], extra: dict[str, Any]) -> None:
+def write_manifest(
+    directory: Path, *, step: int, files: list[tuple[str, str]], extra: dict[str, Any]
+) -> None:
     """The manifest is written last: a step directory without one is incomplete."""
     manifest = {
         "format": CHECKPOINT_FORMAT,
@@ -170,3 +173,65 @@ def stage_payload(
         "rng": torch.get_rng_state(),
         "data_position": data_position,
     }
+
+
+def find_latest_checkpoint(checkpoints: Path) -> Path | None:
+    """The newest complete checkpoint under ``checkpoints``; corrupt or partial ones are skipped
+    with a warning on stderr."""
+    if not checkpoints.is_dir():
+        return None
+    candidates = sorted(
+        (p for p in checkpoints.iterdir() if p.is_dir() and p.name.startswith("step-")),
+        key=lambda p: p.name,
+        reverse=True,
+    )
+    for candidate in candidates:
+        try:
+            manifest = load_manifest(candidate)
+            for entry in manifest["stages"]:
+                load_stage_file(candidate, entry)
+        except (CheckpointError, KeyError, TypeError) as exc:
+            print(f"pipedream: skipping checkpoint {candidate}: {exc}", file=sys.stderr)
+            continue
+        return candidate
+    return None
+
+
+def restore_stage(
+    directory: Path, module: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int
+) -> None:
+    """Load this stage's slice of weights and optimizer state from any checkpoint layout.
+
+    The checkpoint may come from a different plan: tensors and optimizer state are matched by
+    the model's parameter names, not by stage.
+    """
+    manifest = load_manifest(directory)
+    model: dict[str, torch.Tensor] = {}
+    opt_state: dict[str, Any] = {}
+    groups: list[dict[str, Any]] = []
+    rng = None
+    for index, entry in enumerate(manifest["stages"]):
+        payload = load_stage_file(directory, entry)
+        model.update(payload["model"])
+        opt_state.update(payload["optimizer"]["state"])
+        groups = groups or payload["optimizer"]["param_groups"]
+        if index == stage:
+            rng = payload.get("rng")
+    wanted = module.state_dict()
+    missing = [key for key in wanted if key not in model]
+    if missing:
+        raise CheckpointError(
+            f"{directory}: has no tensors for {missing[:3]} (a different model?); resume only "
+            "with the workload and workload_args the checkpoint was written with"
+        )
+    for key, value in wanted.items():
+        if model[key].shape != value.shape:
+            raise CheckpointError(
+                f"{directory}: {key} has shape {tuple(model[key].shape)}, the model has "
+                f"{tuple(value.shape)}; resume with the same workload arguments"
+            )
+    module.load_state_dict({key: model[key] for key in wanted})
+    names = [name for name, _ in module.named_parameters()]
+    load_optimizer_by_name(optimizer, names, {"state": opt_state, "param_groups": groups})
+    if isinstance(rng, torch.Tensor):
+        torch.set_rng_state(rng)

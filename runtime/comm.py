@@ -141,7 +141,9 @@ class P2P:
         return incoming.payload, incoming.version
 
     # -- sending ---------------------------------------------------------------------------
-    def send(self, kind: str, microbatch: int, peer: int, tensors: list[Tensor], version: int) -> None:
+    def send(
+        self, kind: str, microbatch: int, peer: int, tensors: list[Tensor], version: int
+    ) -> None:
         """Start sending ``tensors``; buffers are kept alive until the send completes."""
         tensors = [t.detach().contiguous() for t in tensors]
         header = encode_header(tensors, version).to(self.device)

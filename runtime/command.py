@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from pipedream.errors import CheckpointError, LaunchError
+from pipedream.errors import CheckpointError
 from pipedream.runtime.checkpoint import load_full_state_dict
 
 __all__ = ["export", "run"]
@@ -16,8 +16,6 @@ __all__ = ["export", "run"]
 def run(args: argparse.Namespace) -> int:
     from pipedream.runtime.train import TrainOptions, train
 
-    if args.resume is not None:
-        raise LaunchError("--resume is not implemented yet; start a new run")
     return train(
         TrainOptions(
             plan_path=args.plan,
@@ -25,6 +23,7 @@ def run(args: argparse.Namespace) -> int:
             run_dir=args.run_dir,
             seed=args.seed,
             checkpoint_every=args.checkpoint_every,
+            resume=args.resume,
             trace=args.trace,
             precision=args.precision,
             recompute=args.recompute,

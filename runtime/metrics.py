@@ -45,8 +45,13 @@ class MetricsLogger:
         self.losses.append(loss)
         elapsed = now - self.start
         rate = len(self.step_times) * self.samples_per_step / max(elapsed, 1e-9)
-        record = {"step": step, "loss": loss, "time_s": round(elapsed, 4),
-                  "samples_per_s": round(rate, 2), **(extra or {})}
+        record = {
+            "step": step,
+            "loss": loss,
+            "time_s": round(elapsed, 4),
+            "samples_per_s": round(rate, 2),
+            **(extra or {}),
+        }
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._bar is not None:
@@ -54,8 +59,10 @@ class MetricsLogger:
             self._bar.update(1)
         elif len(self.losses) % self._every == 0 or len(self.losses) == self.total_steps:
             recent = self.losses[-self._every :]
-            since = self.step_times[-len(recent) - 1] if len(self.step_times) > len(recent) else (
-                self.start
+            since = (
+                self.step_times[-len(recent) - 1]
+                if len(self.step_times) > len(recent)
+                else (self.start)
             )
             rate = len(recent) * self.samples_per_step / max(now - since, 1e-9)
             print(

@@ -21,12 +21,15 @@ import torch
 import torch.distributed as dist
 
 from pipedream.data import MicrobatchStream
-from pipedream.errors import LaunchError, ScheduleError
+from pipedream.errors import CheckpointError, LaunchError, ScheduleError
 from pipedream.formats.plan import Plan, load_plan
 from pipedream.formats.units import format_bytes
 from pipedream.runtime.actions import Action
 from pipedream.runtime.checkpoint import (
+    find_latest_checkpoint,
     load_full_state_dict,
+    load_manifest,
+    restore_stage,
     save_stage_file,
     stage_payload,
     step_dir_name,
@@ -53,6 +56,7 @@ class TrainOptions:
     run_dir: str | None = None
     seed: int = 0
     checkpoint_every: int = 0
+    resume: str | None = None
     trace: bool = False
     precision: str = "fp32"
     recompute: bool = False
@@ -104,10 +108,18 @@ def _device_and_backend(env: LaunchEnv) -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
-def _segments(steps: int, every: int) -> list[tuple[int, int]]:
-    if every <= 0 or every >= steps:
-        return [(0, steps)]
-    out = [(start, min(every, steps - start)) for start in range(0, steps, every)]
+def _segments(steps: int, every: int, start: int = 0) -> list[tuple[int, int]]:
+    """(first minibatch, count) of each stretch between checkpoints, from ``start`` on.
+
+    Boundaries are multiples of ``every`` counted from 0, so a resumed run drains and
+    checkpoints at exactly the same minibatches as an uninterrupted one.
+    """
+    bounds = sorted({*range(every, steps, every)} if every > 0 else set()) + [steps]
+    out, current = [], start
+    for bound in bounds:
+        if bound > current:
+            out.append((current, bound - current))
+            current = bound
     return out
 
 
@@ -147,7 +159,16 @@ def train(options: TrainOptions) -> int:
         plan.workload, plan.workload_args, microbatch_size=plan.microbatch_size
     )
     stage_layers = stage_layer_names(plan, layer_names(workload.model), source=source)
-    segments = _segments(options.steps, options.checkpoint_every)
+    resume_from = _resume_point(options, plan)
+    start = load_manifest(resume_from)["step"] if resume_from is not None else 0
+    if start >= options.steps:
+        print(
+            f"pipedream: {resume_from} is already at step {start} >= --steps {options.steps}; "
+            "nothing to do",
+            file=sys.stderr,
+        )
+        return 0
+    segments = _segments(options.steps, options.checkpoint_every, start)
     try:
         tables = {first: build_tables(_spec(plan, first, count)) for first, count in segments}
         for first, count in segments:
@@ -158,11 +179,26 @@ def train(options: TrainOptions) -> int:
     device, backend = _device_and_backend(env)
     timeout = timedelta(seconds=options.timeout)
     if env.under_torchrun:
-        dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
+        dist.init_process_group(
+            backend, timeout=timeout, device_id=device if backend == "nccl" else None
+        )
     else:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(
+            "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
     try:
-        return _run(options, plan, env, workload, stage_layers, segments, tables, device, backend)
+        return _run(
+            options,
+            plan,
+            env,
+            workload,
+            stage_layers,
+            segments,
+            tables,
+            device,
+            backend,
+            resume_from,
+        )
     finally:
         dist.destroy_process_group()
 
@@ -177,6 +213,7 @@ def _run(
     tables: dict[int, dict[int, list[Action]]],
     device: torch.device,
     backend: str,
+    resume_from: Path | None,
 ) -> int:
     rank = env.rank
     groups: dict[int, Any] = {}
@@ -222,24 +259,32 @@ def _run(
             file=sys.stderr,
             flush=True,
         )
-    worker: StageWorker | None = None
     trace: list[tuple[str, float, float]] | None = [] if options.trace else None
     stats = {"max_versions": 0, "max_copies": 0, "max_in_flight": 0}
-    start = time.perf_counter()
     checkpoint_dir = run_dir / "checkpoints"
+    first_segment = segments[0][0]
+    worker = StageWorker(
+        config,
+        module,
+        tables[first_segment][rank],
+        optimizer_factory=workload.optimizer,
+        loss_fn=workload.loss_fn,
+        data=data,
+        initial_version=first_segment // stage.replicas,
+    )
+    if resume_from is not None:
+        restore_stage(resume_from, worker.module, worker.optimizer, stage=stage_index)
+        # the first version must be taken of the restored weights, not the initial ones
+        worker.start_segment(
+            tables[first_segment][rank], initial_version=first_segment // stage.replicas
+        )
+    start = time.perf_counter()
     for first, count in segments:
         table = tables[first][rank]
-        worker = StageWorker(
-            config,
-            module,
-            table,
-            optimizer_factory=workload.optimizer,
-            loss_fn=workload.loss_fn,
-            data=data,
-            initial_version=first // stage.replicas,
-        ) if worker is None else _continue(worker, table, first // stage.replicas)
+        if first != first_segment:
+            worker.start_segment(table, initial_version=first // stage.replicas)
 
-        def on_update(action: Action, microbatches: list[int], worker: StageWorker = worker) -> None:
+        def on_update(action: Action, microbatches: list[int]) -> None:
             if logger is not None:
                 losses = [worker.losses.pop(mb) for mb in microbatches]
                 logger.log(action.index, sum(losses) / len(losses))
@@ -260,10 +305,16 @@ def _run(
         stats["max_versions"] = max(stats["max_versions"], worker.versions.max_versions)
         stats["max_copies"] = max(stats["max_copies"], worker.versions.max_copies)
         stats["max_in_flight"] = max(stats["max_in_flight"], worker.max_in_flight)
-        _checkpoint(checkpoint_dir / step_dir_name(first + count), worker, plan, rank,
-                    stage_index, first + count, data_position=(first + count) * plan.microbatches)
+        _checkpoint(
+            checkpoint_dir / step_dir_name(first + count),
+            worker,
+            plan,
+            rank,
+            stage_index,
+            first + count,
+            data_position=(first + count) * plan.microbatches,
+        )
     elapsed = time.perf_counter() - start
-    assert worker is not None
     stats.update(stage=stage_index, rank=rank, copy_bytes=worker.versions.copy_bytes)
     everyone: list[Any] = [None] * env.world_size
     dist.all_gather_object(everyone, stats)
@@ -278,12 +329,36 @@ def _run(
     return 0
 
 
-def _continue(worker: StageWorker, table: list[Action], initial_version: int) -> StageWorker:
-    """Reuse a stage's module and optimizer for the next segment's table."""
-    from pipedream.runtime.weights import WeightVersions
-
-    worker.versions = WeightVersions(worker.module, table, initial_version=initial_version)
-    return worker
+def _resume_point(options: TrainOptions, plan: Plan) -> Path | None:
+    """The checkpoint to resume from (``--resume auto|PATH``), checked against the plan."""
+    if options.resume is None:
+        return None
+    if options.resume == "auto":
+        if options.run_dir is None:
+            raise LaunchError("--resume auto needs --run-dir (the run whose checkpoints to use)")
+        found = find_latest_checkpoint(Path(options.run_dir) / "checkpoints")
+        if found is None:
+            print(
+                f"pipedream: no checkpoint in {options.run_dir}; starting from scratch",
+                file=sys.stderr,
+            )
+            return None
+        path = found
+    else:
+        path = Path(options.resume)
+    manifest = load_manifest(path)
+    samples = (manifest.get("microbatch_size"), manifest.get("microbatches"))
+    if manifest.get("workload") != plan.workload:
+        raise CheckpointError(
+            f"{path}: was written for workload {manifest.get('workload')!r}, the plan trains "
+            f"{plan.workload!r}"
+        )
+    if samples != (plan.microbatch_size, plan.microbatches):
+        raise CheckpointError(
+            f"{path}: minibatches of {samples[1]} x {samples[0]} samples, the plan uses "
+            f"{plan.microbatches} x {plan.microbatch_size}; the data position would not match"
+        )
+    return path
 
 
 def _agree_on_run_dir(requested: str | None) -> Path:
@@ -309,7 +384,10 @@ def _checkpoint(
     entry = None
     if plan.stages[stage_index].ranks[0] == rank:
         payload = stage_payload(
-            worker.module, worker.optimizer, stage=stage_index, step=step,
+            worker.module,
+            worker.optimizer,
+            stage=stage_index,
+            step=step,
             data_position=data_position,
         )
         entry = (stage_index, *save_stage_file(directory, stage_index, payload))
@@ -321,9 +399,14 @@ def _checkpoint(
             directory,
             step=step,
             files=[(name, digest) for _, name, digest in files],
-            extra={"schedule": plan.schedule, "num_stages": plan.num_stages,
-                   "workload": plan.workload, "workload_args": dict(plan.workload_args),
-                   "microbatch_size": plan.microbatch_size, "microbatches": plan.microbatches},
+            extra={
+                "schedule": plan.schedule,
+                "num_stages": plan.num_stages,
+                "workload": plan.workload,
+                "workload_args": dict(plan.workload_args),
+                "microbatch_size": plan.microbatch_size,
+                "microbatches": plan.microbatches,
+            },
         )
     dist.barrier()
 
@@ -355,8 +438,11 @@ def _summary(
         f"loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}",
         "time per minibatch: "
         + (f"{measured:.2f} ms measured (steady state)" if measured else "n/a measured")
-        + (f", {predicted:.2f} ms predicted by the plan" if predicted is not None else
-           " (hand-written plan: no prediction)"),
+        + (
+            f", {predicted:.2f} ms predicted by the plan"
+            if predicted is not None
+            else " (hand-written plan: no prediction)"
+        ),
     ]
     for stats in summary["stages"]:
         lines.append(

@@ -110,16 +110,18 @@ class StageWorker:
             inputs, _ = self.data.microbatch(microbatch)
             return [inputs.to(self.config.device)]
         assert received is not None
-        return [
-            t.detach().requires_grad_(t.is_floating_point()) for t in received
-        ]
+        return [t.detach().requires_grad_(t.is_floating_point()) for t in received]
 
     def _loss(self, microbatch: int, outputs: list[Tensor]) -> Tensor:
+        """The workload's (unscaled) loss of a microbatch; the last stage reads its targets."""
         assert self.data is not None
         _, targets = self.data.microbatch(microbatch)
-        loss = self.loss_fn(outputs[0], targets.to(self.config.device))
-        self.losses[microbatch] = float(loss.detach())
-        return loss / self.config.microbatches
+        return self.loss_fn(outputs[0], targets.to(self.config.device))
+
+    def start_segment(self, table: Sequence[Action], *, initial_version: int) -> None:
+        """Continue with the next table (after a drain), keeping module and optimizer state."""
+        assert not self._stash, "a segment must start with an empty pipeline"
+        self.versions = WeightVersions(self.module, table, initial_version=initial_version)
 
     # -- actions ---------------------------------------------------------------------------
     def forward(self, action: Action, received: list[Tensor] | None) -> list[Tensor]:
@@ -131,18 +133,18 @@ class StageWorker:
         inputs = self._inputs(action.index, received)
         stash = _Stashed(version=action.version, inputs=inputs)
         if self.config.recompute:
+            # keep only the inputs; backward recomputes the forward on the same version
             with torch.no_grad():
                 outputs = self._run(self.versions.get(action.version), inputs)
+                if self.config.is_last:
+                    self.losses[action.index] = float(self._loss(action.index, outputs))
         else:
             stash.params = self._leaf_params(action.version)
             outputs = self._run(stash.params, inputs)
             stash.outputs = outputs
             if self.config.is_last:
                 stash.loss = self._loss(action.index, outputs)
-        if self.config.recompute and self.config.is_last:
-            self.losses[action.index] = float(
-                self.loss_fn(outputs[0], self.data.microbatch(action.index)[1])  # type: ignore[union-attr]
-            )
+                self.losses[action.index] = float(stash.loss.detach())
         self._stash[action.index] = stash
         self.max_in_flight = max(self.max_in_flight, len(self._stash))
         return [] if self.config.is_last else [o.detach() for o in outputs]
@@ -159,14 +161,11 @@ class StageWorker:
             stash.params = self._leaf_params(stash.version)
             stash.outputs = self._run(stash.params, stash.inputs)
             if self.config.is_last:
-                _, targets = self.data.microbatch(action.index)  # type: ignore[union-attr]
-                stash.loss = (
-                    self.loss_fn(stash.outputs[0], targets.to(self.config.device))
-                    / self.config.microbatches
-                )
+                stash.loss = self._loss(action.index, stash.outputs)
         if self.config.is_last:
             assert stash.loss is not None
-            roots, root_grads = [stash.loss], [None]
+            # the minibatch's loss is the mean over its microbatches
+            roots, root_grads = [stash.loss / self.config.microbatches], [None]
         else:
             assert grads is not None and len(grads) == len(stash.outputs)
             pairs = [(o, g) for o, g in zip(stash.outputs, grads) if o.requires_grad]
@@ -175,15 +174,13 @@ class StageWorker:
         wrt_inputs = [t for t in stash.inputs if t.requires_grad]
         wrt = wrt_inputs + list(stash.params.values())
         computed = torch.autograd.grad(roots, wrt, root_grads, allow_unused=True)
-        input_grads = list(computed[: len(wrt_inputs)])
-        param_grads = dict(zip(stash.params, computed[len(wrt_inputs) :]))
-        self.versions.accumulate(param_grads)
+        input_grads = iter(computed[: len(wrt_inputs)])
+        self.versions.accumulate(dict(zip(stash.params, computed[len(wrt_inputs) :])))
         if self.config.is_first:
             return []
         out = []
-        it = iter(input_grads)
         for tensor in stash.inputs:
-            grad = next(it) if tensor.requires_grad else None
+            grad = next(input_grads) if tensor.requires_grad else None
             out.append(torch.zeros_like(tensor) if grad is None else grad)
         return out
 
