@@ -19,8 +19,9 @@ from pipedream.workload import load_workload
 def test_profile_plan_train_export(tmp_path: Path) -> None:
     args = ["--workload-arg", "layers=3", "--workload-arg", "width=16"]
     profile = tmp_path / "profile.yaml"
-    result = run_cli("profile", "mlp", *args, "--microbatch-size", "8", "--repeats", "2",
-                     "-o", str(profile))
+    result = run_cli(
+        "profile", "mlp", *args, "--microbatch-size", "8", "--repeats", "2", "-o", str(profile)
+    )
     assert result.returncode == 0, result.stderr
     assert load_profile(profile).layer_names == ["0", "1", "2", "3"]
 
@@ -43,7 +44,9 @@ def test_profile_plan_train_export(tmp_path: Path) -> None:
 
     checkpoint = run_dir / "checkpoints" / "step-000006"
     assert sorted(p.name for p in checkpoint.iterdir()) == [
-        "manifest.yaml", "stage-00.pt", "stage-01.pt"
+        "manifest.yaml",
+        "stage-00.pt",
+        "stage-01.pt",
     ]
     exported = tmp_path / "model.pt"
     result = run_cli("export", str(checkpoint), "-o", str(exported))
@@ -59,7 +62,11 @@ def test_readme_demo_reaches_90_percent_on_digits(tmp_path: Path) -> None:
     """./demo.sh as the README runs it (digits, 4 processes, 300 minibatches)."""
     env = dict(os.environ, PYTHON=sys.executable, DEMO_DIR=str(tmp_path))
     result = subprocess.run(
-        ["bash", str(REPO / "demo.sh")], cwd=REPO, env=env, capture_output=True, text=True,
+        ["bash", str(REPO / "demo.sh")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -45,8 +45,16 @@ def test_pipedream_equals_paper_rule(tmp_path: Path, num_stages: int) -> None:
         tmp_path / "plan.yaml",
     )
     result = launch(
-        plan, "--steps", str(steps), "--seed", str(SEED), "--run-dir", str(tmp_path / "run"),
-        "--timeout", "60", "--no-progress",
+        plan,
+        "--steps",
+        str(steps),
+        "--seed",
+        str(SEED),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--timeout",
+        "60",
+        "--no-progress",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     got = load_full_state_dict(tmp_path / "run" / "checkpoints" / f"step-{steps:06d}")
@@ -57,8 +65,12 @@ def test_pipedream_equals_paper_rule(tmp_path: Path, num_stages: int) -> None:
     def oracle(staleness):
         fresh = load_workload("mlp", ARGS, microbatch_size=MICROBATCH)
         return stale_sgd_oracle(
-            fresh.model, stages, num_minibatches=steps, lr=0.2,
-            minibatch=lambda t: [data.microbatch(t)], loss_fn=fresh.loss_fn,
+            fresh.model,
+            stages,
+            num_minibatches=steps,
+            lr=0.2,
+            minibatch=lambda t: [data.microbatch(t)],
+            loss_fn=fresh.loss_fn,
             staleness=staleness,
         )
 

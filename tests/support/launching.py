@@ -57,20 +57,22 @@ def write_plan(plan: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ, **(extra or {}))
     env["PYTHON"] = sys.executable
     env["OMP_NUM_THREADS"] = "1"
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
 
-def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+def _run(
+    cmd: list[str], timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run ``cmd`` in its own session; on timeout kill the whole process group."""
     proc = subprocess.Popen(
         cmd,
         cwd=REPO,
-        env=_env(),
+        env=_env(env),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -90,11 +92,15 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def launch(plan_path: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    """``./launch.sh PLAN ARGS...`` with a hard timeout."""
-    return _run(["bash", str(REPO / "launch.sh"), str(plan_path), *args], timeout)
+def launch(
+    plan_path: Path, *args: str, timeout: float = 180, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``./launch.sh PLAN ARGS...`` with a hard timeout (``env`` adds variables)."""
+    return _run(["bash", str(REPO / "launch.sh"), str(plan_path), *args], timeout, env)
 
 
-def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """``pipedream ARGS...`` in a subprocess (exit code and stderr as a user sees them)."""
-    return _run([sys.executable, "-m", "pipedream.cli", *args], timeout)
+    return _run([sys.executable, "-m", "pipedream.cli", *args], timeout, env)

@@ -56,7 +56,5 @@ def stale_sgd_oracle(
             total = loss if total is None else total + loss
         assert total is not None
         grads = torch.autograd.grad(total, list(params.values()))
-        history.append(
-            {n: history[t][n] - lr * g for n, g in zip(params, grads)}
-        )
+        history.append({n: history[t][n] - lr * g for n, g in zip(params, grads)})
     return history[num_minibatches]

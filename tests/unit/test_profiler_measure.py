@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pipedream.profiler.measure import ProfilerError, measure_layer, measure_sequential
 from torch import Tensor, nn
 
 from pipedream.errors import PipedreamError
+from pipedream.profiler.measure import ProfilerError, measure_layer, measure_sequential
 from pipedream.workload import load_workload
 
 
