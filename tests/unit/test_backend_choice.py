@@ -1,0 +1,32 @@
+"""Backend and device choice (DESIGN.md section 8), checked structurally without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipedream.runtime import train
+from pipedream.runtime.train import LaunchEnv
+
+
+def test_gloo_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    device, backend = train._device_and_backend(LaunchEnv(1, 2, 1, under_torchrun=True))
+    assert (device, backend) == (torch.device("cpu"), "gloo")
+
+
+def test_nccl_with_one_gpu_per_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    chosen: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    device, backend = train._device_and_backend(LaunchEnv(6, 8, 2, under_torchrun=True))
+    assert (device, backend) == (torch.device("cuda", 2), "nccl")
+    assert chosen == [torch.device("cuda", 2)]
+
+
+def test_gloo_when_a_local_rank_has_no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    device, backend = train._device_and_backend(LaunchEnv(3, 4, 3, under_torchrun=True))
+    assert (device, backend) == (torch.device("cpu"), "gloo")
