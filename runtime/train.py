@@ -72,6 +72,8 @@ class LaunchEnv:
     world_size: int
     local_rank: int
     under_torchrun: bool
+    local_world_size: int = 1
+    """Processes on this node (torchrun's LOCAL_WORLD_SIZE)."""
 
 
 def read_launch_env(plan: Plan, *, source: str) -> LaunchEnv:
@@ -96,12 +98,18 @@ def read_launch_env(plan: Plan, *, source: str) -> LaunchEnv:
         world_size=world_size,
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         under_torchrun=True,
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
     )
 
 
 def _device_and_backend(env: LaunchEnv) -> tuple[torch.device, str]:
-    """NCCL with one GPU per rank when every local rank has one, else gloo on the CPU."""
-    if torch.cuda.is_available() and torch.cuda.device_count() > env.local_rank:
+    """NCCL with one GPU per rank when every local rank has one, else gloo on the CPU.
+
+    The choice depends only on the node's GPU count and process count, so all ranks of a node
+    agree (a mix of backends would hang).
+    """
+    local = max(env.local_world_size, env.local_rank + 1)
+    if torch.cuda.is_available() and torch.cuda.device_count() >= local:
         device = torch.device("cuda", env.local_rank)
         torch.cuda.set_device(device)
         return device, "nccl"
