@@ -17,10 +17,10 @@ import sys
 from typing import TextIO
 
 import torch
-from pipedream.profiler.measure import ProfilerError, measure_sequential
 from torch import nn
 
 from pipedream.formats.profile import Profile, save_profile
+from pipedream.profiler.measure import ProfilerError, measure_sequential
 from pipedream.workload import load_workload, parse_workload_args
 
 __all__ = ["default_device", "format_table", "profile_workload", "run"]

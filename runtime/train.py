@@ -452,6 +452,12 @@ def _summary(
             else " (hand-written plan: no prediction)"
         ),
     ]
+    cores = os.cpu_count() or 1
+    if plan.world_size > cores and not torch.cuda.is_available():
+        lines.append(
+            f"note: {plan.world_size} processes share {cores} CPU cores, so measured times "
+            "include that contention; the prediction assumes one worker per process"
+        )
     for stats in summary["stages"]:
         lines.append(
             f"  rank {stats['rank']} stage {stats['stage']}: up to {stats['max_in_flight']} "

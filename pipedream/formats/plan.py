@@ -192,7 +192,7 @@ class Plan:
                 "format", f"expected {PLAN_FORMAT!r}, got {fmt!r}", "is this a plan file?"
             )
         workload = reader.str("workload")
-        args = reader.mapping("workload_args", {})
+        args = reader.options("workload_args")
         schedule = reader.str("schedule")
         if schedule not in SCHEDULES:
             raise reader.error(
@@ -211,9 +211,17 @@ class Plan:
         raw_layers = reader.list("layers", None)
         layers = None
         if raw_layers is not None:
-            layers = tuple(str(name) for name in raw_layers)
-            if len(set(layers)) != len(layers):
-                raise reader.error("layers", "layer names repeat", "list each layer once")
+            layer_reader = MappingReader(
+                {f"layers[{i}]": name for i, name in enumerate(raw_layers)}, source=source
+            )
+            layers = tuple(layer_reader.str(f"layers[{i}]") for i in range(len(raw_layers)))
+            for i, name in enumerate(layers):
+                if name in layers[:i]:
+                    raise reader.error(
+                        f"layers[{i}]",
+                        f"layer {name!r} is listed twice (first at layers[{layers.index(name)}])",
+                        "list each layer once",
+                    )
         stages = []
         for i, raw in enumerate(reader.list("stages")):
             stage_reader = reader.child(raw, f"stages[{i}]")
@@ -227,13 +235,13 @@ class Plan:
                 path=stage_reader.path,
             )
             ranks = tuple(rank_reader.int(f"ranks[{j}]") for j in range(len(raw_ranks)))
+            stage_reader.finish()  # a typo such as 'replica: 2' first, not a count mismatch
             if len(ranks) != replicas:
                 raise stage_reader.error(
                     "ranks",
                     f"lists {len(ranks)} ranks for {replicas} replicas",
                     "give exactly one rank per replica",
                 )
-            stage_reader.finish()
             stages.append(StagePlan(first, last, replicas, ranks))
         _check_ranks(reader, stages, world_size)
         if layers is not None:
@@ -252,7 +260,7 @@ class Plan:
             microbatches=microbatches,
             world_size=world_size,
             stages=tuple(stages),
-            workload_args={str(k): str(v) for k, v in args.items()},
+            workload_args=args,
             layers=layers,
             recompute=recompute,
             prediction=prediction,
@@ -301,7 +309,13 @@ def _check_stage_layers(
                     f"use a name from 'layers' ({layers[0]!r} .. {layers[-1]!r})",
                 )
         first, last = position[stage.first_layer], position[stage.last_layer]
-        if first != expected_first or last < first:
+        if last < first:
+            raise reader.error(
+                f"stages[{index}].last_layer",
+                f"layer {stage.last_layer!r} comes before first_layer {stage.first_layer!r}",
+                "a stage is the range first_layer..last_layer in the order of 'layers'",
+            )
+        if first != expected_first:
             raise reader.error(
                 f"stages[{index}]",
                 f"covers layers {stage.first_layer!r}..{stage.last_layer!r}, but the stage must "

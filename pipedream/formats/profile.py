@@ -6,7 +6,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipedream.errors import FormatError
 from pipedream.formats.reader import MappingReader
 from pipedream.formats.yamlio import read_yaml_mapping, write_yaml
 
@@ -137,7 +136,7 @@ class Profile:
                 "format", f"expected {PROFILE_FORMAT!r}, got {fmt!r}", "is this a profile file?"
             )
         workload = reader.str("workload")
-        args = reader.mapping("workload_args", {})
+        args = reader.options("workload_args")
         microbatch_size = reader.int("microbatch_size", minimum=1)
         device = reader.str("device")
         dtype = reader.str("dtype")
@@ -163,9 +162,9 @@ class Profile:
                     "give one entry per boundary (number of layers - 1)",
                 )
             cut_reader = MappingReader(
-                {str(i): v for i, v in enumerate(raw_cuts)}, source=source, path="cut_bytes"
+                {f"cut_bytes[{i}]": v for i, v in enumerate(raw_cuts)}, source=source
             )
-            cuts = tuple(cut_reader.int(str(i)) for i in range(len(raw_cuts)))
+            cuts = tuple(cut_reader.int(f"cut_bytes[{i}]") for i in range(len(raw_cuts)))
         reader.finish()
         return cls(
             workload=workload,
@@ -174,7 +173,7 @@ class Profile:
             dtype=dtype,
             layers=tuple(layers),
             cut_bytes=cuts,
-            workload_args={str(k): str(v) for k, v in args.items()},
+            workload_args=args,
         )
 
 

@@ -7,6 +7,7 @@ file and the dotted field path.
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -26,6 +27,12 @@ class _Missing:
 MISSING: Any = _Missing()
 
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+_FIX = {
+    int: "write a whole number such as 4",
+    float: "write a number such as 1.5",
+    str: "write a non-empty string (quote it if it looks like a number or boolean)",
+    bool: "write true or false",
+}
 
 
 class MappingReader:
@@ -36,7 +43,10 @@ class MappingReader:
         self.path = path
         if not isinstance(data, dict):
             raise FormatError(
-                source, path or "(top level)", f"expected a mapping, got {_describe(data)}"
+                source,
+                path or "(top level)",
+                f"expected a mapping, got {_describe(data)}",
+                "write it as 'key: value' lines (or {key: value, ...})",
             )
         self.data: dict[str, Any] = data
         self._seen: set[str] = set()
@@ -63,7 +73,9 @@ class MappingReader:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)  # YAML reads layer name 3 as an int; names are strings
         if not isinstance(value, str) or not value:
-            raise self.error(key, f"expected a non-empty string, got {_describe(value)}")
+            raise self.error(
+                key, f"expected a non-empty string, got {_describe(value)}", _FIX[str]
+            )
         return value
 
     def int(self, key: str, default: Any = MISSING, *, minimum: int | None = 0) -> Any:
@@ -73,9 +85,11 @@ class MappingReader:
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int):
-            raise self.error(key, f"expected {_TYPE_NAMES[int]}, got {_describe(value)}")
+            raise self.error(
+                key, f"expected {_TYPE_NAMES[int]}, got {_describe(value)}", _FIX[int]
+            )
         if minimum is not None and value < minimum:
-            raise self.error(key, f"must be >= {minimum}, got {value}")
+            raise self.error(key, f"must be >= {minimum}, got {value}", f"use {minimum} or more")
         return value
 
     def number(
@@ -94,16 +108,23 @@ class MappingReader:
             try:
                 value = parse(value)
             except ValueError as exc:
-                raise self.error(key, str(exc)) from None
+                problem, _, fix = str(exc).partition("; ")
+                raise self.error(key, problem, fix) from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self.error(key, f"expected {_TYPE_NAMES[float]}, got {_describe(value)}")
+            raise self.error(
+                key, f"expected {_TYPE_NAMES[float]}, got {_describe(value)}", _FIX[float]
+            )
         value = float(value)
         if not math.isfinite(value):
-            raise self.error(key, f"must be a finite number, got {value}")
+            raise self.error(
+                key, f"must be a finite number, got {value}", "write a finite number such as 1.5"
+            )
         if positive and value <= 0:
-            raise self.error(key, f"must be > 0, got {value:g}")
+            raise self.error(key, f"must be > 0, got {value:g}", "use a positive value")
         if minimum is not None and value < minimum:
-            raise self.error(key, f"must be >= {minimum:g}, got {value:g}")
+            raise self.error(
+                key, f"must be >= {minimum:g}, got {value:g}", f"use {minimum:g} or more"
+            )
         return value
 
     def bool(self, key: str, default: Any = MISSING) -> Any:
@@ -111,7 +132,9 @@ class MappingReader:
         if value is default and default is not MISSING:
             return value
         if not isinstance(value, bool):
-            raise self.error(key, f"expected {_TYPE_NAMES[bool]}, got {_describe(value)}")
+            raise self.error(
+                key, f"expected {_TYPE_NAMES[bool]}, got {_describe(value)}", _FIX[bool]
+            )
         return value
 
     def list(self, key: str, default: Any = MISSING, *, nonempty: bool = True) -> Any:
@@ -119,9 +142,13 @@ class MappingReader:
         if value is default and default is not MISSING:
             return value
         if not isinstance(value, list):
-            raise self.error(key, f"expected a list, got {_describe(value)}")
+            raise self.error(
+                key,
+                f"expected a list, got {_describe(value)}",
+                "write it as '- item' lines (or [item, ...])",
+            )
         if nonempty and not value:
-            raise self.error(key, "must not be empty")
+            raise self.error(key, "must not be empty", "give at least one entry")
         return value
 
     def mapping(self, key: str, default: Any = MISSING) -> Any:
@@ -129,8 +156,28 @@ class MappingReader:
         if value is default and default is not MISSING:
             return value
         if not isinstance(value, dict):
-            raise self.error(key, f"expected a mapping, got {_describe(value)}")
+            raise self.error(
+                key,
+                f"expected a mapping, got {_describe(value)}",
+                "write it as 'key: value' lines (or {key: value, ...})",
+            )
         return value
+
+    def options(self, key: str) -> dict[str, str]:
+        """An optional mapping of option names to scalar values, as strings (workload_args)."""
+        raw = self.mapping(key, {})
+        out: dict[str, str] = {}
+        for name, value in raw.items():
+            if isinstance(value, (str, int, float)):  # bool is an int: true -> "True"
+                out[str(name)] = str(value)
+                continue
+            raise FormatError(
+                self.source,
+                f"{self.field(key)}.{name}",
+                f"expected a string or number, got {_describe(value)}",
+                "write one value per option, e.g. 'layers: 8'",
+            )
+        return out
 
     def child(self, value: Any, key: str) -> MappingReader:
         return MappingReader(value, source=self.source, path=self.field(key))
@@ -138,9 +185,12 @@ class MappingReader:
     def finish(self) -> None:
         unknown = [key for key in self.data if key not in self._seen]
         if unknown:
-            known = ", ".join(sorted(self._seen))
+            key = str(unknown[0])
+            known = sorted(self._seen)
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+            hint = f"did you mean {close[0]!r}? " if close else ""
             raise self.error(
-                str(unknown[0]), "unknown key", f"remove it or use one of: {known}"
+                key, "unknown key", f"{hint}remove it or use one of: {', '.join(known)}"
             )
 
 

@@ -19,7 +19,10 @@ _PREFIX = {
     "Gi": 2.0**30,
     "Ti": 2.0**40,
 }
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([kKMGT]i?)?(B|bit|b)?\s*$")
+# Binary prefixes are Ki, Mi, Gi, Ti (IEC); "ki" is not one and is rejected, not a KeyError.
+_SIZE = re.compile(
+    r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(Ki|Mi|Gi|Ti|[kKMGT])?(B|bit|b)?\s*$"
+)
 
 
 def _parse(text: str, *, per_second: bool) -> float:
@@ -43,7 +46,9 @@ def _parse(text: str, *, per_second: bool) -> float:
     if unit in ("bit", "b"):
         value /= 8.0
     if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{original!r} is not a finite, non-negative amount")
+        raise ValueError(
+            f"{original!r} is not a finite, non-negative amount; write a smaller value"
+        )
     return value
 
 

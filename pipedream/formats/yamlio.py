@@ -27,7 +27,12 @@ def read_yaml_mapping(path: str | os.PathLike[str], *, what: str) -> dict[str, A
     except IsADirectoryError:
         raise FormatError(source, "", "is a directory", f"pass a {what} YAML file") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise FormatError(source, "", f"cannot read {what} file ({exc})") from None
+        raise FormatError(
+            source,
+            "",
+            f"cannot read {what} file ({exc})",
+            "check its permissions and that it is UTF-8 text",
+        ) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -36,6 +41,8 @@ def read_yaml_mapping(path: str | os.PathLike[str], *, what: str) -> dict[str, A
         raise FormatError(
             source, "", f"not valid YAML{where}", f"fix the syntax of this {what} file"
         ) from None
+    if data is None:
+        raise FormatError(source, "", f"the {what} file is empty", f"is this a {what} file?")
     if not isinstance(data, dict):
         raise FormatError(
             source,

@@ -36,14 +36,14 @@ def build(
 ) -> Workload:
     """Build the MLP workload; every call with the same arguments gives identical weights."""
     if layers < 1 or width < 1 or samples < 1:
-        raise WorkloadError(f"mlp: layers, width and samples must be >= 1, got {layers}, {width}, {samples}")
+        raise WorkloadError(
+            f"mlp: layers, width and samples must be >= 1, got {layers}, {width}, {samples}"
+        )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         blocks = [_block(in_features if i == 0 else width, width) for i in range(layers)]
         model = nn.Sequential(*blocks, nn.Linear(width, out_features))
-        teacher = nn.Sequential(
-            nn.Linear(in_features, 32), nn.Tanh(), nn.Linear(32, out_features)
-        )
+        teacher = nn.Sequential(nn.Linear(in_features, 32), nn.Tanh(), nn.Linear(32, out_features))
         inputs = torch.randn(samples, in_features)
         with torch.no_grad():
             targets = teacher(inputs) + 0.01 * torch.randn(samples, out_features)
@@ -57,4 +57,3 @@ def build(
         optimizer=optimizer_factory(optimizer, lr=lr, momentum=momentum),
         description=f"MLP {layers}x{width} on synthetic regression ({samples} samples)",
     )
-
