@@ -62,30 +62,46 @@ def parse_workload_args(pairs: Iterable[str]) -> dict[str, str]:
     return out
 
 
-def _resolve_factory(name: str) -> Callable[..., Workload]:
+def _where(source: str | None, field: str) -> str:
+    """``"FILE: FIELD: "`` when the workload comes from a file (a plan), else nothing."""
+    return f"{source}: {field}: " if source else ""
+
+
+def _resolve_factory(name: str, *, source: str | None = None) -> Callable[..., Workload]:
+    where = _where(source, "workload")
     target = BUILTIN_WORKLOADS.get(name, name)
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
         raise WorkloadError(
-            f"unknown workload {name!r}; use a built-in name ({', '.join(BUILTIN_WORKLOADS)}) "
-            "or package.module:function"
+            f"{where}unknown workload {name!r}; use a built-in name "
+            f"({', '.join(BUILTIN_WORKLOADS)}) or package.module:function"
         )
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise WorkloadError(
-            f"workload {name!r}: cannot import module {module_name!r} ({exc}); "
+            f"{where}workload {name!r}: cannot import module {module_name!r} ({exc}); "
             "check the name and that the module is on PYTHONPATH"
         ) from None
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise WorkloadError(
-            f"workload {name!r}: module {module_name!r} has no function {attr!r}"
+            f"{where}workload {name!r}: module {module_name!r} has no function {attr!r}; "
+            "check the name after the colon"
         )
     return factory  # type: ignore[no-any-return]
 
 
-def _convert(value: str, annotation: Any, *, key: str, workload: str) -> Any:
+_CONVERT_FIX: dict[Any, str] = {
+    int: "write a whole number such as 8",
+    float: "write a number such as 0.05",
+    bool: "write true or false",
+}
+
+
+def _convert(
+    value: str, annotation: Any, *, key: str, workload: str, source: str | None = None
+) -> Any:
     kind = annotation if isinstance(annotation, type) else None
     if isinstance(annotation, str):
         kind = {"int": int, "float": float, "bool": bool, "str": str}.get(annotation)
@@ -100,22 +116,35 @@ def _convert(value: str, annotation: Any, *, key: str, workload: str) -> Any:
         if kind in (int, float):
             return kind(value)
     except ValueError:
+        kind_name = kind.__name__ if kind else "value"
+        fix = _CONVERT_FIX.get(kind, "check the value")
+        if source:
+            raise WorkloadError(
+                f"{_where(source, f'workload_args.{key}')}{value!r} is not a valid {kind_name} "
+                f"for workload {workload!r}; {fix}"
+            ) from None
         raise WorkloadError(
-            f"workload {workload!r}: --workload-arg {key}={value!r} is not a valid "
-            f"{kind.__name__ if kind else 'value'}"
+            f"workload {workload!r}: --workload-arg {key}={value!r} is not a valid {kind_name}; "
+            f"{fix}"
         ) from None
     return value
 
 
 def load_workload(
-    name: str, args: Mapping[str, str] | None = None, *, microbatch_size: int | None = None
+    name: str,
+    args: Mapping[str, str] | None = None,
+    *,
+    microbatch_size: int | None = None,
+    source: str | None = None,
 ) -> Workload:
     """Build the workload ``name`` with string options ``args`` converted to the factory's types.
 
     ``microbatch_size`` is passed to factories that accept it, so that ``example_input`` has the
-    microbatch size of the plan or profile.
+    microbatch size of the plan or profile. ``source`` names the file the name and options come
+    from (a plan): errors then name that file and its ``workload``/``workload_args.KEY`` field
+    instead of the ``--workload-arg`` option.
     """
-    factory = _resolve_factory(name)
+    factory = _resolve_factory(name, source=source)
     signature = inspect.signature(factory)
     params = signature.parameters
     accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
@@ -124,13 +153,14 @@ def load_workload(
         if key not in params and not accepts_any:
             known = ", ".join(p for p in params if p != "microbatch_size") or "none"
             raise WorkloadError(
-                f"workload {name!r} has no option {key!r}; its options are: {known}"
+                f"{_where(source, f'workload_args.{key}')}workload {name!r} has no option "
+                f"{key!r}; its options are: {known}"
             )
         annotation = params[key].annotation if key in params else str
         if annotation is inspect.Parameter.empty and key in params:
             default = params[key].default
             annotation = type(default) if default is not inspect.Parameter.empty else str
-        kwargs[key] = _convert(value, annotation, key=key, workload=name)
+        kwargs[key] = _convert(value, annotation, key=key, workload=name, source=source)
     if microbatch_size is not None and ("microbatch_size" in params or accepts_any):
         kwargs["microbatch_size"] = microbatch_size
     workload = factory(**kwargs)

@@ -36,7 +36,9 @@ def run(args: argparse.Namespace) -> int:
 def export(args: argparse.Namespace) -> int:
     directory = Path(args.checkpoint)
     if not directory.is_dir():
-        raise CheckpointError(f"{directory}: no such checkpoint directory")
+        raise CheckpointError(
+            f"{directory}: no such checkpoint directory; pass runs/<run>/checkpoints/step-NNNNNN"
+        )
     state = load_full_state_dict(directory)
     torch.save(state, args.output)
     print(f"wrote {len(state)} tensors to {args.output}")

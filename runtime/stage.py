@@ -47,11 +47,19 @@ def stage_layer_names(plan: Plan, names: Sequence[str], *, source: str) -> list[
                     f"use one of the model's layers {names[0]!r}..{names[-1]!r}",
                 )
         first, last = position[stage.first_layer], position[stage.last_layer]
-        if first != expected or last < first:
+        if last < first:
             raise FormatError(
                 source,
-                f"stages[{index}]",
-                f"starts at {stage.first_layer!r} but must start at {names[expected]!r}",
+                f"stages[{index}].last_layer",
+                f"{stage.last_layer!r} comes before first_layer {stage.first_layer!r} in the model",
+                "a stage is the layer range first_layer..last_layer in model order",
+            )
+        if first != expected:
+            raise FormatError(
+                source,
+                f"stages[{index}].first_layer",
+                f"is {stage.first_layer!r} but must be {names[expected]!r} (the layer after the "
+                "previous stage)",
                 "stages must be contiguous, in order, and cover every layer once",
             )
         out.append(list(names[first : last + 1]))

@@ -86,20 +86,44 @@ def read_launch_env(plan: Plan, *, source: str) -> LaunchEnv:
                 f"--nproc-per-node {plan.world_size} -m pipedream.cli train {source})"
             )
         return LaunchEnv(0, 1, 0, under_torchrun=False)
-    world_size = int(os.environ["WORLD_SIZE"])
+    world_size = _env_int("WORLD_SIZE", minimum=1)
     if world_size != plan.world_size:
         raise LaunchError(
             f"{source}: world_size: the plan needs {plan.world_size} processes but torchrun "
             f"started {world_size}; launch with `./launch.sh {source}` (it sets "
             f"--nproc-per-node from the plan) or re-plan with --workers {world_size}"
         )
+    rank = _env_int("RANK", default=0)
+    if rank >= world_size:
+        raise LaunchError(
+            f"environment variable RANK={rank} is not below WORLD_SIZE={world_size}; "
+            "let torchrun (./launch.sh) set the ranks"
+        )
     return LaunchEnv(
-        rank=int(os.environ.get("RANK", "0")),
+        rank=rank,
         world_size=world_size,
-        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        local_rank=_env_int("LOCAL_RANK", default=0),
         under_torchrun=True,
-        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        local_world_size=_env_int("LOCAL_WORLD_SIZE", default=1, minimum=1),
     )
+
+
+def _env_int(name: str, *, default: int | None = None, minimum: int = 0) -> int:
+    """An integer environment variable set by torchrun, with a clear error when it is not."""
+    raw = os.environ.get(name)
+    if raw is None:
+        assert default is not None
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise LaunchError(
+            f"environment variable {name}={raw!r} is not a whole number >= {minimum}; "
+            "let torchrun (./launch.sh) set it"
+        )
+    return value
 
 
 def _device_and_backend(env: LaunchEnv) -> tuple[torch.device, str]:
@@ -143,11 +167,16 @@ def _spec(plan: Plan, first: int, count: int) -> PipelineSpec:
 
 def _check_options(options: TrainOptions, plan: Plan) -> None:
     if options.steps < 1:
-        raise LaunchError(f"--steps must be >= 1, got {options.steps}")
+        raise LaunchError(f"--steps must be >= 1, got {options.steps}; give the minibatches to run")
     if options.checkpoint_every < 0:
-        raise LaunchError(f"--checkpoint-every must be >= 0, got {options.checkpoint_every}")
+        raise LaunchError(
+            f"--checkpoint-every must be >= 0, got {options.checkpoint_every}; "
+            "0 means only at the end"
+        )
     if options.timeout <= 0:
-        raise LaunchError(f"--timeout must be > 0 seconds, got {options.timeout}")
+        raise LaunchError(
+            f"--timeout must be > 0 seconds, got {options.timeout}; e.g. --timeout 300"
+        )
     for start, count in _segments(options.steps, options.checkpoint_every):
         for index, stage in enumerate(plan.stages):
             if count % stage.replicas:
@@ -164,7 +193,7 @@ def train(options: TrainOptions) -> int:
     _check_options(options, plan)
     env = read_launch_env(plan, source=source)
     workload = load_workload(
-        plan.workload, plan.workload_args, microbatch_size=plan.microbatch_size
+        plan.workload, plan.workload_args, microbatch_size=plan.microbatch_size, source=source
     )
     stage_layers = stage_layer_names(plan, layer_names(workload.model), source=source)
     resume_from = _resume_point(options, plan)

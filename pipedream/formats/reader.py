@@ -7,6 +7,7 @@ file and the dotted field path.
 
 from __future__ import annotations
 
+import builtins
 import difflib
 import math
 from collections.abc import Callable
@@ -36,7 +37,11 @@ _FIX = {
 
 
 class MappingReader:
-    """Reads fields of one YAML mapping; call :meth:`finish` to reject unknown keys."""
+    """Reads fields of one YAML mapping; call :meth:`finish` to reject unknown keys.
+
+    Its methods ``str``, ``int``, ``bool``, ``list`` shadow the builtins inside the class body,
+    so annotations after them spell ``builtins.str`` (mypy reads them as the methods otherwise).
+    """
 
     def __init__(self, data: Any, *, source: str, path: str = "") -> None:
         self.source = source
@@ -78,7 +83,9 @@ class MappingReader:
             )
         return value
 
-    def int(self, key: str, default: Any = MISSING, *, minimum: int | None = 0) -> Any:
+    def int(
+        self, key: builtins.str, default: Any = MISSING, *, minimum: builtins.int | None = 0
+    ) -> Any:
         value = self.raw(key, default)
         if value is default and default is not MISSING:
             return value
@@ -94,12 +101,12 @@ class MappingReader:
 
     def number(
         self,
-        key: str,
+        key: builtins.str,
         default: Any = MISSING,
         *,
         minimum: float | None = 0.0,
-        parse: Callable[[str], float] | None = None,
-        positive: bool = False,
+        parse: Callable[[builtins.str], float] | None = None,
+        positive: builtins.bool = False,
     ) -> Any:
         value = self.raw(key, default)
         if value is default and default is not MISSING:
@@ -127,7 +134,7 @@ class MappingReader:
             )
         return value
 
-    def bool(self, key: str, default: Any = MISSING) -> Any:
+    def bool(self, key: builtins.str, default: Any = MISSING) -> Any:
         value = self.raw(key, default)
         if value is default and default is not MISSING:
             return value
@@ -137,7 +144,9 @@ class MappingReader:
             )
         return value
 
-    def list(self, key: str, default: Any = MISSING, *, nonempty: bool = True) -> Any:
+    def list(
+        self, key: builtins.str, default: Any = MISSING, *, nonempty: builtins.bool = True
+    ) -> Any:
         value = self.raw(key, default)
         if value is default and default is not MISSING:
             return value
@@ -151,7 +160,7 @@ class MappingReader:
             raise self.error(key, "must not be empty", "give at least one entry")
         return value
 
-    def mapping(self, key: str, default: Any = MISSING) -> Any:
+    def mapping(self, key: builtins.str, default: Any = MISSING) -> Any:
         value = self.raw(key, default)
         if value is default and default is not MISSING:
             return value
@@ -163,10 +172,10 @@ class MappingReader:
             )
         return value
 
-    def options(self, key: str) -> dict[str, str]:
+    def options(self, key: builtins.str) -> dict[builtins.str, builtins.str]:
         """An optional mapping of option names to scalar values, as strings (workload_args)."""
         raw = self.mapping(key, {})
-        out: dict[str, str] = {}
+        out: dict[builtins.str, builtins.str] = {}
         for name, value in raw.items():
             if isinstance(value, (str, int, float)):  # bool is an int: true -> "True"
                 out[str(name)] = str(value)
@@ -179,7 +188,7 @@ class MappingReader:
             )
         return out
 
-    def child(self, value: Any, key: str) -> MappingReader:
+    def child(self, value: Any, key: builtins.str) -> MappingReader:
         return MappingReader(value, source=self.source, path=self.field(key))
 
     def finish(self) -> None:

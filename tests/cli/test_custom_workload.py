@@ -10,7 +10,7 @@ from launching import launch, run_cli
 from pipedream.formats import load_plan, load_profile
 from pipedream.runtime.checkpoint import load_full_state_dict
 
-USER_MODULE = '''
+USER_MODULE = """
 from collections import OrderedDict
 
 import torch
@@ -35,7 +35,7 @@ def make(hidden: int = 8, classes: int = 3, microbatch_size: int = 4) -> Workloa
         dataset=TensorDataset(inputs, targets),
         optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
     )
-'''
+"""
 
 
 def test_user_workload_profile_plan_train(tmp_path: Path) -> None:
@@ -43,8 +43,15 @@ def test_user_workload_profile_plan_train(tmp_path: Path) -> None:
     env = {"PYTHONPATH": str(tmp_path)}
     profile, plan_path = tmp_path / "profile.yaml", tmp_path / "plan.yaml"
     result = run_cli(
-        "profile", "user_models:make", "--workload-arg", "hidden=6", "--repeats", "1",
-        "-o", str(profile), env=env,
+        "profile",
+        "user_models:make",
+        "--workload-arg",
+        "hidden=6",
+        "--repeats",
+        "1",
+        "-o",
+        str(profile),
+        env=env,
     )
     assert result.returncode == 0, result.stderr
     assert load_profile(profile).layer_names == ["stem", "act", "body", "head"]

@@ -35,8 +35,19 @@ def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
 def test_resume_equals_uninterrupted(tmp_path: Path, schedule: str, m: int) -> None:
     whole = _train(tmp_path, "whole", TWO, schedule, m, "--steps", "8", "--checkpoint-every", "4")
     part = _train(tmp_path, "part", TWO, schedule, m, "--steps", "4", "--checkpoint-every", "4")
-    _train(tmp_path, "part", TWO, schedule, m, "--steps", "8", "--checkpoint-every", "4",
-           "--resume", "auto")
+    _train(
+        tmp_path,
+        "part",
+        TWO,
+        schedule,
+        m,
+        "--steps",
+        "8",
+        "--checkpoint-every",
+        "4",
+        "--resume",
+        "auto",
+    )
     expected, got = _weights(whole, 8), _weights(part, 8)
     assert all(torch.equal(expected[k], got[k]) for k in expected)
     # momentum state was restored too: without it the weights would differ
@@ -48,6 +59,8 @@ def test_reshard_four_stages_to_two(tmp_path: Path) -> None:
     four = _train(tmp_path, "four", FOUR, "1f1b", 2, "--steps", "4")
     checkpoint = four / "checkpoints" / "step-000004"
     resumed = _train(tmp_path, "two", TWO, "1f1b", 2, "--steps", "8", "--resume", str(checkpoint))
-    straight_two = _train(tmp_path, "ref", TWO, "1f1b", 2, "--steps", "8", "--checkpoint-every", "4")
+    straight_two = _train(
+        tmp_path, "ref", TWO, "1f1b", 2, "--steps", "8", "--checkpoint-every", "4"
+    )
     expected, got = _weights(straight_two, 8), _weights(resumed, 8)
     assert max(float((expected[k] - got[k]).abs().max()) for k in expected) < 1e-6

@@ -20,7 +20,9 @@ def test_nccl_with_one_gpu_per_local_rank(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
-    device, backend = train._device_and_backend(LaunchEnv(6, 8, 2, under_torchrun=True, local_world_size=4))
+    device, backend = train._device_and_backend(
+        LaunchEnv(6, 8, 2, under_torchrun=True, local_world_size=4)
+    )
     assert (device, backend) == (torch.device("cuda", 2), "nccl")
     assert chosen == [torch.device("cuda", 2)]
 

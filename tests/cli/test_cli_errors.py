@@ -1,0 +1,443 @@
+"""Bad input ends with one clear line, exit code 2, no traceback and no hang (DESIGN.md 4, 6).
+
+Every case runs the real command in a subprocess (``launching.run_cli`` / ``launching.launch``
+kill the process group on timeout), so the exit code and stderr are what a user sees.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from launching import launch, run_cli, straight_plan, write_plan
+
+# The default mlp with layers=2 has the layers "0", "1" (Linear+ReLU blocks) and "2" (the head).
+MLP_ARGS = {"layers": "2", "samples": "64"}
+TORCHRUN_VARIABLES = (
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
+
+
+@pytest.fixture(autouse=True)
+def _not_under_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in TORCHRUN_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+def _one_line(result: subprocess.CompletedProcess[str], prefix: str) -> str:
+    """Exit code 2 and exactly one line on stderr, starting with ``prefix``; returns it."""
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(prefix), lines[0]
+    return lines[0]
+
+
+def _plan(tmp_path: Path, data: dict[str, Any], name: str = "plan.yaml") -> Path:
+    return write_plan(data, tmp_path / name)
+
+
+def _single(first: str = "0", last: str = "2", **changes: Any) -> dict[str, Any]:
+    """A one-process plan of the 3-layer mlp: runs without torchrun."""
+    plan = straight_plan("mlp", [[first, last]], microbatch_size=4, workload_args=MLP_ARGS)
+    plan.update(changes)
+    return plan
+
+
+def _two_stages(**changes: Any) -> dict[str, Any]:
+    plan = straight_plan("mlp", [["0", "1"], ["2"]], microbatch_size=4, workload_args=MLP_ARGS)
+    plan.update(changes)
+    return plan
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# pipedream train: the plan file
+
+
+def test_train_missing_plan(tmp_path: Path) -> None:
+    path = tmp_path / "nope.yaml"
+    line = _one_line(run_cli("train", str(path)), "pipedream train: error: ")
+    assert line == f"pipedream train: error: {path}: plan file not found; check the path"
+
+
+@pytest.mark.parametrize(
+    ("data", "field", "message"),
+    [
+        pytest.param(
+            {**_two_stages(), "colour": "red"},
+            "colour",
+            "unknown key; remove it or use one of: ",
+            id="unknown-key",
+        ),
+        pytest.param(
+            {**_two_stages(), "microbatch_szie": 4},
+            "microbatch_szie",
+            "unknown key; did you mean 'microbatch_size'?",
+            id="typo-of-optional-key",
+        ),
+        pytest.param(
+            _two_stages(world_size="two"),
+            "world_size",
+            "expected an integer, got str 'two'; write a whole number such as 4",
+            id="wrong-type",
+        ),
+        pytest.param(
+            _two_stages(schedule="fast"),
+            "schedule",
+            "unknown schedule 'fast'; use one of pipedream, pipedream-vs, 2bw, 1f1b, gpipe",
+            id="unknown-schedule",
+        ),
+        pytest.param(
+            {**_two_stages(), "stages": [{"first_layer": "0", "last_layer": "2", "ranks": [0, 1]}]},
+            "stages[0].ranks",
+            "lists 2 ranks for 1 replicas; give exactly one rank per replica",
+            id="ranks-vs-replicas",
+        ),
+    ],
+)
+def test_train_malformed_plan(
+    tmp_path: Path, data: dict[str, Any], field: str, message: str
+) -> None:
+    path = _plan(tmp_path, data)
+    line = _one_line(run_cli("train", str(path)), "pipedream train: error: ")
+    assert line.startswith(f"pipedream train: error: {path}: {field}: {message}")
+
+
+def test_train_plan_names_a_layer_the_model_lacks(tmp_path: Path) -> None:
+    path = _plan(tmp_path, _single(last="7"))
+    line = _one_line(run_cli("train", str(path), "--steps", "1"), "pipedream train: error: ")
+    assert line == (
+        f"pipedream train: error: {path}: stages[0].last_layer: the model has no layer '7'; "
+        "use one of the model's layers '0'..'2'"
+    )
+
+
+def test_train_plan_does_not_cover_the_model(tmp_path: Path) -> None:
+    path = _plan(tmp_path, _single(last="1"))
+    line = _one_line(run_cli("train", str(path), "--steps", "1"), "pipedream train: error: ")
+    assert line == (
+        f"pipedream train: error: {path}: stages: end at layer '1' but the model continues to "
+        "'2'; let the last stage end at '2'"
+    )
+
+
+def test_train_plan_layers_differ_from_the_model(tmp_path: Path) -> None:
+    data = _single(last="3", layers=["0", "1", "2", "3"])  # profiled with layers=3
+    path = _plan(tmp_path, data)
+    line = _one_line(run_cli("train", str(path), "--steps", "1"), "pipedream train: error: ")
+    assert line.startswith(
+        f"pipedream train: error: {path}: layers: the plan lists 4 layers that differ from the "
+        "model's 3 layers"
+    )
+    assert "re-run `pipedream profile` and `pipedream plan`" in line
+
+
+# ---------------------------------------------------------------------------------------------
+# pipedream train: the plan against the launch
+
+
+def test_train_two_process_plan_as_a_single_process(tmp_path: Path) -> None:
+    path = _plan(tmp_path, _two_stages())
+    line = _one_line(run_cli("train", str(path)), "pipedream train: error: ")
+    assert line.startswith(
+        f"pipedream train: error: {path}: world_size: the plan needs 2 processes but this is a "
+        f"single process; launch it with `./launch.sh {path}`"
+    )
+
+
+def test_train_world_size_differs_from_torchrun(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Must fail before the rendezvous: rank 0 of 3 would otherwise wait for peers forever."""
+    path = _plan(tmp_path, _two_stages())
+    for name, value in {
+        "WORLD_SIZE": "3",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+    }.items():
+        monkeypatch.setenv(name, value)
+    result = run_cli("train", str(path), "--steps", "1", timeout=60)
+    line = _one_line(result, "pipedream train: error: ")
+    assert line.startswith(
+        f"pipedream train: error: {path}: world_size: the plan needs 2 processes but torchrun "
+        "started 3; launch with `./launch.sh"
+    )
+    assert "re-plan with --workers 3" in line
+
+
+def test_train_non_integer_world_size_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _plan(tmp_path, _two_stages())
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    line = _one_line(run_cli("train", str(path), "--steps", "1", timeout=60), "pipedream train")
+    assert "WORLD_SIZE" in line
+
+
+def test_train_rank_out_of_range(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _plan(tmp_path, _two_stages())
+    for name, value in {
+        "WORLD_SIZE": "2",
+        "RANK": "5",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+    }.items():
+        monkeypatch.setenv(name, value)
+    # --timeout 2 bounds the rendezvous wait, so this fails fast while the bug is there
+    result = run_cli("train", str(path), "--steps", "1", "--timeout", "2", timeout=60)
+    line = _one_line(result, "pipedream train: error: ")
+    assert "RANK" in line
+
+
+def test_launch_sh_nproc_differs_from_plan(tmp_path: Path) -> None:
+    path = _plan(tmp_path, _two_stages())
+    result = launch(path, "--nproc-per-node", "3", "--steps", "1", timeout=60)
+    line = _one_line(result, "launch.sh: error: ")
+    assert line == (
+        "launch.sh: error: --nnodes 1 x --nproc-per-node 3 = 3 processes, but the plan's "
+        "world_size is 2; drop --nproc-per-node (launch.sh derives it from the plan) or re-plan "
+        "with --workers 3"
+    )
+    assert result.stdout == ""  # torchrun never started
+
+
+def test_launch_sh_malformed_plan(tmp_path: Path) -> None:
+    path = _plan(tmp_path, _two_stages(world_size=-2))
+    line = _one_line(launch(path, timeout=60), "launch.sh: error: ")
+    assert line == f"launch.sh: error: {path}: world_size: must be >= 1, got -2; use 1 or more"
+
+
+# ---------------------------------------------------------------------------------------------
+# pipedream train: options
+
+
+@pytest.mark.parametrize(
+    ("plan", "options", "message"),
+    [
+        pytest.param(_two_stages(), ["--steps", "0"], "--steps must be >= 1, got 0", id="steps"),
+        pytest.param(
+            _two_stages(),
+            ["--checkpoint-every", "-1"],
+            "--checkpoint-every must be >= 0, got -1",
+            id="checkpoint-every",
+        ),
+        pytest.param(
+            _two_stages(), ["--timeout", "0"], "--timeout must be > 0 seconds", id="timeout"
+        ),
+        pytest.param(
+            straight_plan("mlp", [["0", "2"]], replicas=[2], workload_args=MLP_ARGS),
+            ["--steps", "3"],
+            "stage 0 has 2 replicas, so --steps and --checkpoint-every must be multiples of 2",
+            id="steps-vs-replicas",
+        ),
+        pytest.param(
+            _two_stages(),
+            ["--steps", "many"],
+            "argument --steps: invalid int value: 'many'",
+            id="steps-not-int",
+        ),
+    ],
+)
+def test_train_bad_option(
+    tmp_path: Path, plan: dict[str, Any], options: list[str], message: str
+) -> None:
+    path = _plan(tmp_path, plan)
+    line = _one_line(run_cli("train", str(path), *options), "pipedream train: error: ")
+    assert message in line
+
+
+# ---------------------------------------------------------------------------------------------
+# pipedream train: the workload named by the plan
+
+
+def test_train_unknown_workload(tmp_path: Path) -> None:
+    path = _plan(tmp_path, _single(workload="nope"))
+    line = _one_line(run_cli("train", str(path), "--steps", "1"), "pipedream train: error: ")
+    assert "unknown workload 'nope'; use a built-in name (mlp, gpt, digits)" in line
+
+
+def test_train_bad_workload_arg_value(tmp_path: Path) -> None:
+    path = _plan(tmp_path, _single(workload_args={**MLP_ARGS, "layers": "many"}))
+    line = _one_line(run_cli("train", str(path), "--steps", "1"), "pipedream train: error: ")
+    assert "workload_args.layers: 'many' is not a valid int for workload 'mlp'" in line
+
+
+def test_train_unknown_workload_arg(tmp_path: Path) -> None:
+    path = _plan(tmp_path, _single(workload_args={**MLP_ARGS, "colour": "red"}))
+    line = _one_line(run_cli("train", str(path), "--steps", "1"), "pipedream train: error: ")
+    assert "workload 'mlp' has no option 'colour'; its options are: layers, width" in line
+
+
+def test_train_unknown_workload_names_plan_file_and_field(tmp_path: Path) -> None:
+    path = _plan(tmp_path, _single(workload="nope"))
+    line = _one_line(run_cli("train", str(path), "--steps", "1"), "pipedream train: error: ")
+    assert line.startswith(f"pipedream train: error: {path}: workload: ")
+
+
+def test_train_bad_workload_arg_names_plan_file_and_field(tmp_path: Path) -> None:
+    path = _plan(tmp_path, _single(workload_args={**MLP_ARGS, "layers": "many"}))
+    line = _one_line(run_cli("train", str(path), "--steps", "1"), "pipedream train: error: ")
+    assert line.startswith(f"pipedream train: error: {path}: workload_args.layers: ")
+
+
+# ---------------------------------------------------------------------------------------------
+# pipedream export
+
+
+def test_export_missing_directory(tmp_path: Path) -> None:
+    directory = tmp_path / "runs" / "checkpoints" / "step-000001"
+    out = tmp_path / "model.pt"
+    result = run_cli("export", str(directory), "-o", str(out))
+    line = _one_line(result, "pipedream export: error: ")
+    assert line == (
+        f"pipedream export: error: {directory}: no such checkpoint directory; "
+        "pass runs/<run>/checkpoints/step-NNNNNN"
+    )
+    assert not out.exists()
+
+
+def test_export_directory_without_manifest(tmp_path: Path) -> None:
+    directory = tmp_path / "step-000001"
+    directory.mkdir()
+    (directory / "stage-00.pt").write_bytes(b"not a checkpoint")
+    out = tmp_path / "model.pt"
+    result = run_cli("export", str(directory), "-o", str(out))
+    line = _one_line(result, "pipedream export: error: ")
+    assert line == (
+        f"pipedream export: error: {directory}: no manifest.yaml (not a checkpoint directory, "
+        "or an incomplete one); pass a runs/<run>/checkpoints/step-NNNNNN directory"
+    )
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# pipedream plan: a malformed profile
+
+PROFILE: dict[str, Any] = {
+    "format": "pipedream/profile@1",
+    "workload": "mlp",
+    "microbatch_size": 4,
+    "device": "cpu",
+    "dtype": "float32",
+    "layers": [
+        {
+            "name": str(i),
+            "type": "Linear",
+            "forward_ms": 1.0,
+            "backward_ms": 2.0,
+            "output_bytes": 1024,
+            "parameter_bytes": 4096,
+        }
+        for i in range(3)
+    ],
+}
+
+
+def _profile_with(path: Path, edit: str) -> Path:
+    data = copy.deepcopy(PROFILE)
+    if edit == "unknown-key":
+        data["layers"][1]["forward_msec"] = 1.0
+    elif edit == "wrong-type":
+        data["layers"][2]["output_bytes"] = "1 KiB"
+    elif edit == "negative":
+        data["layers"][0]["parameter_bytes"] = -1
+    elif edit == "non-finite":
+        data["layers"][1]["backward_ms"] = math.inf
+    elif edit == "wrong-format":
+        data["format"] = "pipedream/plan@1"
+    elif edit == "missing-key":
+        del data["layers"]
+    elif edit == "syntax":
+        path.write_text("format: pipedream/profile@1\nlayers: [\n")
+        return path
+    elif edit == "directory":
+        path.mkdir()
+        return path
+    elif edit == "missing-file":
+        return path
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ("unknown-key", "layers[1].forward_msec: unknown key; did you mean 'forward_ms'?"),
+        ("wrong-type", "layers[2].output_bytes: expected an integer, got str '1 KiB'; write a "),
+        ("negative", "layers[0].parameter_bytes: must be >= 0, got -1; use 0 or more"),
+        ("non-finite", "layers[1].backward_ms: must be a finite number, got inf; write a "),
+        ("wrong-format", "format: expected 'pipedream/profile@1', got 'pipedream/plan@1'; is "),
+        ("missing-key", "layers: required field is missing; add 'layers: ...'"),
+        ("syntax", "not valid YAML at line 3, column 1; fix the syntax of this profile file"),
+        ("directory", "is a directory; pass a profile YAML file"),
+        ("missing-file", "profile file not found; check the path"),
+    ],
+)
+def test_plan_malformed_profile(tmp_path: Path, edit: str, message: str) -> None:
+    path = _profile_with(tmp_path / "profile.yaml", edit)
+    out = tmp_path / "plan.yaml"
+    result = run_cli("plan", str(path), "--workers", "2", "-o", str(out))
+    line = _one_line(result, "pipedream plan: error: ")
+    assert line.startswith(f"pipedream plan: error: {path}: {message}")
+    assert not out.exists()
+
+
+def test_plan_of_a_valid_profile_succeeds(tmp_path: Path) -> None:
+    """The control for the cases above: the unedited profile plans fine."""
+    path = _profile_with(tmp_path / "profile.yaml", "none")
+    out = tmp_path / "plan.yaml"
+    result = run_cli("plan", str(path), "--workers", "2", "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    assert out.is_file()
+
+
+# ---------------------------------------------------------------------------------------------
+# Help and usage
+
+
+@pytest.mark.parametrize("verb", [None, "profile", "plan", "train", "export"])
+def test_help_exits_0(verb: str | None) -> None:
+    args = ["--help"] if verb is None else [verb, "--help"]
+    result = run_cli(*args)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    usage = "usage: pipedream" if verb is None else f"usage: pipedream {verb}"
+    assert result.stdout.startswith(usage)
+
+
+def test_unknown_verb_exits_2() -> None:
+    line = _one_line(run_cli("frobnicate"), "pipedream: error: ")
+    assert "invalid choice: 'frobnicate'" in line
+
+
+def test_no_verb_exits_2() -> None:
+    line = _one_line(run_cli(), "pipedream: error: ")
+    assert "required: verb" in line
+
+
+def test_missing_required_option_exits_2(tmp_path: Path) -> None:
+    line = _one_line(run_cli("export", str(tmp_path)), "pipedream export: error: ")
+    assert "-o/--output" in line

@@ -1,0 +1,85 @@
+"""Workload errors name what to fix: the ``--workload-arg`` option, or a plan's file and field."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipedream.errors import PipedreamError, WorkloadError
+from pipedream.workload import load_workload, parse_workload_args
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "message"),
+    [
+        (
+            "nope",
+            {},
+            "unknown workload 'nope'; use a built-in name (mlp, gpt, digits) or "
+            "package.module:function",
+        ),
+        ("no_such_module_xyz:build", {}, "workload 'no_such_module_xyz:build': cannot import"),
+        (
+            "pipedream.workloads.mlp:nothing",
+            {},
+            "workload 'pipedream.workloads.mlp:nothing': module 'pipedream.workloads.mlp' has "
+            "no function 'nothing'; check the name after the colon",
+        ),
+        (
+            "mlp",
+            {"layers": "many"},
+            "workload 'mlp': --workload-arg layers='many' is not a valid int; write a whole number",
+        ),
+        (
+            "mlp",
+            {"lr": "fast"},
+            "workload 'mlp': --workload-arg lr='fast' is not a valid float; write a number",
+        ),
+        ("mlp", {"colour": "red"}, "workload 'mlp' has no option 'colour'; its options are: "),
+    ],
+)
+def test_command_line_errors(name: str, args: dict[str, str], message: str) -> None:
+    with pytest.raises(WorkloadError) as info:
+        load_workload(name, args)
+    assert isinstance(info.value, PipedreamError)
+    assert str(info.value).startswith(message)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "message"),
+    [
+        ("nope", {}, "plan.yaml: workload: unknown workload 'nope'; use a built-in name"),
+        ("no_such_module_xyz:f", {}, "plan.yaml: workload: workload 'no_such_module_xyz:f': "),
+        (
+            "mlp",
+            {"layers": "many"},
+            "plan.yaml: workload_args.layers: 'many' is not a valid int for workload 'mlp'; "
+            "write a whole number such as 8",
+        ),
+        (
+            "mlp",
+            {"colour": "red"},
+            "plan.yaml: workload_args.colour: workload 'mlp' has no option 'colour'; its "
+            "options are: layers, width",
+        ),
+    ],
+)
+def test_errors_name_the_plan_file_and_field(name: str, args: dict[str, str], message: str) -> None:
+    with pytest.raises(WorkloadError) as info:
+        load_workload(name, args, source="plan.yaml")
+    assert str(info.value).startswith(message)
+    assert "--workload-arg" not in str(info.value)
+
+
+@pytest.mark.parametrize("pair", ["layers", "=3", " =3"])
+def test_parse_workload_args_rejects(pair: str) -> None:
+    with pytest.raises(WorkloadError, match="is not KEY=VALUE; write e.g. --workload-arg"):
+        parse_workload_args([pair])
+
+
+def test_parse_workload_args() -> None:
+    assert parse_workload_args(["layers=8", " width = 16 ", "name=a=b"]) == {
+        "layers": "8",
+        "width": "16",
+        "name": "a=b",
+    }
