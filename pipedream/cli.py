@@ -48,12 +48,18 @@ def build_parser() -> argparse.ArgumentParser:
     profile = verbs.add_parser("profile", help="measure every layer of a workload")
     profile.add_argument("workload", nargs="?", help="built-in name or package.module:function")
     profile.add_argument(
-        "--workload-arg", action="append", default=[], metavar="KEY=VALUE",
+        "--workload-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="option for the workload factory (repeatable)",
     )
     profile.add_argument("--microbatch-size", type=int, default=None, metavar="B")
-    profile.add_argument("--from-pipedream", metavar="GRAPH_TXT",
-                         help="import a graph.txt written by the original PipeDream profiler")
+    profile.add_argument(
+        "--from-pipedream",
+        metavar="GRAPH_TXT",
+        help="import a graph.txt written by the original PipeDream profiler",
+    )
     profile.add_argument("--warmup", type=int, default=3, help="untimed runs per layer")
     profile.add_argument("--repeats", type=int, default=10, help="timed runs per layer (median)")
     profile.add_argument("-o", "--output", required=True, metavar="PROFILE")
@@ -61,35 +67,57 @@ def build_parser() -> argparse.ArgumentParser:
     plan = verbs.add_parser("plan", help="split a profiled model into pipeline stages")
     plan.add_argument("profile", help="profile YAML from `pipedream profile`")
     plan.add_argument("--workers", type=int, metavar="N", help="number of workers (one level)")
-    plan.add_argument("--bandwidth", metavar="B",
-                      help="bytes/s between workers, e.g. 1e9 or '10 GB/s' (default 1e9)")
+    plan.add_argument(
+        "--bandwidth",
+        metavar="B",
+        help="bytes/s between workers, e.g. 1e9 or '10 GB/s' (default 1e9)",
+    )
     plan.add_argument("--topology", metavar="TOPO", help="topology YAML (several levels)")
-    plan.add_argument("--schedule", default="pipedream",
-                      help="pipedream, pipedream-vs, 2bw, 1f1b, gpipe (default pipedream)")
+    plan.add_argument(
+        "--schedule",
+        default="pipedream",
+        help="pipedream, pipedream-vs, 2bw, 1f1b, gpipe (default pipedream)",
+    )
     plan.add_argument("--microbatches", type=int, default=None, metavar="M")
     plan.add_argument("--straight", action="store_true", help="one replica per stage")
     plan.add_argument("--memory", metavar="X", help="memory per worker, e.g. '16 GiB'")
     plan.add_argument("--cost-model", default="pipedream", help="cost model (default pipedream)")
     plan.add_argument("--compare", action="store_true", help="print baseline plans too")
-    plan.add_argument("--fewer-workers", action="store_true",
-                      help="allow plans that leave workers idle when that is no slower")
+    plan.add_argument(
+        "--fewer-workers",
+        action="store_true",
+        help="allow plans that leave workers idle when that is no slower",
+    )
     plan.add_argument("-o", "--output", required=True, metavar="PLAN")
 
     train = verbs.add_parser("train", help="train a plan (run under torchrun / launch.sh)")
     train.add_argument("plan", help="plan YAML from `pipedream plan`")
     train.add_argument("--steps", type=int, default=100, metavar="K", help="minibatches")
-    train.add_argument("--run-dir", default=None, metavar="DIR",
-                       help="where metrics and checkpoints go (default runs/<timestamp>)")
+    train.add_argument(
+        "--run-dir",
+        default=None,
+        metavar="DIR",
+        help="where metrics and checkpoints go (default runs/<timestamp>)",
+    )
     train.add_argument("--seed", type=int, default=0, help="data order seed")
-    train.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
-                       help="also checkpoint every N minibatches (a final one is always written)")
+    train.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also checkpoint every N minibatches (a final one is always written)",
+    )
     train.add_argument("--resume", default=None, metavar="auto|PATH")
     train.add_argument("--trace", action="store_true", help="record per-rank action timelines")
     train.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
-    train.add_argument("--recompute", action="store_true",
-                       help="recompute activations in backward")
-    train.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
-                       help="give up on a silent peer after this long")
+    train.add_argument("--recompute", action="store_true", help="recompute activations in backward")
+    train.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="give up on a silent peer after this long",
+    )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     export = verbs.add_parser("export", help="write a checkpoint's full model state dict")

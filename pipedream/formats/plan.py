@@ -116,7 +116,8 @@ class Prediction:
         )
         if prediction.bottleneck >= num_stages:
             raise reader.error(
-                "bottleneck", f"stage {prediction.bottleneck} does not exist",
+                "bottleneck",
+                f"stage {prediction.bottleneck} does not exist",
                 f"use 0..{num_stages - 1}",
             )
         reader.finish()

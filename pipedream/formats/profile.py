@@ -147,7 +147,8 @@ class Profile:
             layer = LayerProfile.from_reader(reader.child(raw, f"layers[{i}]"))
             if layer.name in names:
                 raise reader.error(
-                    f"layers[{i}].name", f"duplicate layer name {layer.name!r}",
+                    f"layers[{i}].name",
+                    f"duplicate layer name {layer.name!r}",
                     "layer names must be unique",
                 )
             names.add(layer.name)
@@ -189,5 +190,3 @@ def save_profile(profile: Profile, path: str | os.PathLike[str]) -> None:
         profile.to_dict(),
         header=f"pipedream profile of {profile.workload}: {len(profile.layers)} layers",
     )
-
-

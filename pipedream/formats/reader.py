@@ -78,9 +78,7 @@ class MappingReader:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)  # YAML reads layer name 3 as an int; names are strings
         if not isinstance(value, str) or not value:
-            raise self.error(
-                key, f"expected a non-empty string, got {_describe(value)}", _FIX[str]
-            )
+            raise self.error(key, f"expected a non-empty string, got {_describe(value)}", _FIX[str])
         return value
 
     def int(
@@ -92,9 +90,7 @@ class MappingReader:
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int):
-            raise self.error(
-                key, f"expected {_TYPE_NAMES[int]}, got {_describe(value)}", _FIX[int]
-            )
+            raise self.error(key, f"expected {_TYPE_NAMES[int]}, got {_describe(value)}", _FIX[int])
         if minimum is not None and value < minimum:
             raise self.error(key, f"must be >= {minimum}, got {value}", f"use {minimum} or more")
         return value

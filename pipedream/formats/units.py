@@ -35,8 +35,10 @@ def _parse(text: str, *, per_second: bool) -> float:
             body = body[:-2]
     match = _SIZE.match(body)
     if not match:
-        kind = "bandwidth such as '10 GB/s', '100 Gbit/s' or 1e9" if per_second else (
-            "size such as '16 GiB', '512 MB' or 1e9"
+        kind = (
+            "bandwidth such as '10 GB/s', '100 Gbit/s' or 1e9"
+            if per_second
+            else ("size such as '16 GiB', '512 MB' or 1e9")
         )
         raise ValueError(f"cannot parse {original!r}; write a {kind}")
     number = float(match.group(1))
