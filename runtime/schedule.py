@@ -21,7 +21,7 @@ its replicas (``A``) before every update, so it updates once per ``r_s`` minibat
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from pipedream.errors import ScheduleError
@@ -192,13 +192,17 @@ def _version_of(spec: PipelineSpec, stage: int, microbatch: int, updates_done: i
     return updates_done
 
 
-def build_tables(spec: PipelineSpec) -> dict[int, list[Action]]:
-    """One action list per global rank for the whole run."""
+def build_tables(
+    spec: PipelineSpec, *, only_ranks: Collection[int] | None = None
+) -> dict[int, list[Action]]:
+    """One action list per global rank for the whole run (or just for ``only_ranks``)."""
     spec.validate()
     last = spec.num_stages - 1
     tables: dict[int, list[Action]] = {}
     for stage, ranks in enumerate(spec.stage_ranks):
         for replica, rank in enumerate(ranks):
+            if only_ranks is not None and rank not in only_ranks:
+                continue
             table: list[Action] = []
             updates_done = spec.first_minibatch // spec.replicas(stage)
             versions: dict[int, int] = {}

@@ -9,6 +9,7 @@ is a consistent state (DESIGN.md section 8).
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -165,6 +166,30 @@ def _spec(plan: Plan, first: int, count: int) -> PipelineSpec:
     )
 
 
+_VALIDATION_MINIBATCHES = 64
+
+
+def _validate_schedule(plan: Plan, segments: list[tuple[int, int]], *, source: str) -> None:
+    """Validate the action tables of every rank before anything is launched.
+
+    Tables are periodic in the minibatch index (shift-invariant, and after the warm-up every
+    minibatch repeats the same pattern), so a segment longer than a bound is validated at that
+    bound: the check covers the exact plan and schedule without building millions of actions.
+    """
+    multiple = math.lcm(*(stage.replicas for stage in plan.stages))
+    bound = multiple * math.ceil(max(_VALIDATION_MINIBATCHES, 4 * plan.world_size) / multiple)
+    for count in sorted({count for _, count in segments}):
+        spec = _spec(plan, 0, min(count, bound))
+        try:
+            validate_tables(spec, build_tables(spec))
+        except ScheduleError as exc:
+            raise ScheduleError(f"{source}: the action tables are invalid: {exc}") from None
+
+
+def _rank_table(plan: Plan, first: int, count: int, rank: int) -> list[Action]:
+    return build_tables(_spec(plan, first, count), only_ranks=(rank,))[rank]
+
+
 def _check_options(options: TrainOptions, plan: Plan) -> None:
     if options.steps < 1:
         raise LaunchError(f"--steps must be >= 1, got {options.steps}; give the minibatches to run")
@@ -206,12 +231,7 @@ def train(options: TrainOptions) -> int:
         )
         return 0
     segments = _segments(options.steps, options.checkpoint_every, start)
-    try:
-        tables = {first: build_tables(_spec(plan, first, count)) for first, count in segments}
-        for first, count in segments:
-            validate_tables(_spec(plan, first, count), tables[first])
-    except ScheduleError as exc:
-        raise ScheduleError(f"{source}: the action tables are invalid: {exc}") from None
+    _validate_schedule(plan, segments, source=source)
 
     device, backend = _device_and_backend(env)
     timeout = timedelta(seconds=options.timeout)
@@ -231,7 +251,6 @@ def train(options: TrainOptions) -> int:
             workload,
             stage_layers,
             segments,
-            tables,
             device,
             backend,
             resume_from,
@@ -247,7 +266,6 @@ def _run(
     workload: Workload,
     stage_layers: list[list[str]],
     segments: list[tuple[int, int]],
-    tables: dict[int, dict[int, list[Action]]],
     device: torch.device,
     backend: str,
     resume_from: Path | None,
@@ -299,11 +317,12 @@ def _run(
     trace: list[tuple[str, float, float]] | None = [] if options.trace else None
     stats = {"max_versions": 0, "max_copies": 0, "max_in_flight": 0}
     checkpoint_dir = run_dir / "checkpoints"
-    first_segment = segments[0][0]
+    first_segment, first_count = segments[0]
+    table = _rank_table(plan, first_segment, first_count, rank)
     worker = StageWorker(
         config,
         module,
-        tables[first_segment][rank],
+        table,
         optimizer_factory=workload.optimizer,
         loss_fn=workload.loss_fn,
         data=data,
@@ -312,13 +331,11 @@ def _run(
     if resume_from is not None:
         restore_stage(resume_from, worker.module, worker.optimizer, stage=stage_index)
         # the first version must be taken of the restored weights, not the initial ones
-        worker.start_segment(
-            tables[first_segment][rank], initial_version=first_segment // stage.replicas
-        )
+        worker.start_segment(table, initial_version=first_segment // stage.replicas)
     start = time.perf_counter()
     for first, count in segments:
-        table = tables[first][rank]
         if first != first_segment:
+            table = _rank_table(plan, first, count, rank)
             worker.start_segment(table, initial_version=first // stage.replicas)
 
         def on_update(action: Action, microbatches: list[int]) -> None:
