@@ -92,16 +92,20 @@ class Executor:
             tensors, version = self._outbox.pop((_SENDS[op], action.index))
             self.p2p.send(_SENDS[op], action.index, action.peer, tensors, version)
         elif op is Op.FORWARD:
+            assert action.version is not None
             received = self._inbox.pop(("act", action.index), None)
-            if self.check_versions and received is not None and received[1] != action.version:
+            # The tag of activations is the number of minibatches covered by the weights stage 0
+            # used for them; every stage forwards it unchanged. Under vertical sync each stage
+            # must use its version covering the same minibatches.
+            tag = received[1] if received else action.version * self.num_replicas
+            if self.check_versions and action.version != tag // self.num_replicas:
                 raise AssertionError(
                     f"rank {self.rank}: {what} uses version {action.version} but the activations "
-                    f"carry version {received[1]}"
+                    f"carry weights covering {tag} minibatches (vertical sync broken)"
                 )
             outputs = self.worker.forward(action, received[0] if received else None)
-            assert action.version is not None
             if outputs:
-                self._outbox[("act", action.index)] = (outputs, action.version)
+                self._outbox[("act", action.index)] = (outputs, tag)
         elif op is Op.BACKWARD:
             received = self._inbox.pop(("grad", action.index), None)
             grads = self.worker.backward(action, received[0] if received else None)

@@ -179,12 +179,13 @@ def _version_of(spec: PipelineSpec, stage: int, microbatch: int, updates_done: i
     """The weight version a forward uses, by the schedule's update rule (DESIGN.md section 7)."""
     minibatch = microbatch // spec.microbatches
     if spec.schedule == "pipedream-vs":
-        # Every stage uses the version stage 0 used: max(0, t - w_0) updates of stage 0, which for
-        # a straight pipeline is max(0, t - (S - 1)); counted in this stage's own updates.
-        local = (minibatch - spec.first_minibatch) // spec.replicas(stage)
-        stage0_updates = max(0, minibatch - spec.first_minibatch - warmup_depth(spec, 0))
-        base = spec.first_minibatch // spec.replicas(stage)
-        return base + min(local, stage0_updates // spec.replicas(stage))
+        # Every stage uses the weights stage 0 used for this minibatch. Stage 0's replica ran
+        # max(0, i - w_0) updates before the forward of its i-th minibatch, each covering r_0
+        # minibatches; this stage's version covering the same minibatches is that // r_s.
+        r0 = spec.replicas(0)
+        local0 = (minibatch - spec.first_minibatch) // r0
+        covered = max(0, local0 - warmup_depth(spec, 0)) * r0
+        return (spec.first_minibatch + covered) // spec.replicas(stage)
     if spec.schedule == "2bw":
         base = spec.first_minibatch // spec.replicas(stage)
         local = (minibatch - spec.first_minibatch) // spec.replicas(stage)

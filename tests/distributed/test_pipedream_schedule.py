@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from launching import launch, straight_plan, write_plan
-from oracles import stale_sgd_oracle
+from oracles import stale_oracle
 
 from pipedream.data import MicrobatchStream
 from pipedream.runtime.checkpoint import load_full_state_dict
@@ -64,14 +64,14 @@ def test_pipedream_equals_paper_rule(tmp_path: Path, num_stages: int) -> None:
 
     def oracle(staleness):
         fresh = load_workload("mlp", ARGS, microbatch_size=MICROBATCH)
-        return stale_sgd_oracle(
+        return stale_oracle(
             fresh.model,
             stages,
             num_minibatches=steps,
-            lr=0.2,
             minibatch=lambda t: [data.microbatch(t)],
             loss_fn=fresh.loss_fn,
             staleness=staleness,
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.2),
         )
 
     paper = oracle(lambda t, s: max(0, t - (S - 1 - s)))

@@ -1,0 +1,126 @@
+"""Every schedule on gloo against its update rule (DESIGN.md section 7), computed independently
+in one process with plain autograd (tests/support/oracles.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from oracles import plain_training, stale_oracle
+from runs import even_groups, max_rel_diff, train_and_load
+
+from pipedream.data import MicrobatchStream
+from pipedream.workload import load_workload
+
+ARGS = {"layers": "5", "width": "16", "lr": "0.2"}
+B = 8  # microbatch size
+SEED = 0  # the launcher's default --seed
+
+
+def _names() -> list[str]:
+    return [n for n, _ in load_workload("mlp", ARGS).model.named_children()]
+
+
+def _data() -> MicrobatchStream:
+    return MicrobatchStream(load_workload("mlp", ARGS).dataset, B, SEED)
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.2)
+
+
+def _rule(schedule: str, num_stages: int):
+    if schedule == "pipedream":
+        return lambda t, s: max(0, t - (num_stages - 1 - s))
+    if schedule == "pipedream-vs":
+        return lambda t, s: max(0, t - (num_stages - 1))
+    if schedule == "2bw":
+        return lambda t, s: max(0, t - 1)
+    return lambda t, s: t
+
+
+@pytest.mark.parametrize(
+    ("schedule", "num_stages", "m"),
+    [
+        ("pipedream-vs", 2, 1),
+        ("pipedream-vs", 3, 1),
+        ("pipedream-vs", 4, 1),
+        ("2bw", 2, 2),
+        ("2bw", 3, 4),
+        ("2bw", 4, 5),
+        ("1f1b", 2, 1),
+        ("1f1b", 3, 4),
+        ("1f1b", 4, 3),
+        ("gpipe", 2, 3),
+        ("gpipe", 3, 2),
+        ("gpipe", 4, 4),
+    ],
+)
+def test_schedule_equals_its_rule(tmp_path: Path, schedule: str, num_stages: int, m: int) -> None:
+    steps = 2 * num_stages + 1
+    stages = even_groups(_names(), num_stages)
+    got = train_and_load(
+        tmp_path, stages, steps=steps, schedule=schedule, microbatches=m, workload_args=ARGS
+    )
+    data = _data()
+    workload = load_workload("mlp", ARGS)
+    want = stale_oracle(
+        workload.model,
+        stages,
+        num_minibatches=steps,
+        minibatch=lambda t: [data.microbatch(t * m + j) for j in range(m)],
+        loss_fn=workload.loss_fn,
+        staleness=_rule(schedule, num_stages),
+        optimizer=_sgd,
+    )
+    assert max_rel_diff(got, want) < 1e-5
+    if schedule in ("1f1b", "gpipe"):
+        # synchronous: the same as ordinary training on the whole minibatch of m x B samples
+        def batch(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+            parts = [data.microbatch(k * m + j) for j in range(m)]
+            return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+        plain = plain_training(
+            load_workload("mlp", ARGS).model,
+            num_updates=steps,
+            batch=batch,
+            loss_fn=workload.loss_fn,
+            optimizer=_sgd,
+        )
+        assert max_rel_diff(got, plain) < 1e-5
+    else:
+        sync = stale_oracle(
+            load_workload("mlp", ARGS).model,
+            stages,
+            num_minibatches=steps,
+            minibatch=lambda t: [data.microbatch(t * m + j) for j in range(m)],
+            loss_fn=workload.loss_fn,
+            staleness=lambda t, s: t,
+            optimizer=_sgd,
+        )
+        assert max_rel_diff(got, sync) > 1e-4  # the staleness is real
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_one_stage_replicated_is_data_parallel(tmp_path: Path, replicas: int) -> None:
+    """r replicas of the whole model = single-process training on the combined batch."""
+    steps = 2 * replicas
+    got = train_and_load(
+        tmp_path, [_names()], steps=steps, replicas=[replicas], workload_args=ARGS
+    )
+    data = _data()
+
+    def combined(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = [data.microbatch(k * replicas + j) for j in range(replicas)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+    workload = load_workload("mlp", ARGS)
+    want = plain_training(
+        workload.model,
+        num_updates=steps // replicas,
+        batch=combined,
+        loss_fn=workload.loss_fn,
+        optimizer=_sgd,
+    )
+    assert max_rel_diff(got, want) < 1e-5

@@ -1,0 +1,60 @@
+"""Run a plan with launch.sh and read back the final weights (for distributed tests)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from launching import launch, straight_plan, write_plan
+
+from pipedream.runtime.checkpoint import load_full_state_dict
+
+__all__ = ["even_groups", "max_rel_diff", "train_and_load"]
+
+
+def even_groups(names: list[str], num_stages: int) -> list[list[str]]:
+    """Split layer names into ``num_stages`` contiguous groups of near-equal size."""
+    bounds = [round(i * len(names) / num_stages) for i in range(num_stages + 1)]
+    return [names[bounds[i] : bounds[i + 1]] for i in range(num_stages)]
+
+
+def max_rel_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """Largest per-tensor max |got - want| / max |want| over the state dict."""
+    assert set(got) == set(want), sorted(set(got) ^ set(want))
+    return max(
+        float((got[k] - want[k]).abs().max() / want[k].abs().max().clamp_min(1e-12)) for k in want
+    )
+
+
+def train_and_load(
+    tmp: Path,
+    stages: list[list[str]],
+    *,
+    steps: int,
+    workload: str = "mlp",
+    workload_args: dict[str, str] | None = None,
+    schedule: str = "pipedream",
+    microbatch_size: int = 8,
+    microbatches: int = 1,
+    replicas: list[int] | None = None,
+    extra: tuple[str, ...] = (),
+    name: str = "run",
+) -> dict[str, torch.Tensor]:
+    """Launch the plan for ``steps`` minibatches; return the merged final weights."""
+    plan = straight_plan(
+        workload,
+        stages,
+        schedule=schedule,
+        microbatch_size=microbatch_size,
+        microbatches=microbatches,
+        workload_args=workload_args,
+        replicas=replicas,
+    )
+    path = write_plan(plan, tmp / f"{name}.yaml")
+    run_dir = tmp / name
+    result = launch(
+        path, "--steps", str(steps), "--run-dir", str(run_dir), "--timeout", "60",
+        "--no-progress", *extra,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return load_full_state_dict(run_dir / "checkpoints" / f"step-{steps:06d}")
