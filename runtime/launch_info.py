@@ -1,7 +1,7 @@
 """``python -m pipedream.runtime.launch_info PLAN [--nnodes N] [--nproc-per-node P]``.
 
-Used by ``launch.sh`` before torchrun starts: validates the plan and prints the number of
-processes per node, or prints one error line and exits with status 2.
+Used by ``launch.sh`` before torchrun starts: validates the plan and its action tables and
+prints the number of processes per node, or prints the error and exits with status 2.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from pipedream.errors import LaunchError, PipedreamError
 from pipedream.formats.plan import load_plan
+from pipedream.runtime.plan_check import validate_plan_schedule, validation_bound
 
 __all__ = ["main", "processes_per_node"]
 
@@ -53,7 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"--nnodes {args.nnodes!r} / --nproc-per-node {args.nproc_per_node!r} must be "
                 "whole numbers"
             ) from None
-        print(processes_per_node(plan.world_size, nnodes=nnodes, nproc_per_node=nproc))
+        count = processes_per_node(plan.world_size, nnodes=nnodes, nproc_per_node=nproc)
+        validate_plan_schedule(plan, [validation_bound(plan)], source=args.plan)
+        print(count)
     except PipedreamError as exc:
         print(f"launch.sh: error: {exc}", file=sys.stderr)
         return 2

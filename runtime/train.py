@@ -9,7 +9,6 @@ is a consistent state (DESIGN.md section 8).
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
@@ -22,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from pipedream.data import MicrobatchStream
-from pipedream.errors import CheckpointError, LaunchError, ScheduleError
+from pipedream.errors import CheckpointError, LaunchError
 from pipedream.formats.plan import Plan, load_plan
 from pipedream.formats.units import format_bytes
 from pipedream.runtime.actions import Action
@@ -39,9 +38,9 @@ from pipedream.runtime.checkpoint import (
 from pipedream.runtime.comm import P2P
 from pipedream.runtime.executor import Executor
 from pipedream.runtime.metrics import MetricsLogger
-from pipedream.runtime.schedule import PipelineSpec, build_tables
+from pipedream.runtime.plan_check import plan_spec, validate_plan_schedule
+from pipedream.runtime.schedule import build_tables
 from pipedream.runtime.stage import build_stage_module, layer_names, stage_layer_names
-from pipedream.runtime.validate import validate_tables
 from pipedream.runtime.worker import StageWorker, WorkerConfig
 from pipedream.workload import Workload, load_workload
 
@@ -156,38 +155,8 @@ def _segments(steps: int, every: int, start: int = 0) -> list[tuple[int, int]]:
     return out
 
 
-def _spec(plan: Plan, first: int, count: int) -> PipelineSpec:
-    return PipelineSpec(
-        schedule=plan.schedule,
-        stage_ranks=tuple(stage.ranks for stage in plan.stages),
-        microbatches=plan.microbatches,
-        num_minibatches=count,
-        first_minibatch=first,
-    )
-
-
-_VALIDATION_MINIBATCHES = 64
-
-
-def _validate_schedule(plan: Plan, segments: list[tuple[int, int]], *, source: str) -> None:
-    """Validate the action tables of every rank before anything is launched.
-
-    Tables are periodic in the minibatch index (shift-invariant, and after the warm-up every
-    minibatch repeats the same pattern), so a segment longer than a bound is validated at that
-    bound: the check covers the exact plan and schedule without building millions of actions.
-    """
-    multiple = math.lcm(*(stage.replicas for stage in plan.stages))
-    bound = multiple * math.ceil(max(_VALIDATION_MINIBATCHES, 4 * plan.world_size) / multiple)
-    for count in sorted({count for _, count in segments}):
-        spec = _spec(plan, 0, min(count, bound))
-        try:
-            validate_tables(spec, build_tables(spec))
-        except ScheduleError as exc:
-            raise ScheduleError(f"{source}: the action tables are invalid: {exc}") from None
-
-
 def _rank_table(plan: Plan, first: int, count: int, rank: int) -> list[Action]:
-    return build_tables(_spec(plan, first, count), only_ranks=(rank,))[rank]
+    return build_tables(plan_spec(plan, first, count), only_ranks=(rank,))[rank]
 
 
 def _check_options(options: TrainOptions, plan: Plan) -> None:
@@ -231,7 +200,7 @@ def train(options: TrainOptions) -> int:
         )
         return 0
     segments = _segments(options.steps, options.checkpoint_every, start)
-    _validate_schedule(plan, segments, source=source)
+    validate_plan_schedule(plan, {count for _, count in segments}, source=source)
 
     device, backend = _device_and_backend(env)
     timeout = timedelta(seconds=options.timeout)

@@ -1,0 +1,53 @@
+"""Checking a plan's schedule before anything is launched (pure code, no torch).
+
+``launch.sh`` runs this through ``pipedream.runtime.launch_info`` before torchrun starts, and
+every rank runs it again before joining the process group, so an invalid action table never
+reaches the network.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from pipedream.errors import ScheduleError
+from pipedream.formats.plan import Plan
+from pipedream.runtime.schedule import PipelineSpec, build_tables
+from pipedream.runtime.validate import validate_tables
+
+__all__ = ["VALIDATION_MINIBATCHES", "plan_spec", "validate_plan_schedule", "validation_bound"]
+
+VALIDATION_MINIBATCHES = 64
+"""Segments longer than this (rounded up to the replica multiple) are validated at this length."""
+
+
+def plan_spec(plan: Plan, first: int, count: int) -> PipelineSpec:
+    """The schedule generator's view of ``count`` minibatches of ``plan`` from ``first`` on."""
+    return PipelineSpec(
+        schedule=plan.schedule,
+        stage_ranks=tuple(stage.ranks for stage in plan.stages),
+        microbatches=plan.microbatches,
+        num_minibatches=count,
+        first_minibatch=first,
+    )
+
+
+def validation_bound(plan: Plan) -> int:
+    multiple = math.lcm(*(stage.replicas for stage in plan.stages))
+    return multiple * math.ceil(max(VALIDATION_MINIBATCHES, 4 * plan.world_size) / multiple)
+
+
+def validate_plan_schedule(plan: Plan, counts: Iterable[int], *, source: str) -> None:
+    """Validate every rank's action table for segments of each of ``counts`` minibatches.
+
+    Tables are shift-invariant in the minibatch index and periodic after the warm-up, so a
+    segment longer than :func:`validation_bound` is validated at that bound: the check covers the
+    exact plan and schedule without building millions of actions.
+    """
+    bound = validation_bound(plan)
+    for count in sorted(set(counts)):
+        spec = plan_spec(plan, 0, min(count, bound))
+        try:
+            validate_tables(spec, build_tables(spec))
+        except ScheduleError as exc:
+            raise ScheduleError(f"{source}: the action tables are invalid: {exc}") from None
