@@ -441,3 +441,29 @@ def test_no_verb_exits_2() -> None:
 def test_missing_required_option_exits_2(tmp_path: Path) -> None:
     line = _one_line(run_cli("export", str(tmp_path)), "pipedream export: error: ")
     assert "-o/--output" in line
+
+
+def test_launch_rejects_an_invalid_schedule_before_torchrun(tmp_path: Path) -> None:
+    """2bw needs at least as many microbatches as stages: caught by launch.sh's table check."""
+    plan = {
+        "format": "pipedream/plan@1",
+        "workload": "mlp",
+        "schedule": "2bw",
+        "microbatch_size": 4,
+        "microbatches": 2,
+        "world_size": 3,
+        "stages": [
+            {"first_layer": "0", "last_layer": "2", "replicas": 1, "ranks": [0]},
+            {"first_layer": "3", "last_layer": "5", "replicas": 1, "ranks": [1]},
+            {"first_layer": "6", "last_layer": "8", "replicas": 1, "ranks": [2]},
+        ],
+    }
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(plan))
+    result = launch(path, "--steps", "4", timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"launch.sh: error: {path}: the action tables are invalid: schedule '2bw' needs "
+        "microbatches >= stages (3), got 2"
+    ]
+    assert "torch.distributed" not in result.stdout + result.stderr
