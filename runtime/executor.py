@@ -126,7 +126,11 @@ class Executor:
 
     def _allreduce(self, what: str) -> None:
         grads = self.worker.gradients()
-        flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
+        flat = (
+            torch.cat([g.reshape(-1) for g in grads])
+            if grads
+            else torch.zeros(0, device=self.worker.config.device)
+        )
         work = dist.all_reduce(flat, group=self.replica_group, async_op=True)
         try:
             finished = work.wait(timeout=timedelta(seconds=self.timeout))

@@ -8,6 +8,7 @@ is a consistent state (DESIGN.md section 8).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -225,7 +226,9 @@ def train(options: TrainOptions) -> int:
             resume_from,
         )
     finally:
+        gc.collect()  # drop lingering gloo work objects (in cycles) while the interpreter lives
         dist.destroy_process_group()
+        gc.collect()
 
 
 def _run(
@@ -308,9 +311,9 @@ def _run(
             worker.start_segment(table, initial_version=first // stage.replicas)
 
         def on_update(action: Action, microbatches: list[int]) -> None:
-            if logger is not None:
-                losses = [worker.losses.pop(mb) for mb in microbatches]
-                logger.log(action.index, sum(losses) / len(losses))
+            losses = [worker.losses.pop(mb) for mb in microbatches if mb in worker.losses]
+            if logger is not None and losses:
+                logger.log(action.index, float(torch.stack(losses).mean()))
 
         executor = Executor(
             worker,

@@ -82,8 +82,9 @@ class StageWorker:
         self.versions = WeightVersions(self.module, table, initial_version=initial_version)
         self._stash: dict[int, _Stashed] = {}
         self.max_in_flight = 0
-        self.losses: dict[int, float] = {}
-        """Unscaled loss of each microbatch (last stage only)."""
+        self.losses: dict[int, Tensor] = {}
+        """Unscaled loss of each microbatch (last stage only; detached, on the device, so that
+        logging does not synchronise with the GPU after every microbatch)."""
 
     # -- helpers ---------------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager[None]:
@@ -137,14 +138,14 @@ class StageWorker:
             with torch.no_grad():
                 outputs = self._run(self.versions.get(action.version), inputs)
                 if self.config.is_last:
-                    self.losses[action.index] = float(self._loss(action.index, outputs))
+                    self.losses[action.index] = self._loss(action.index, outputs)
         else:
             stash.params = self._leaf_params(action.version)
             outputs = self._run(stash.params, inputs)
             stash.outputs = outputs
             if self.config.is_last:
                 stash.loss = self._loss(action.index, outputs)
-                self.losses[action.index] = float(stash.loss.detach())
+                self.losses[action.index] = stash.loss.detach()
         self._stash[action.index] = stash
         self.max_in_flight = max(self.max_in_flight, len(self._stash))
         return [] if self.config.is_last else [o.detach() for o in outputs]
