@@ -345,14 +345,46 @@ def _run(
     everyone: list[Any] = [None] * env.world_size
     dist.all_gather_object(everyone, stats)
     if trace is not None:
-        (run_dir / "traces").mkdir(parents=True, exist_ok=True)
-        (run_dir / "traces" / f"rank-{rank:03d}.json").write_text(json.dumps(trace))
+        _write_trace(run_dir, trace, rank=rank, stage=stage_index, world_size=env.world_size)
     final = checkpoint_dir / step_dir_name(options.steps)
     if logger is not None:
         _summary(options, plan, workload, logger, elapsed, everyone, final, run_dir)
         logger.close()
     dist.barrier()
     return 0
+
+
+TRACE_FORMAT = "pipedream/trace@1"
+
+
+def _write_trace(
+    run_dir: Path,
+    trace: list[tuple[str, float, float]],
+    *,
+    rank: int,
+    stage: int,
+    world_size: int,
+) -> None:
+    """``traces/rank-NNN.json``: every action's start and end, on a clock shared by all ranks.
+
+    The executor records ``time.perf_counter()`` (cheap, monotonic); it is converted to Unix
+    seconds with one offset per rank so that the ranks' timelines line up when merged.
+    """
+    offset = time.time() - time.perf_counter()
+    payload = {
+        "format": TRACE_FORMAT,
+        "rank": rank,
+        "stage": stage,
+        "world_size": world_size,
+        "clock": "unix seconds",
+        "events": [
+            {"action": name, "start": start + offset, "end": end + offset}
+            for name, start, end in trace
+        ],
+    }
+    directory = run_dir / "traces"
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"rank-{rank:03d}.json").write_text(json.dumps(payload))
 
 
 def _resume_point(options: TrainOptions, plan: Plan) -> Path | None:
