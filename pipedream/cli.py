@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from pipedream import __version__
-from pipedream.errors import PipedreamError
+from pipedream.errors import PipedreamError, RunFailure
 
 __all__ = ["build_parser", "main"]
 
@@ -107,7 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="also checkpoint every N minibatches (a final one is always written)",
     )
-    train.add_argument("--resume", default=None, metavar="auto|PATH")
+    train.add_argument("--resume", default=None, metavar="auto|PATH",
+                       help="continue from the newest complete checkpoint in --run-dir (auto) "
+                       "or from a checkpoint directory, possibly written under another plan")
+    train.add_argument("--keep", type=int, default=0, metavar="K",
+                       help="keep only the newest K checkpoints (default 0: keep all)")
+    train.add_argument("--on-nonfinite", default="stop", choices=["stop", "skip"],
+                       help="on a NaN/inf loss: stop with a message (default), or skip the "
+                       "microbatch (zero gradient) and count it")
     train.add_argument("--trace", action="store_true", help="record per-rank action timelines")
     train.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     train.add_argument("--recompute", action="store_true", help="recompute activations in backward")
@@ -136,6 +143,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PipedreamError as exc:
         print(f"pipedream {args.verb}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except RunFailure as exc:
+        print(f"pipedream {args.verb}: failed: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
     except KeyboardInterrupt:
         print(f"pipedream {args.verb}: interrupted", file=sys.stderr)
         return EXIT_FAILURE

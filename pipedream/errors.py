@@ -13,6 +13,7 @@ __all__ = [
     "LaunchError",
     "PipedreamError",
     "PlanningError",
+    "RunFailure",
     "ScheduleError",
     "WorkloadError",
 ]
@@ -58,3 +59,8 @@ class LaunchError(PipedreamError):
 
 class CheckpointError(PipedreamError):
     """A checkpoint is missing, incomplete, corrupt or does not match the model."""
+
+
+class RunFailure(RuntimeError):
+    """A run stopped for a reason outside the user's input: a dead or silent peer, a non-finite
+    loss. Not a ``ValueError``: the CLI prints the one-line message and exits with status 1."""

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from pipedream.errors import RunFailure
+
 __all__ = ["HEADER_LEN", "P2P", "PeerTimeoutError", "decode_header", "encode_header", "message_tag"]
 
 HEADER_LEN = 64
@@ -42,8 +44,8 @@ _DTYPES = [
 _KINDS = {"act": 0, "grad": 1}
 
 
-class PeerTimeoutError(RuntimeError):
-    """A peer did not answer in time (it probably died); names who waited for what."""
+class PeerTimeoutError(RunFailure):
+    """A peer failed or did not answer in time (it probably died); names who waited for what."""
 
 
 def message_tag(kind: str, microbatch: int, part: int) -> int:
@@ -163,8 +165,10 @@ class P2P:
         try:
             ok = work.wait(timeout=timedelta(seconds=self.timeout))
         except RuntimeError as exc:
+            reason = " ".join(str(exc).split())  # one line
             raise PeerTimeoutError(
-                f"rank {self.rank}: {what} failed after {time.monotonic() - start:.0f}s: {exc}"
+                f"rank {self.rank}: {what} failed after {time.monotonic() - start:.0f}s; the peer "
+                f"probably died ({reason[:300]})"
             ) from None
         if ok is False:
             raise PeerTimeoutError(

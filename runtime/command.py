@@ -24,6 +24,8 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             checkpoint_every=args.checkpoint_every,
             resume=args.resume,
+            keep=args.keep,
+            on_nonfinite=args.on_nonfinite,
             trace=args.trace,
             precision=args.precision,
             recompute=args.recompute,

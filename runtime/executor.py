@@ -22,10 +22,13 @@ from pipedream.runtime.actions import Action, Op
 from pipedream.runtime.comm import P2P, PeerTimeoutError
 from pipedream.runtime.worker import StageWorker
 
-__all__ = ["Executor", "UpdateEvent"]
+__all__ = ["SKIP_TAG", "Executor", "UpdateEvent"]
 
 _RECVS = {Op.RECV_ACT: "act", Op.RECV_GRAD: "grad"}
 _SENDS = {Op.SEND_ACT: "act", Op.SEND_GRAD: "grad"}
+
+SKIP_TAG = -1
+"""Version tag of the gradient message of a microbatch whose non-finite loss was skipped."""
 
 UpdateEvent = tuple[Action, list[int]]
 """An update and the microbatches whose gradients it applied."""
@@ -63,6 +66,10 @@ class Executor:
         self._inbox: dict[tuple[str, int], tuple[list[Tensor], int]] = {}
         self._outbox: dict[tuple[str, int], tuple[list[Tensor], int]] = {}
         self._since_update: list[int] = []
+        self.compute_s = 0.0
+        """Seconds spent in forward, backward and update actions."""
+        self.communication_s = 0.0
+        """Seconds spent in sends, receive waits and allreduces (the rest of the time)."""
 
     def run(self) -> None:
         receives = [p for p, a in enumerate(self.table) if a.op in _RECVS]
@@ -76,8 +83,13 @@ class Executor:
             self.p2p.poll()
             start = time.perf_counter()
             self._execute(position, action)
+            end = time.perf_counter()
+            if action.op in (Op.FORWARD, Op.BACKWARD, Op.UPDATE):
+                self.compute_s += end - start
+            else:
+                self.communication_s += end - start
             if self.trace is not None:
-                self.trace.append((str(action), start, time.perf_counter()))
+                self.trace.append((str(action), start, end))
         self.p2p.drain(what=f"the last sends of stage {self.worker.config.stage}")
 
     def _execute(self, position: int, action: Action) -> None:
@@ -107,11 +119,20 @@ class Executor:
             if outputs:
                 self._outbox[("act", action.index)] = (outputs, tag)
         elif op is Op.BACKWARD:
-            received = self._inbox.pop(("grad", action.index), None)
-            grads = self.worker.backward(action, received[0] if received else None)
             assert action.version is not None
+            received = self._inbox.pop(("grad", action.index), None)
+            # a microbatch with a skipped non-finite loss travels back as "skip", not as zeros
+            # pushed through autograd (0 * inf would be NaN in the weight gradients)
+            skip = action.index in self.worker.skipped or (
+                received is not None and received[1] == SKIP_TAG
+            )
+            if skip:
+                grads = self.worker.skip_backward(action)
+            else:
+                grads = self.worker.backward(action, received[0] if received else None)
             if grads:
-                self._outbox[("grad", action.index)] = (grads, action.version)
+                tag = SKIP_TAG if skip else action.version
+                self._outbox[("grad", action.index)] = (grads, tag)
             self._since_update.append(action.index)
             self.worker.release(position + 1)
         elif op is Op.ALLREDUCE:

@@ -29,6 +29,8 @@ class WeightVersions:
 
     def __init__(self, module: nn.Module, table: Sequence[Action], *, initial_version: int):
         self.params: dict[str, nn.Parameter] = dict(module.named_parameters())
+        self.table = table
+        """The action table these versions serve."""
         self.live_version = initial_version
         self._last_use: dict[int, int] = {}
         update_positions: list[int] = []

@@ -16,10 +16,15 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from pipedream.data import MicrobatchStream
+from pipedream.errors import RunFailure
 from pipedream.runtime.actions import Action
 from pipedream.runtime.weights import WeightVersions
 
-__all__ = ["StageWorker", "WorkerConfig"]
+__all__ = ["NonFiniteLossError", "StageWorker", "WorkerConfig"]
+
+
+class NonFiniteLossError(RunFailure):
+    """The loss of a microbatch was NaN or infinite."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,8 @@ class WorkerConfig:
     """Keep only the stage inputs in forward and recompute the forward in backward."""
     precision: str = "fp32"
     """``fp32`` or ``bf16`` (autocast; the weights stay fp32)."""
+    skip_nonfinite: bool = False
+    """On a NaN/inf loss, give the microbatch a zero gradient and count it instead of stopping."""
 
     @property
     def is_first(self) -> bool:
@@ -82,6 +89,8 @@ class StageWorker:
         self.versions = WeightVersions(self.module, table, initial_version=initial_version)
         self._stash: dict[int, _Stashed] = {}
         self.max_in_flight = 0
+        self.skipped: set[int] = set()
+        """Microbatches whose non-finite loss was skipped (``skip_nonfinite``)."""
         self.losses: dict[int, Tensor] = {}
         """Unscaled loss of each microbatch (last stage only; detached, on the device, so that
         logging does not synchronise with the GPU after every microbatch)."""
@@ -114,10 +123,24 @@ class StageWorker:
         return [t.detach().requires_grad_(t.is_floating_point()) for t in received]
 
     def _loss(self, microbatch: int, outputs: list[Tensor]) -> Tensor:
-        """The workload's (unscaled) loss of a microbatch; the last stage reads its targets."""
+        """The workload's (unscaled) loss of a microbatch; the last stage reads its targets.
+
+        A non-finite loss stops the run (:class:`NonFiniteLossError`) or, with
+        ``skip_nonfinite``, is replaced by a constant zero: the microbatch then contributes a
+        zero gradient to every stage while the schedule runs on unchanged.
+        """
         assert self.data is not None
         _, targets = self.data.microbatch(microbatch)
-        return self.loss_fn(outputs[0], targets.to(self.config.device))
+        loss = self.loss_fn(outputs[0], targets.to(self.config.device))
+        if not bool(torch.isfinite(loss.detach())):
+            if not self.config.skip_nonfinite:
+                raise NonFiniteLossError(
+                    f"non-finite loss ({float(loss.detach())}) at microbatch {microbatch} "
+                    f"(minibatch {microbatch // self.config.microbatches})"
+                )
+            self.skipped.add(microbatch)
+            return torch.zeros((), device=self.config.device, requires_grad=True)
+        return loss
 
     def start_segment(self, table: Sequence[Action], *, initial_version: int) -> None:
         """Continue with the next table (after a drain), keeping module and optimizer state."""
@@ -138,14 +161,17 @@ class StageWorker:
             with torch.no_grad():
                 outputs = self._run(self.versions.get(action.version), inputs)
                 if self.config.is_last:
-                    self.losses[action.index] = self._loss(action.index, outputs)
+                    loss = self._loss(action.index, outputs)
+                    if action.index not in self.skipped:
+                        self.losses[action.index] = loss
         else:
             stash.params = self._leaf_params(action.version)
             outputs = self._run(stash.params, inputs)
             stash.outputs = outputs
             if self.config.is_last:
                 stash.loss = self._loss(action.index, outputs)
-                self.losses[action.index] = stash.loss.detach()
+                if action.index not in self.skipped:
+                    self.losses[action.index] = stash.loss.detach()
         self._stash[action.index] = stash
         self.max_in_flight = max(self.max_in_flight, len(self._stash))
         return [] if self.config.is_last else [o.detach() for o in outputs]
@@ -184,6 +210,15 @@ class StageWorker:
             grad = next(input_grads) if tensor.requires_grad else None
             out.append(torch.zeros_like(tensor) if grad is None else grad)
         return out
+
+    def skip_backward(self, action: Action) -> list[Tensor]:
+        """Drop a microbatch whose loss was non-finite: no parameter gradient, zero input
+        gradients for the previous stage (which skips it too, so no 0 * inf anywhere)."""
+        stash = self._stash.pop(action.index)
+        self.skipped.add(action.index)
+        if self.config.is_first:
+            return []
+        return [torch.zeros_like(t) for t in stash.inputs]
 
     def gradients(self) -> list[Tensor]:
         """The live parameters' gradients (zeros where a parameter got none)."""

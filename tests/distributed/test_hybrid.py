@@ -32,7 +32,12 @@ def test_hybrid_equals_reference_executor(
 ) -> None:
     steps = 6
     got = train_and_load(
-        tmp_path, stages, steps=steps, schedule=schedule, microbatches=m, replicas=replicas,
+        tmp_path,
+        stages,
+        steps=steps,
+        schedule=schedule,
+        microbatches=m,
+        replicas=replicas,
         workload_args=ARGS,
     )
     want, workers = reference_weights(

@@ -106,9 +106,7 @@ def test_schedule_equals_its_rule(tmp_path: Path, schedule: str, num_stages: int
 def test_one_stage_replicated_is_data_parallel(tmp_path: Path, replicas: int) -> None:
     """r replicas of the whole model = single-process training on the combined batch."""
     steps = 2 * replicas
-    got = train_and_load(
-        tmp_path, [_names()], steps=steps, replicas=[replicas], workload_args=ARGS
-    )
+    got = train_and_load(tmp_path, [_names()], steps=steps, replicas=[replicas], workload_args=ARGS)
     data = _data()
 
     def combined(k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,7 +43,12 @@ def test_optimizers_and_recompute(
     stages = even_groups([n for n, _ in workload.model.named_children()], num_stages)
     steps = 2 * num_stages + 2
     got = train_and_load(
-        tmp_path, stages, steps=steps, schedule=schedule, microbatches=m, workload_args=args,
+        tmp_path,
+        stages,
+        steps=steps,
+        schedule=schedule,
+        microbatches=m,
+        workload_args=args,
         extra=("--recompute",) if recompute else (),
     )
     data = MicrobatchStream(workload.dataset, B, 0)
@@ -72,8 +77,17 @@ def _gpt_final_loss(tmp: Path, name: str, *extra: str) -> float:
     plan = straight_plan("gpt", even_groups(names, 2), microbatch_size=16, workload_args=GPT)
     path = write_plan(plan, tmp / f"{name}.yaml")
     run_dir = tmp / name
-    result = launch(path, "--steps", "150", "--run-dir", str(run_dir), "--timeout", "60",
-                    "--no-progress", *extra)
+    result = launch(
+        path,
+        "--steps",
+        "150",
+        "--run-dir",
+        str(run_dir),
+        "--timeout",
+        "60",
+        "--no-progress",
+        *extra,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return sum(line["loss"] for line in lines[-20:]) / 20
@@ -106,10 +120,31 @@ def test_two_nodes_equal_one_node_and_runs_are_bit_identical(tmp_path: Path) -> 
     env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
     nodes = [
         subprocess.Popen(
-            ["bash", str(REPO / "launch.sh"), str(plan), "--nnodes", "2", "--node-rank", str(n),
-             "--master-addr", "127.0.0.1", "--master-port", str(port), "--steps", "8",
-             "--run-dir", str(tmp_path / "two"), "--timeout", "60", "--no-progress"],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                "bash",
+                str(REPO / "launch.sh"),
+                str(plan),
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(n),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                "--steps",
+                "8",
+                "--run-dir",
+                str(tmp_path / "two"),
+                "--timeout",
+                "60",
+                "--no-progress",
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
             start_new_session=True,
         )
         for n in range(2)

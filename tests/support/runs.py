@@ -53,8 +53,15 @@ def train_and_load(
     path = write_plan(plan, tmp / f"{name}.yaml")
     run_dir = tmp / name
     result = launch(
-        path, "--steps", str(steps), "--run-dir", str(run_dir), "--timeout", "60",
-        "--no-progress", *extra,
+        path,
+        "--steps",
+        str(steps),
+        "--run-dir",
+        str(run_dir),
+        "--timeout",
+        "60",
+        "--no-progress",
+        *extra,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return load_full_state_dict(run_dir / "checkpoints" / f"step-{steps:06d}")

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipedream.runtime import train
-from pipedream.runtime.train import LaunchEnv
+from pipedream.runtime import launch_env
+from pipedream.runtime.launch_env import LaunchEnv
 
 
 def test_gloo_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    device, backend = train._device_and_backend(LaunchEnv(1, 2, 1, under_torchrun=True))
+    device, backend = launch_env.device_and_backend(LaunchEnv(1, 2, 1, under_torchrun=True))
     assert (device, backend) == (torch.device("cpu"), "gloo")
 
 
@@ -20,7 +20,7 @@ def test_nccl_with_one_gpu_per_local_rank(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
-    device, backend = train._device_and_backend(
+    device, backend = launch_env.device_and_backend(
         LaunchEnv(6, 8, 2, under_torchrun=True, local_world_size=4)
     )
     assert (device, backend) == (torch.device("cuda", 2), "nccl")
@@ -35,4 +35,4 @@ def test_gloo_on_every_rank_when_some_local_rank_has_no_gpu(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     env = LaunchEnv(local_rank, 4, local_rank, under_torchrun=True, local_world_size=4)
-    assert train._device_and_backend(env) == (torch.device("cpu"), "gloo")
+    assert launch_env.device_and_backend(env) == (torch.device("cpu"), "gloo")

@@ -12,7 +12,11 @@ FOUR = [["0"], ["1"], ["2"], ["3"]]
 
 def _held(schedule: str, m: int, replicas: list[int] | None = None, stages=FOUR):
     _, workers = reference_weights(
-        stages, replicas or [1] * len(stages), schedule=schedule, microbatches=m, steps=8,
+        stages,
+        replicas or [1] * len(stages),
+        schedule=schedule,
+        microbatches=m,
+        steps=8,
         workload_args=ARGS,
     )
     return [

@@ -1,0 +1,123 @@
+"""The checkpoint protocol of a running job: who writes what, when, and where a run resumes.
+
+Replica 0 of every stage writes its stage file; rank 0 gathers the checksums and writes the
+manifest last, then prunes old checkpoints (``--keep``). A resumed run picks the newest complete
+and valid checkpoint (``--resume auto``) or a given one, written under any plan of the same
+workload and minibatch shape.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from pipedream.errors import CheckpointError, LaunchError
+from pipedream.formats.plan import Plan
+from pipedream.runtime.checkpoint import (
+    find_latest_checkpoint,
+    load_manifest,
+    save_stage_file,
+    stage_payload,
+    write_manifest,
+)
+from pipedream.runtime.worker import StageWorker
+
+__all__ = ["prune_checkpoints", "resume_point", "write_checkpoint"]
+
+
+def write_checkpoint(
+    directory: Path,
+    worker: StageWorker,
+    plan: Plan,
+    *,
+    rank: int,
+    stage: int,
+    step: int,
+    keep: int,
+) -> None:
+    """Collective: every rank calls it at the same step, after the pipeline drained."""
+    entry = None
+    if plan.stages[stage].ranks[0] == rank:
+        payload = stage_payload(
+            worker.module,
+            worker.optimizer,
+            stage=stage,
+            step=step,
+            data_position=step * plan.microbatches,
+        )
+        entry = (stage, *save_stage_file(directory, stage, payload))
+    entries: list[Any] = [None] * plan.world_size
+    dist.all_gather_object(entries, entry)
+    if rank == 0:
+        files = sorted(e for e in entries if e is not None)
+        write_manifest(
+            directory,
+            step=step,
+            files=[(name, digest) for _, name, digest in files],
+            extra={
+                "schedule": plan.schedule,
+                "num_stages": plan.num_stages,
+                "workload": plan.workload,
+                "workload_args": dict(plan.workload_args),
+                "microbatch_size": plan.microbatch_size,
+                "microbatches": plan.microbatches,
+            },
+        )
+        if keep > 0:
+            prune_checkpoints(directory.parent, keep=keep)
+    dist.barrier()
+
+
+def prune_checkpoints(checkpoints: Path, *, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` complete checkpoints; returns what was deleted.
+
+    Incomplete directories (no manifest: a write that died) older than the newest complete
+    checkpoint are deleted too.
+    """
+    steps = sorted(
+        (p for p in checkpoints.iterdir() if p.is_dir() and p.name.startswith("step-")),
+        key=lambda p: p.name,
+    )
+    complete = [p for p in steps if (p / "manifest.yaml").is_file()]
+    if not complete:
+        return []
+    survivors = set(complete[-keep:])
+    newest = complete[-1].name
+    doomed = [p for p in steps if p not in survivors and p.name < newest]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+def resume_point(resume: str | None, run_dir: str | None, plan: Plan) -> Path | None:
+    """The checkpoint to resume from (``--resume auto|PATH``), checked against the plan."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        if run_dir is None:
+            raise LaunchError("--resume auto needs --run-dir (the run whose checkpoints to use)")
+        found = find_latest_checkpoint(Path(run_dir) / "checkpoints")
+        if found is None:
+            print(f"pipedream: no checkpoint in {run_dir}; starting from scratch", file=sys.stderr)
+            return None
+        path = found
+    else:
+        path = Path(resume)
+    manifest = load_manifest(path)
+    samples = (manifest.get("microbatch_size"), manifest.get("microbatches"))
+    if manifest.get("workload") != plan.workload:
+        raise CheckpointError(
+            f"{path}: was written for workload {manifest.get('workload')!r}, the plan trains "
+            f"{plan.workload!r}; resume with a plan for the same workload"
+        )
+    if samples != (plan.microbatch_size, plan.microbatches):
+        raise CheckpointError(
+            f"{path}: minibatches of {samples[1]} x {samples[0]} samples, the plan uses "
+            f"{plan.microbatches} x {plan.microbatch_size}; the data position would not match, "
+            "so keep microbatch_size and microbatches when resuming"
+        )
+    return path

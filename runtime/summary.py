@@ -1,0 +1,123 @@
+"""The end-of-run summary: measured vs predicted time per minibatch, per-rank busy and bubble
+fractions, peak memory, weight versions held, and the workload's evaluation."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipedream.formats.plan import Plan
+from pipedream.formats.units import format_bytes
+from pipedream.runtime.checkpoint import load_full_state_dict
+from pipedream.runtime.metrics import MetricsLogger
+from pipedream.workload import Workload
+
+__all__ = ["RankStats", "peak_memory_bytes", "report"]
+
+
+@dataclass(frozen=True)
+class RankStats:
+    """What one rank measured about itself."""
+
+    rank: int
+    stage: int
+    max_in_flight: int
+    """Most microbatches between forward and backward at once."""
+    max_versions: int
+    """Most weight versions held at once."""
+    max_copies: int
+    """Most weight copies held at once (versions that could not alias the live weights)."""
+    copy_bytes: int
+    """Bytes of one copy of the stage's parameters."""
+    compute_s: float
+    """Seconds in forward, backward and update."""
+    elapsed_s: float
+    """Seconds from the first to the last action."""
+    peak_memory_bytes: int
+    """Peak resident memory of the process (CPU) or peak allocated GPU memory."""
+    skipped: int
+    """Microbatches skipped for a non-finite loss."""
+
+    @property
+    def busy_fraction(self) -> float:
+        return self.compute_s / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
+
+
+def report(
+    *,
+    plan: Plan,
+    steps: int,
+    workload: Workload,
+    logger: MetricsLogger,
+    elapsed: float,
+    ranks: list[RankStats],
+    checkpoint: Path,
+    run_dir: Path,
+) -> dict[str, Any]:
+    """Print the summary on stderr and write ``summary.json``; returns the summary."""
+    measured = logger.time_per_step_ms()
+    predicted = plan.prediction.time_per_minibatch_ms if plan.prediction else None
+    first = logger.losses[0] if logger.losses else float("nan")
+    final = logger.losses[-1] if logger.losses else float("nan")
+    summary: dict[str, Any] = {
+        "minibatches": steps,
+        "wall_time_s": round(elapsed, 3),
+        "time_per_minibatch_ms_measured": round(measured, 3) if measured else None,
+        "time_per_minibatch_ms_predicted": predicted,
+        "first_loss": first,
+        "final_loss": final,
+        "ranks": [
+            {**asdict(r), "busy_fraction": round(r.busy_fraction, 4)}
+            for r in sorted(ranks, key=lambda r: r.rank)
+        ],
+        "checkpoint": str(checkpoint),
+    }
+    lines = [
+        f"done: {steps} minibatches in {elapsed:.1f} s; loss {first:.4f} -> {final:.4f}",
+        "time per minibatch: "
+        + (f"{measured:.2f} ms measured (steady state)" if measured else "n/a measured")
+        + (
+            f", {predicted:.2f} ms predicted by the plan"
+            if predicted is not None
+            else " (hand-written plan: no prediction)"
+        ),
+    ]
+    for r in sorted(ranks, key=lambda r: r.rank):
+        lines.append(
+            f"  rank {r.rank} stage {r.stage}: busy {r.busy_fraction:.0%} (bubble "
+            f"{1 - r.busy_fraction:.0%}), peak memory {format_bytes(r.peak_memory_bytes)}, "
+            f"up to {r.max_in_flight} microbatches in flight, {r.max_versions} weight versions "
+            f"held ({r.max_copies} copies x {format_bytes(r.copy_bytes)})"
+        )
+    skipped = sum(r.skipped for r in ranks if r.stage == plan.num_stages - 1)
+    if skipped:
+        lines.append(f"skipped {skipped} microbatches with a non-finite loss (zero gradient)")
+    summary["skipped_microbatches"] = skipped
+    cores = os.cpu_count() or 1
+    if plan.world_size > cores and not torch.cuda.is_available():
+        lines.append(
+            f"note: {plan.world_size} processes share {cores} CPU cores, so measured times "
+            "include that contention; the prediction assumes one worker per process"
+        )
+    if workload.evaluate is not None:
+        workload.model.load_state_dict(load_full_state_dict(checkpoint))
+        metrics = workload.evaluate(workload.model)
+        summary["evaluation"] = metrics
+        lines.append("evaluation: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    lines.append(f"checkpoint: {checkpoint}")
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    return summary
