@@ -61,9 +61,19 @@ done
 nproc=$("$python_bin" -m pipedream.runtime.launch_info "$plan" --nnodes "${nnodes:-1}" \
           ${nproc:+--nproc-per-node "$nproc"})
 
+# Pin the run directory here, so that workers restarted by torchrun (--max-restarts) find the
+# checkpoints of the run they continue.
+has_run_dir=0
+for arg in "${train_args[@]+"${train_args[@]}"}"; do
+  [[ "$arg" == --run-dir || "$arg" == --run-dir=* ]] && has_run_dir=1
+done
+if [[ $has_run_dir -eq 0 ]]; then
+  train_args+=(--run-dir "runs/$(date +%Y%m%d-%H%M%S)")
+fi
+
 if [[ $rendezvous -eq 0 && "${nnodes:-1}" == "1" ]]; then
   torchrun_args+=(--standalone)
 fi
 
 exec "$python_bin" -m torch.distributed.run "${torchrun_args[@]}" --nproc-per-node "$nproc" \
-  -m pipedream.cli train "$plan" "${train_args[@]}"
+  -m pipedream.cli train "$plan" "${train_args[@]+"${train_args[@]}"}"

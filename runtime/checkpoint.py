@@ -125,6 +125,25 @@ def load_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointError(f"{path}: not valid YAML; the checkpoint is corrupt") from None
     if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{path}: not a {CHECKPOINT_FORMAT} manifest")
+    step, stages = manifest.get("step"), manifest.get("stages")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"{path}: step: expected a whole number >= 0, got {step!r}")
+    if (
+        not isinstance(stages, list)
+        or not stages
+        or not all(
+            isinstance(e, dict)
+            and isinstance(e.get("file"), str)
+            and isinstance(e.get("sha256"), str)
+            and "/" not in e["file"]
+            and e["file"] not in (".", "..")
+            for e in stages
+        )
+    ):
+        raise CheckpointError(
+            f"{path}: stages: expected a list of {{file, sha256}} entries naming files in the "
+            "checkpoint directory; the manifest is corrupt"
+        )
     return manifest
 
 
@@ -190,7 +209,7 @@ def find_latest_checkpoint(checkpoints: Path) -> Path | None:
             manifest = load_manifest(candidate)
             for entry in manifest["stages"]:
                 load_stage_file(candidate, entry)
-        except (CheckpointError, KeyError, TypeError) as exc:
+        except CheckpointError as exc:
             print(f"pipedream: skipping checkpoint {candidate}: {exc}", file=sys.stderr)
             continue
         return candidate

@@ -130,8 +130,16 @@ def train(options: TrainOptions) -> int:
     device, backend = device_and_backend(env)
     timeout = timedelta(seconds=options.timeout)
     if env.under_torchrun:
+        # torchrun's store outlives worker restarts (--max-restarts): a namespace per attempt
+        # keeps the new workers from reading the dead ones' addresses
+        store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
         dist.init_process_group(
-            backend, timeout=timeout, device_id=device if backend == "nccl" else None
+            backend,
+            store=dist.PrefixStore(f"pipedream/attempt-{env.restart_count}", store),
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timeout,
+            device_id=device if backend == "nccl" else None,
         )
     else:
         dist.init_process_group(

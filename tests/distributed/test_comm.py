@@ -80,3 +80,38 @@ def test_header_round_trip_and_tags() -> None:
     assert specs == [(torch.float32, (2, 3, 4)), (torch.int64, (5,))]
     tags = {message_tag(k, mb, p) for k in ("act", "grad") for mb in range(64) for p in range(16)}
     assert len(tags) == 2 * 64 * 16  # all distinct
+
+
+def _dying_peer(rank: int, port: int, queue) -> None:  # pragma: no cover - child process
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    if rank == 1:
+        import os
+
+        os._exit(0)  # dies without a word, like a SIGKILLed worker
+    p2p = P2P(rank=0, device=torch.device("cpu"), timeout=20, post_early=True)
+    try:
+        p2p.recv("grad", 3, 1, what="the receive of the gradient of microbatch 3 at stage 0")
+        queue.put("no error")
+    except Exception as exc:
+        queue.put(f"{type(exc).__name__}: {exc}")
+
+
+def test_dead_peer_gives_a_message_naming_the_wait() -> None:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_dying_peer, args=(r, port, queue)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    try:
+        message = queue.get(timeout=60)
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    assert message.startswith(
+        "PeerTimeoutError: rank 0: the receive of the gradient of microbatch 3 at stage 0"
+    ), message
+    assert "the peer probably died" in message or "timed out" in message

@@ -1,0 +1,144 @@
+"""Checkpoint integrity: truncated, bit-flipped or missing files are detected and skipped; a file
+that would run code when unpickled is refused; resume skips a broken newest checkpoint."""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from launching import run_cli, straight_plan, write_plan
+
+from pipedream.errors import CheckpointError
+from pipedream.runtime.checkpoint import (
+    find_latest_checkpoint,
+    load_full_state_dict,
+    load_manifest,
+)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A single-process run (world_size 1, no torchrun needed) with checkpoints at 2 and 4."""
+    tmp = tmp_path_factory.mktemp("ckpt")
+    plan = write_plan(
+        straight_plan("mlp", [[str(i) for i in range(9)]], workload_args={"layers": "8"}),
+        tmp / "plan.yaml",
+    )
+    result = run_cli(
+        "train",
+        str(plan),
+        "--steps",
+        "4",
+        "--checkpoint-every",
+        "2",
+        "--run-dir",
+        str(tmp / "run"),
+        "--no-progress",
+    )
+    assert result.returncode == 0, result.stderr
+    return tmp / "run"
+
+
+@pytest.fixture
+def checkpoints(run: Path, tmp_path: Path) -> Path:
+    """A private copy of the run's checkpoints to damage."""
+    copy = tmp_path / "checkpoints"
+    shutil.copytree(run / "checkpoints", copy)
+    return copy
+
+
+def _stage_file(step_dir: Path) -> Path:
+    return step_dir / load_manifest(step_dir)["stages"][0]["file"]
+
+
+def test_intact_checkpoints_load(checkpoints: Path) -> None:
+    assert find_latest_checkpoint(checkpoints) == checkpoints / "step-000004"
+    assert len(load_full_state_dict(checkpoints / "step-000004")) == 18
+
+
+@pytest.mark.parametrize(
+    "damage", ["truncate", "flip", "delete", "no-manifest", "bad-manifest", "odd-manifest"]
+)
+def test_damaged_newest_checkpoint_is_skipped(
+    checkpoints: Path, damage: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    newest = checkpoints / "step-000004"
+    stage_file = _stage_file(newest)
+    if damage == "truncate":
+        stage_file.write_bytes(stage_file.read_bytes()[:100])
+    elif damage == "flip":
+        data = bytearray(stage_file.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        stage_file.write_bytes(bytes(data))
+    elif damage == "delete":
+        stage_file.unlink()
+    elif damage == "no-manifest":
+        (newest / "manifest.yaml").unlink()
+    elif damage == "bad-manifest":
+        (newest / "manifest.yaml").write_text("format: [unclosed\n")
+    else:
+        manifest = yaml.safe_load((newest / "manifest.yaml").read_text())
+        manifest["stages"] = [{"file": "../../etc/passwd", "sha256": 1}]
+        (newest / "manifest.yaml").write_text(yaml.safe_dump(manifest))
+    with pytest.raises(CheckpointError):
+        load_full_state_dict(newest)
+    assert find_latest_checkpoint(checkpoints) == checkpoints / "step-000002"
+    assert "skipping checkpoint" in capsys.readouterr().err
+
+
+class _RunsCode:
+    def __reduce__(self):  # what a malicious checkpoint would do on torch.load(weights_only=False)
+        return (Path.touch, (Path(__file__).parent / "PWNED",))
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+def test_pickled_code_is_refused(checkpoints: Path, tmp_path: Path) -> None:
+    newest = checkpoints / "step-000004"
+    marker = Path(__file__).parent / "PWNED"
+    marker.unlink(missing_ok=True)
+    stage_file = _stage_file(newest)
+    stage_file.write_bytes(pickle.dumps({"model": _RunsCode()}))
+    # the attacker also fixes the checksum in the manifest, so only weights_only stops it
+    import hashlib
+
+    manifest = yaml.safe_load((newest / "manifest.yaml").read_text())
+    manifest["stages"][0]["sha256"] = hashlib.sha256(stage_file.read_bytes()).hexdigest()
+    (newest / "manifest.yaml").write_text(yaml.safe_dump(manifest))
+    with pytest.raises(CheckpointError, match="refused to load"):
+        load_full_state_dict(newest)
+    assert not marker.exists()
+    result = run_cli("export", str(newest), "-o", str(tmp_path / "model.pt"))
+    assert result.returncode == 2 and "refused to load" in result.stderr
+    assert not marker.exists()
+
+
+def test_resume_auto_skips_a_corrupt_newest_checkpoint(run: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    stage_file = _stage_file(copy / "checkpoints" / "step-000004")
+    stage_file.write_bytes(b"garbage")
+    plan = write_plan(
+        straight_plan("mlp", [[str(i) for i in range(9)]], workload_args={"layers": "8"}),
+        tmp_path / "plan.yaml",
+    )
+    result = run_cli(
+        "train",
+        str(plan),
+        "--steps",
+        "6",
+        "--checkpoint-every",
+        "2",
+        "--run-dir",
+        str(copy),
+        "--resume",
+        "auto",
+        "--no-progress",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "skipping checkpoint" in result.stderr and "step-000004" in result.stderr
+    # it resumed from step 2 and rewrote steps 4 and 6
+    assert find_latest_checkpoint(copy / "checkpoints") == copy / "checkpoints" / "step-000006"
+    assert len(load_full_state_dict(copy / "checkpoints" / "step-000004")) == 18

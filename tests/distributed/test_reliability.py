@@ -1,0 +1,231 @@
+"""Failures: a killed worker ends the job within bounded time (and --max-restarts resumes it to
+the same weights), non-finite losses stop cleanly or are skipped, --keep prunes checkpoints."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import torch
+from launching import REPO, launch, straight_plan, write_plan
+
+from pipedream.data import MicrobatchStream
+from pipedream.runtime.checkpoint import load_full_state_dict
+
+ARGS = {"layers": "4", "width": "512", "samples": "512", "lr": "0.01"}
+STAGES = [["0"], ["1"], ["2"], ["3", "4"]]
+STEPS, EVERY = 240, 60
+
+
+def _plan(tmp: Path) -> Path:
+    return write_plan(straight_plan("mlp", STAGES, workload_args=ARGS), tmp / "plan.yaml")
+
+
+def _start(plan: Path, run_dir: Path, *extra: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    return subprocess.Popen(
+        [
+            "bash",
+            str(REPO / "launch.sh"),
+            str(plan),
+            "--steps",
+            str(STEPS),
+            "--checkpoint-every",
+            str(EVERY),
+            "--run-dir",
+            str(run_dir),
+            "--timeout",
+            "30",
+            "--no-progress",
+            *extra,
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _worker_with_rank(launcher: subprocess.Popen[str], rank: int) -> psutil.Process:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for child in psutil.Process(launcher.pid).children(recursive=True):
+            try:
+                if child.environ().get("RANK") == str(rank) and "pipedream.cli" in " ".join(
+                    child.cmdline()
+                ):
+                    return child
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        time.sleep(0.1)
+    raise AssertionError(f"no worker with RANK={rank} appeared")
+
+
+def _wait_for_progress(run_dir: Path, lines: int, launcher: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 120
+    metrics = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= lines:
+            return
+        assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+        time.sleep(0.05)
+    raise AssertionError("the run made no progress")
+
+
+def _finish(launcher: subprocess.Popen[str], timeout: float) -> tuple[int, str, float]:
+    start = time.monotonic()
+    try:
+        _, err = launcher.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return launcher.returncode, err, time.monotonic() - start
+
+
+def test_killed_worker_ends_the_job_and_a_restart_resumes_it(tmp_path: Path) -> None:
+    plan = _plan(tmp_path)
+    # 1. SIGKILL rank 2 mid-run: the job ends, non-zero, within 60 s, naming the dead rank
+    launcher = _start(plan, tmp_path / "killed")
+    _wait_for_progress(tmp_path / "killed", EVERY + 10, launcher)
+    _worker_with_rank(launcher, 2).send_signal(signal.SIGKILL)
+    code, err, took = _finish(launcher, timeout=60)
+    assert code != 0 and took < 60
+    assert "rank      : 2" in err or "rank 2" in err, err[-3000:]
+    leftovers = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if str(tmp_path / "killed") in " ".join(p.info["cmdline"] or [])
+    ]
+    assert leftovers == []  # no orphans
+
+    # 2. with --max-restarts 1 torchrun restarts the workers, which resume from the newest
+    # checkpoint and finish with exactly the weights of an uninterrupted run
+    launcher = _start(plan, tmp_path / "restarted", "--max-restarts", "1")
+    _wait_for_progress(tmp_path / "restarted", EVERY + 10, launcher)
+    _worker_with_rank(launcher, 2).send_signal(signal.SIGKILL)
+    code, err, _ = _finish(launcher, timeout=240)
+    assert code == 0, err[-3000:]
+    assert "resuming from the newest checkpoint" in err
+
+    uninterrupted = launch(
+        plan,
+        "--steps",
+        str(STEPS),
+        "--checkpoint-every",
+        str(EVERY),
+        "--run-dir",
+        str(tmp_path / "whole"),
+        "--no-progress",
+        timeout=240,
+    )
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    final = f"checkpoints/step-{STEPS:06d}"
+    want = load_full_state_dict(tmp_path / "whole" / final)
+    got = load_full_state_dict(tmp_path / "restarted" / final)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+NAN_WORKLOAD = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from pipedream.workload import Workload
+
+
+def make(poison: int = 5, microbatch_size: int = 4) -> Workload:
+    torch.manual_seed(0)
+    inputs = torch.randn(40, 3)
+    inputs[poison] = float("nan")
+    return Workload(
+        model=nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1)),
+        example_input=inputs[:microbatch_size],
+        loss_fn=nn.functional.mse_loss,
+        dataset=TensorDataset(inputs, inputs.sum(1, keepdim=True)),
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.05),
+    )
+"""
+
+
+def test_non_finite_loss_stops_or_is_skipped(tmp_path: Path) -> None:
+    (tmp_path / "nan_workload.py").write_text(textwrap.dedent(NAN_WORKLOAD))
+    env = {"PYTHONPATH": str(tmp_path)}
+    order = MicrobatchStream(list(range(40)), 4, 0)  # type: ignore[arg-type]
+    poisoned = 3  # the minibatch whose first sample is NaN
+    plan = straight_plan(
+        "nan_workload:make",
+        [["0", "1"], ["2"]],
+        microbatch_size=4,
+        workload_args={"poison": str(order.sample_indices(poisoned)[0])},
+    )
+    path = write_plan(plan, tmp_path / "plan.yaml")
+
+    stop = launch(
+        path,
+        "--steps",
+        "10",
+        "--checkpoint-every",
+        "1",
+        "--run-dir",
+        str(tmp_path / "stop"),
+        "--timeout",
+        "30",
+        "--no-progress",
+        env=env,
+    )
+    assert stop.returncode == 1
+    message = f"non-finite loss (nan) at microbatch {poisoned} (minibatch {poisoned})"
+    assert message in stop.stderr, stop.stderr[-3000:]
+    last_good = tmp_path / "stop" / "checkpoints" / f"step-{poisoned:06d}"
+    assert f"the last good checkpoint: {last_good}" in stop.stderr
+    assert all(torch.isfinite(v).all() for v in load_full_state_dict(last_good).values())
+
+    skip = launch(
+        path,
+        "--steps",
+        "10",
+        "--run-dir",
+        str(tmp_path / "skip"),
+        "--timeout",
+        "30",
+        "--no-progress",
+        "--on-nonfinite",
+        "skip",
+        env=env,
+    )
+    assert skip.returncode == 0, skip.stderr[-3000:]
+    assert "skipped 1 microbatches with a non-finite loss" in skip.stderr
+    final = load_full_state_dict(tmp_path / "skip" / "checkpoints" / "step-000010")
+    assert all(torch.isfinite(v).all() for v in final.values())
+
+
+def test_keep_prunes_old_checkpoints(tmp_path: Path) -> None:
+    plan = write_plan(
+        straight_plan("mlp", [["0", "1", "2", "3", "4"], ["5", "6", "7", "8"]]),
+        tmp_path / "plan.yaml",
+    )
+    result = launch(
+        plan,
+        "--steps",
+        "8",
+        "--checkpoint-every",
+        "2",
+        "--keep",
+        "2",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--no-progress",
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    kept = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert kept == ["step-000006", "step-000008"]
