@@ -15,6 +15,7 @@ __all__ = [
     "PlanningError",
     "RunFailure",
     "ScheduleError",
+    "TraceError",
     "WorkloadError",
 ]
 
@@ -38,7 +39,14 @@ class FormatError(PipedreamError):
         message = f"{where}: {problem}"
         if fix:
             message += f"; {fix}"
-        super().__init__(message)
+        super().__init__(_one_line(message))
+
+
+def _one_line(text: str) -> str:
+    """Escape control characters (a YAML key can hold a newline) so a message stays one line."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 class WorkloadError(PipedreamError):
@@ -59,6 +67,10 @@ class LaunchError(PipedreamError):
 
 class CheckpointError(PipedreamError):
     """A checkpoint is missing, incomplete, corrupt or does not match the model."""
+
+
+class TraceError(PipedreamError):
+    """A run directory has no usable timeline traces (``pipedream trace``)."""
 
 
 class RunFailure(RuntimeError):
