@@ -64,3 +64,54 @@ def test_reshard_four_stages_to_two(tmp_path: Path) -> None:
     )
     expected, got = _weights(straight_two, 8), _weights(resumed, 8)
     assert max(float((expected[k] - got[k]).abs().max()) for k in expected) < 1e-6
+
+
+def _rewrite_as(
+    checkpoint: Path, stages: list[list[str]], out: Path, *, keep_optimizer: bool = True
+) -> Path:
+    """The same merged weights (and optimizer state), re-split into ``stages`` stage files."""
+    from pipedream.runtime.checkpoint import (
+        load_manifest,
+        load_stage_file,
+        save_stage_file,
+        write_manifest,
+    )
+
+    manifest = load_manifest(checkpoint)
+    payloads = [load_stage_file(checkpoint, entry) for entry in manifest["stages"]]
+    model = {k: v for p in payloads for k, v in p["model"].items()}
+    state = {k: v for p in payloads for k, v in p["optimizer"]["state"].items()}
+    if not keep_optimizer:
+        state = {}
+    groups = payloads[0]["optimizer"]["param_groups"]
+    files = []
+    for index, layers in enumerate(stages):
+        mine = [k for k in model if k.split(".")[0] in layers]
+        payload = {
+            **payloads[0],
+            "stage": index,
+            "layers": layers,
+            "model": {k: model[k] for k in mine},
+            "optimizer": {
+                "state": {k: state[k] for k in mine if k in state},
+                "param_groups": [{**groups[0], "params": mine}],
+            },
+        }
+        files.append(save_stage_file(out, index, payload))
+    extra = {k: v for k, v in manifest.items() if k not in ("format", "step", "stages")}
+    write_manifest(out, step=manifest["step"], files=files, extra=extra)
+    return out
+
+
+def test_reshard_async_run_equals_resume_from_merged_weights(tmp_path: Path) -> None:
+    four = _train(tmp_path, "four", FOUR, "pipedream", 1, "--steps", "4")
+    checkpoint = four / "checkpoints" / "step-000004"
+    merged = _rewrite_as(checkpoint, TWO, tmp_path / "merged" / "step-000004")
+    a = _train(tmp_path, "a", TWO, "pipedream", 1, "--steps", "8", "--resume", str(checkpoint))
+    b = _train(tmp_path, "b", TWO, "pipedream", 1, "--steps", "8", "--resume", str(merged))
+    got, want = _weights(a, 8), _weights(b, 8)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    # the momentum buffers travelled too: resuming from the weights alone ends elsewhere
+    bare = _rewrite_as(checkpoint, TWO, tmp_path / "bare" / "step-000004", keep_optimizer=False)
+    c = _train(tmp_path, "c", TWO, "pipedream", 1, "--steps", "8", "--resume", str(bare))
+    assert not all(torch.equal(_weights(c, 8)[k], want[k]) for k in want)
