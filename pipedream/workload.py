@@ -1,6 +1,6 @@
 """The workload contract (DESIGN.md section 5) and how workloads are found by name.
 
-A workload is named by a built-in name (``mlp``, ``gpt``, ``digits``) or by
+A workload is named by a built-in name (``mlp``, ``gpt``, ``digits``, ``resnet``, ``sleep``) or by
 ``package.module:function``. The factory takes keyword options (``--workload-arg key=value``,
 converted to the types of its signature) and returns a :class:`Workload`.
 """
@@ -25,6 +25,8 @@ BUILTIN_WORKLOADS: dict[str, str] = {
     "mlp": "pipedream.workloads.mlp:build",
     "gpt": "pipedream.workloads.gpt:build",
     "digits": "pipedream.workloads.digits:build",
+    "resnet": "pipedream.workloads.resnet:build",
+    "sleep": "pipedream.workloads.sleep:build",
 }
 """Built-in workload names and the factories they stand for."""
 

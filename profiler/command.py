@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from typing import TextIO
 
 import torch
 from torch import nn
 
 from pipedream.formats.profile import Profile, save_profile
+from pipedream.profiler.graph_profile import layer_graph, measure_graph
 from pipedream.profiler.measure import ProfilerError, measure_sequential
 from pipedream.workload import load_workload, parse_workload_args
 
@@ -97,8 +99,14 @@ def profile_workload(
     warmup: int = 3,
     repeats: int = 10,
     device: torch.device | None = None,
+    depth: int | None = None,
+    patterns: Sequence[str] = (),
 ) -> Profile:
-    """Build workload ``name`` and measure every layer of its ``nn.Sequential`` model."""
+    """Build workload ``name`` and measure every layer of its model.
+
+    An ``nn.Sequential`` is measured child by child; any other model, or any model with
+    ``depth``/``patterns`` (``--depth``, ``--layers``), through its ``torch.export`` graph.
+    """
     if microbatch_size is not None and microbatch_size < 1:
         raise ProfilerError(f"--microbatch-size must be >= 1, got {microbatch_size}")
     if warmup < 0:
@@ -106,21 +114,20 @@ def profile_workload(
     if repeats < 1:
         raise ProfilerError(f"--repeats must be >= 1, got {repeats}")
     workload = load_workload(name, workload_args, microbatch_size=microbatch_size)
-    if not isinstance(workload.model, nn.Sequential):
-        raise ProfilerError(
-            f"workload {name!r}: the model is a {type(workload.model).__name__}, not an "
-            "nn.Sequential; graph-based profiling of non-Sequential models is not supported yet, "
-            "so wrap the layers in nn.Sequential (one child per layer, one tensor in and out)"
-        )
     device = device or default_device()
     model = workload.model.to(device)
-    layers = measure_sequential(
-        model,
-        workload.example_input.to(device),
-        warmup=warmup,
-        repeats=repeats,
-        optimizer=workload.optimizer,
-    )
+    example = workload.example_input.to(device)
+    cut_bytes = None
+    if isinstance(model, nn.Sequential) and depth is None and not patterns:
+        layers = measure_sequential(
+            model, example, warmup=warmup, repeats=repeats, optimizer=workload.optimizer
+        )
+    else:
+        graph = layer_graph(model, example, depth=depth, patterns=patterns)
+        layers = measure_graph(
+            graph, model, example, warmup=warmup, repeats=repeats, optimizer=workload.optimizer
+        )
+        cut_bytes = tuple(graph.cut_bytes())
     param = next(iter(model.parameters()), None)
     dtype = param.dtype if param is not None else torch.get_default_dtype()
     return Profile(
@@ -129,6 +136,7 @@ def profile_workload(
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
         layers=tuple(layers),
+        cut_bytes=cut_bytes,
         workload_args=dict(workload_args),
     )
 
@@ -158,6 +166,8 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
             warmup=args.warmup,
             repeats=args.repeats,
             device=torch.device(args.device) if getattr(args, "device", None) else None,
+            depth=getattr(args, "depth", None),
+            patterns=tuple(getattr(args, "layers", None) or ()),
         )
         threads = f", {torch.get_num_threads()} CPU threads" if profile.device == "cpu" else ""
         how = (

@@ -18,8 +18,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from pipedream.graph.layers import StageIO
 from pipedream.runtime.actions import Action, Op
 from pipedream.runtime.comm import P2P, PeerTimeoutError
+from pipedream.runtime.routing import (
+    gather_inputs,
+    gather_output_grads,
+    scatter_input_grads,
+    scatter_outputs,
+)
 from pipedream.runtime.worker import StageWorker
 
 __all__ = ["SKIP_TAG", "Executor", "UpdateEvent"]
@@ -44,6 +51,8 @@ class Executor:
         p2p: P2P,
         *,
         rank: int,
+        io: StageIO,
+        stage_of_rank: dict[int, int],
         replica_group: Any = None,
         num_replicas: int = 1,
         check_versions: bool = False,
@@ -56,6 +65,8 @@ class Executor:
         self.table = table
         self.p2p = p2p
         self.rank = rank
+        self.io = io
+        self.stage_of_rank = stage_of_rank
         self.replica_group = replica_group
         self.num_replicas = num_replicas
         self.check_versions = check_versions
@@ -63,8 +74,11 @@ class Executor:
         self.timeout = timeout
         self.on_update = on_update
         self.trace = trace
-        self._inbox: dict[tuple[str, int], tuple[list[Tensor], int]] = {}
-        self._outbox: dict[tuple[str, int], tuple[list[Tensor], int]] = {}
+        # (kind, microbatch) -> peer stage -> tensors, and the version tag of the messages
+        self._inbox: dict[tuple[str, int], dict[int, list[Tensor]]] = {}
+        self._inbox_tags: dict[tuple[str, int], int] = {}
+        self._outbox: dict[tuple[str, int], dict[int, list[Tensor]]] = {}
+        self._outbox_tags: dict[tuple[str, int], int] = {}
         self._since_update: list[int] = []
         self.compute_s = 0.0
         """Seconds spent in forward, backward and update actions."""
@@ -97,42 +111,53 @@ class Executor:
         what = f"the {action.describe()}"
         if op in _RECVS:
             assert action.peer is not None
-            tensors, version = self.p2p.recv(_RECVS[op], action.index, action.peer, what=what)
-            self._inbox[(_RECVS[op], action.index)] = (tensors, version)
+            kind = _RECVS[op]
+            tensors, tag = self.p2p.recv(kind, action.index, action.peer, what=what)
+            key = (kind, action.index)
+            self._inbox.setdefault(key, {})[self.stage_of_rank[action.peer]] = tensors
+            if kind == "act" or tag == SKIP_TAG:  # one skipping consumer skips the microbatch
+                self._inbox_tags[key] = tag
         elif op in _SENDS:
             assert action.peer is not None
-            tensors, version = self._outbox.pop((_SENDS[op], action.index))
-            self.p2p.send(_SENDS[op], action.index, action.peer, tensors, version)
+            key = (_SENDS[op], action.index)
+            messages = self._outbox[key]
+            tensors = messages.pop(self.stage_of_rank[action.peer])
+            if not messages:
+                del self._outbox[key]
+            self.p2p.send(key[0], action.index, action.peer, tensors, self._outbox_tags[key])
         elif op is Op.FORWARD:
             assert action.version is not None
-            received = self._inbox.pop(("act", action.index), None)
+            key = ("act", action.index)
+            received = self._inbox.pop(key, None)
             # The tag of activations is the number of minibatches covered by the weights stage 0
             # used for them; every stage forwards it unchanged. Under vertical sync each stage
             # must use its version covering the same minibatches.
-            tag = received[1] if received else action.version * self.num_replicas
+            tag = self._inbox_tags.pop(key, action.version * self.num_replicas)
             if self.check_versions and action.version != tag // self.num_replicas:
                 raise AssertionError(
                     f"rank {self.rank}: {what} uses version {action.version} but the activations "
                     f"carry weights covering {tag} minibatches (vertical sync broken)"
                 )
-            outputs = self.worker.forward(action, received[0] if received else None)
+            inputs = gather_inputs(self.io, received) if received is not None else None
+            outputs = self.worker.forward(action, inputs)
             if outputs:
-                self._outbox[("act", action.index)] = (outputs, tag)
+                self._outbox[key] = scatter_outputs(self.io, outputs)
+                self._outbox_tags[key] = tag
         elif op is Op.BACKWARD:
             assert action.version is not None
-            received = self._inbox.pop(("grad", action.index), None)
+            key = ("grad", action.index)
+            received = self._inbox.pop(key, None)
             # a microbatch with a skipped non-finite loss travels back as "skip", not as zeros
             # pushed through autograd (0 * inf would be NaN in the weight gradients)
-            skip = action.index in self.worker.skipped or (
-                received is not None and received[1] == SKIP_TAG
-            )
+            skip = action.index in self.worker.skipped or self._inbox_tags.pop(key, 0) == SKIP_TAG
             if skip:
                 grads = self.worker.skip_backward(action)
             else:
-                grads = self.worker.backward(action, received[0] if received else None)
+                output_grads = gather_output_grads(self.io, received) if received else None
+                grads = self.worker.backward(action, output_grads)
             if grads:
-                tag = SKIP_TAG if skip else action.version
-                self._outbox[("grad", action.index)] = (grads, tag)
+                self._outbox[key] = scatter_input_grads(self.io, grads)
+                self._outbox_tags[key] = SKIP_TAG if skip else action.version
             self._since_update.append(action.index)
             self.worker.release(position + 1)
         elif op is Op.ALLREDUCE:

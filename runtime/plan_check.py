@@ -21,14 +21,20 @@ VALIDATION_MINIBATCHES = 64
 """Segments longer than this (rounded up to the replica multiple) are validated at this length."""
 
 
-def plan_spec(plan: Plan, first: int, count: int) -> PipelineSpec:
-    """The schedule generator's view of ``count`` minibatches of ``plan`` from ``first`` on."""
+def plan_spec(
+    plan: Plan, first: int, count: int, edges: tuple[tuple[int, int], ...] | None = None
+) -> PipelineSpec:
+    """The schedule generator's view of ``count`` minibatches of ``plan`` from ``first`` on.
+
+    ``edges`` are the stage pairs that exchange tensors (None: a plain chain).
+    """
     return PipelineSpec(
         schedule=plan.schedule,
         stage_ranks=tuple(stage.ranks for stage in plan.stages),
         microbatches=plan.microbatches,
         num_minibatches=count,
         first_minibatch=first,
+        edges=edges,
     )
 
 
@@ -37,7 +43,13 @@ def validation_bound(plan: Plan) -> int:
     return multiple * math.ceil(max(VALIDATION_MINIBATCHES, 4 * plan.world_size) / multiple)
 
 
-def validate_plan_schedule(plan: Plan, counts: Iterable[int], *, source: str) -> None:
+def validate_plan_schedule(
+    plan: Plan,
+    counts: Iterable[int],
+    *,
+    source: str,
+    edges: tuple[tuple[int, int], ...] | None = None,
+) -> None:
     """Validate every rank's action table for segments of each of ``counts`` minibatches.
 
     Tables are shift-invariant in the minibatch index and periodic after the warm-up, so a
@@ -46,7 +58,7 @@ def validate_plan_schedule(plan: Plan, counts: Iterable[int], *, source: str) ->
     """
     bound = validation_bound(plan)
     for count in sorted(set(counts)):
-        spec = plan_spec(plan, 0, min(count, bound))
+        spec = plan_spec(plan, 0, min(count, bound), edges)
         try:
             validate_tables(spec, build_tables(spec))
         except ScheduleError as exc:

@@ -1,9 +1,9 @@
 """The single-process reference executor: all ranks' tables in one process.
 
-It interprets exactly the same action tables with the same :class:`StageWorker` as the
-distributed runtime, but "sends" are entries in a dictionary and an allreduce averages the
-replicas' gradients in place. Tests compare the distributed runtime with it, and it is the
-easiest place to debug a schedule.
+It interprets exactly the same action tables with the same :class:`StageWorker` and the same
+routing as the distributed runtime, but "sends" are entries in a dictionary and an allreduce
+averages the replicas' gradients in place. Tests compare the distributed runtime with it, and it
+is the easiest place to debug a schedule.
 """
 
 from __future__ import annotations
@@ -13,7 +13,14 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
+from pipedream.graph.layers import StageIO
 from pipedream.runtime.actions import Action, Op
+from pipedream.runtime.routing import (
+    gather_inputs,
+    gather_output_grads,
+    scatter_input_grads,
+    scatter_outputs,
+)
 from pipedream.runtime.worker import StageWorker
 
 __all__ = ["run_reference"]
@@ -22,48 +29,55 @@ _SEND_TO_RECV = {Op.SEND_ACT: Op.RECV_ACT, Op.SEND_GRAD: Op.RECV_GRAD}
 
 
 def run_reference(
-    tables: Mapping[int, Sequence[Action]], workers: Mapping[int, StageWorker]
+    tables: Mapping[int, Sequence[Action]],
+    workers: Mapping[int, StageWorker],
+    ios: Sequence[StageIO],
 ) -> None:
     """Run every rank's table to completion (round-robin, each rank until it must wait)."""
     position = {rank: 0 for rank in tables}
+    stage_of = {rank: workers[rank].config.stage for rank in tables}
     mail: dict[tuple[Op, int, int, int], list[Tensor]] = {}
-    produced: dict[tuple[int, str, int], list[Tensor]] = {}
+    inbox: dict[tuple[int, str, int], dict[int, list[Tensor]]] = {}
+    outbox: dict[tuple[int, str, int], dict[int, list[Tensor]]] = {}
     arrived: dict[tuple[int, int], set[int]] = {}
     averaged: set[tuple[int, int]] = set()
     stage_ranks: dict[int, set[int]] = {}
-    for rank, table in tables.items():
-        stage_ranks.setdefault(table[0].stage if table else -1, set()).add(rank)
+    for rank in tables:
+        stage_ranks.setdefault(stage_of[rank], set()).add(rank)
 
     progress = True
     while progress:
         progress = False
         for rank, table in tables.items():
-            worker = workers[rank]
+            worker, io = workers[rank], ios[stage_of[rank]]
             while position[rank] < len(table):
                 pos = position[rank]
                 action = table[pos]
                 op = action.op
+                peer = action.peer if action.peer is not None else -1
                 if op in (Op.RECV_ACT, Op.RECV_GRAD):
-                    key = (op, action.index, action.peer or 0, rank)
+                    key = (op, action.index, peer, rank)
                     if key not in mail:
                         break
                     kind = "act" if op is Op.RECV_ACT else "grad"
-                    produced[(rank, "in-" + kind, action.index)] = mail.pop(key)
+                    inbox.setdefault((rank, kind, action.index), {})[stage_of[peer]] = mail.pop(key)
                 elif op in _SEND_TO_RECV:
                     kind = "act" if op is Op.SEND_ACT else "grad"
-                    tensors = produced.pop((rank, "out-" + kind, action.index))
-                    key = (_SEND_TO_RECV[op], action.index, rank, action.peer or 0)
+                    tensors = outbox[(rank, kind, action.index)].pop(stage_of[peer])
+                    key = (_SEND_TO_RECV[op], action.index, rank, peer)
                     mail[key] = [t.detach().clone() for t in tensors]
                 elif op is Op.FORWARD:
-                    received = produced.pop((rank, "in-act", action.index), None)
-                    out = worker.forward(action, received)
+                    received = inbox.pop((rank, "act", action.index), None)
+                    inputs = gather_inputs(io, received) if received is not None else None
+                    out = worker.forward(action, inputs)
                     if out:
-                        produced[(rank, "out-act", action.index)] = out
+                        outbox[(rank, "act", action.index)] = scatter_outputs(io, out)
                 elif op is Op.BACKWARD:
-                    received = produced.pop((rank, "in-grad", action.index), None)
-                    out = worker.backward(action, received)
+                    received = inbox.pop((rank, "grad", action.index), None)
+                    grads = gather_output_grads(io, received) if received is not None else None
+                    out = worker.backward(action, grads)
                     if out:
-                        produced[(rank, "out-grad", action.index)] = out
+                        outbox[(rank, "grad", action.index)] = scatter_input_grads(io, out)
                     worker.release(pos + 1)
                 elif op is Op.ALLREDUCE:
                     group = arrived.setdefault((action.stage, action.index), set())

@@ -52,6 +52,19 @@ class PipelineSpec:
     """Minibatches to run (K); every replicated stage needs K to be a multiple of its replicas."""
     first_minibatch: int = 0
     """Index of the first minibatch (for resumed runs; only shifts the indices)."""
+    edges: tuple[tuple[int, int], ...] | None = None
+    """(producer stage, consumer stage) pairs that exchange tensors; None: each stage with the
+    next. A skip connection adds a pair (s, s + k), k > 1: the tensor is sent directly."""
+
+    def producers(self, stage: int) -> list[int]:
+        if self.edges is None:
+            return [stage - 1] if stage > 0 else []
+        return sorted({p for p, c in self.edges if c == stage})
+
+    def consumers(self, stage: int) -> list[int]:
+        if self.edges is None:
+            return [stage + 1] if stage < self.num_stages - 1 else []
+        return sorted({c for p, c in self.edges if p == stage})
 
     @property
     def num_stages(self) -> int:
@@ -97,6 +110,11 @@ class PipelineSpec:
                 raise ScheduleError(
                     f"stage {stage} has {len(ranks)} replicas, so the number of minibatches "
                     f"({self.num_minibatches}) must be a multiple of {len(ranks)}"
+                )
+        for producer, consumer in self.edges or ():
+            if not 0 <= producer < consumer < self.num_stages:
+                raise ScheduleError(
+                    f"edge ({producer}, {consumer}) must go forward between existing stages"
                 )
         flat = [rank for ranks in self.stage_ranks for rank in ranks]
         if sorted(flat) != list(range(len(flat))):
@@ -198,7 +216,6 @@ def build_tables(
 ) -> dict[int, list[Action]]:
     """One action list per global rank for the whole run (or just for ``only_ranks``)."""
     spec.validate()
-    last = spec.num_stages - 1
     tables: dict[int, list[Action]] = {}
     for stage, ranks in enumerate(spec.stage_ranks):
         for replica, rank in enumerate(ranks):
@@ -213,21 +230,21 @@ def build_tables(
                     version = _version_of(spec, stage, index, updates_done)
                     assert version <= updates_done, (spec, stage, index, version)
                     versions[index] = version
-                    if stage > 0:
-                        peer = spec.rank_of(stage - 1, minibatch)
+                    for producer in spec.producers(stage):
+                        peer = spec.rank_of(producer, minibatch)
                         table.append(Action(Op.RECV_ACT, stage, index, peer=peer))
                     table.append(Action(Op.FORWARD, stage, index, version=version))
-                    if stage < last:
-                        peer = spec.rank_of(stage + 1, minibatch)
+                    for consumer in spec.consumers(stage):
+                        peer = spec.rank_of(consumer, minibatch)
                         table.append(Action(Op.SEND_ACT, stage, index, peer=peer))
                 elif op is Op.BACKWARD:
                     minibatch = index // spec.microbatches
-                    if stage < last:
-                        peer = spec.rank_of(stage + 1, minibatch)
+                    for consumer in spec.consumers(stage):
+                        peer = spec.rank_of(consumer, minibatch)
                         table.append(Action(Op.RECV_GRAD, stage, index, peer=peer))
                     table.append(Action(Op.BACKWARD, stage, index, version=versions.pop(index)))
-                    if stage > 0:
-                        peer = spec.rank_of(stage - 1, minibatch)
+                    for producer in spec.producers(stage):
+                        peer = spec.rank_of(producer, minibatch)
                         table.append(Action(Op.SEND_GRAD, stage, index, peer=peer))
                 elif op is Op.UPDATE:
                     table.append(Action(Op.UPDATE, stage, index))

@@ -1,26 +1,77 @@
-"""Cutting a workload model into stage modules whose parameter names are the model's own."""
+"""Cutting a workload model into stage modules whose parameter names are the model's own.
+
+``nn.Sequential`` models are cut between children without tracing; any other model is traced
+with ``torch.export`` and cut at module boundaries of its graph (see ``pipedream.graph``).
+"""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from torch import nn
 
-from pipedream.errors import FormatError, WorkloadError
+from pipedream.errors import FormatError
 from pipedream.formats.plan import Plan
+from pipedream.graph import LayerGraph, StageIO, trace_model
+from pipedream.graph.stages import build_stage_module as build_graph_stage
+from pipedream.graph.stages import stage_ios
+from pipedream.runtime.routing import sequential_ios
+from pipedream.workload import Workload
 
-__all__ = ["layer_names", "stage_layer_names", "build_stage_module"]
+__all__ = ["StageLayout", "build_stage_module", "layer_names", "stage_layer_names", "stage_layout"]
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """How a plan cuts a workload's model: layers, stage wiring and stage modules."""
+
+    layers: list[str]
+    """All layer names, in execution order."""
+    ios: list[StageIO]
+    """What each stage takes from and sends to which stage."""
+    edges: tuple[tuple[int, int], ...] | None
+    """Stage pairs that exchange tensors (None: a plain chain)."""
+    build: Callable[[int], nn.Module]
+    """Builds the module of a stage (sharing the model's parameter tensors)."""
 
 
 def layer_names(model: nn.Module) -> list[str]:
-    """The layers of a workload model: the children of an ``nn.Sequential``."""
-    if not isinstance(model, nn.Sequential):
-        raise WorkloadError(
-            f"the runtime splits nn.Sequential models into stages, got {type(model).__name__}; "
-            "wrap the model's layers in an nn.Sequential"
-        )
+    """The layers of an ``nn.Sequential`` workload model: its children."""
+    assert isinstance(model, nn.Sequential)
     return [name for name, _ in model.named_children()]
+
+
+def stage_layout(workload: Workload, plan: Plan, *, source: str) -> StageLayout:
+    """Cut the model as the plan says: an ``nn.Sequential`` between its children directly; any
+    other model, or finer layers (``pipedream profile --depth``), through the model's
+    ``torch.export`` graph at the plan's layer granularity."""
+    model = workload.model
+    children = layer_names(model) if isinstance(model, nn.Sequential) else None
+    if children is not None and (plan.layers is None or list(plan.layers) == children):
+        names = children
+        groups = stage_layer_names(plan, names, source=source)
+        return StageLayout(
+            names,
+            sequential_ios(plan.num_stages),
+            None,
+            lambda s: build_stage_module(model, groups[s]),
+        )
+    program = trace_model(model, workload.example_input)
+    names = list(plan.layers) if plan.layers else LayerGraph.auto_layer_names(program, model)
+    graph = LayerGraph(program, names)
+    groups = stage_layer_names(plan, graph.layers, source=source)
+    index = {name: i for i, name in enumerate(graph.layers)}
+    ranges = [(index[g[0]], index[g[-1]]) for g in groups]
+    ios = stage_ios(graph, ranges)
+    edges = tuple(sorted({(io.stage, c) for io in ios for c, _ in io.consumers}))
+    return StageLayout(
+        graph.layers,
+        ios,
+        edges,
+        lambda s: build_graph_stage(graph, model, *ranges[s], ios[s]),
+    )
 
 
 def stage_layer_names(plan: Plan, names: Sequence[str], *, source: str) -> list[list[str]]:

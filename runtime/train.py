@@ -32,7 +32,7 @@ from pipedream.runtime.launch_env import LaunchEnv, device_and_backend, read_lau
 from pipedream.runtime.metrics import MetricsLogger
 from pipedream.runtime.plan_check import plan_spec, validate_plan_schedule
 from pipedream.runtime.schedule import build_tables
-from pipedream.runtime.stage import build_stage_module, layer_names, stage_layer_names
+from pipedream.runtime.stage import StageLayout, stage_layout
 from pipedream.runtime.summary import RankStats, peak_memory_bytes, report
 from pipedream.runtime.tracing import write_trace
 from pipedream.runtime.worker import StageWorker, WorkerConfig
@@ -114,7 +114,7 @@ def train(options: TrainOptions) -> int:
     workload = load_workload(
         plan.workload, plan.workload_args, microbatch_size=plan.microbatch_size, source=source
     )
-    stage_layers = stage_layer_names(plan, layer_names(workload.model), source=source)
+    layout = stage_layout(workload, plan, source=source)
     resume_from = resume_point(options.resume, options.run_dir, plan)
     start = load_manifest(resume_from)["step"] if resume_from is not None else 0
     if start >= options.steps:
@@ -125,7 +125,7 @@ def train(options: TrainOptions) -> int:
         )
         return 0
     todo = segments(options.steps, options.checkpoint_every, start)
-    validate_plan_schedule(plan, {count for _, count in todo}, source=source)
+    validate_plan_schedule(plan, {count for _, count in todo}, source=source, edges=layout.edges)
 
     device, backend = device_and_backend(env)
     timeout = timedelta(seconds=options.timeout)
@@ -146,8 +146,8 @@ def train(options: TrainOptions) -> int:
             "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )
     try:
-        job = _RankJob(options, plan, env, workload, device=device, backend=backend)
-        return job.run(stage_layers, todo, resume_from)
+        job = _RankJob(options, plan, env, workload, layout, device=device, backend=backend)
+        return job.run(todo, resume_from)
     finally:
         gc.collect()  # drop lingering gloo work objects (in cycles) while the interpreter lives
         dist.destroy_process_group()
@@ -163,6 +163,7 @@ class _RankJob:
         plan: Plan,
         env: LaunchEnv,
         workload: Workload,
+        layout: StageLayout,
         *,
         device: torch.device,
         backend: str,
@@ -171,6 +172,8 @@ class _RankJob:
         self.plan = plan
         self.env = env
         self.workload = workload
+        self.layout = layout
+        self.stage_of_rank = {r: i for i, st in enumerate(plan.stages) for r in st.ranks}
         self.device = device
         self.backend = backend
         self.rank = env.rank
@@ -184,10 +187,10 @@ class _RankJob:
         self.last_checkpoint: Path | None = None
 
     def _table(self, first: int, count: int) -> list[Action]:
-        spec = plan_spec(self.plan, first, count)
+        spec = plan_spec(self.plan, first, count, self.layout.edges)
         return build_tables(spec, only_ranks=(self.rank,))[self.rank]
 
-    def _worker(self, layers: list[str], first: int, count: int) -> StageWorker:
+    def _worker(self, first: int, count: int) -> StageWorker:
         plan, last = self.plan, self.plan.num_stages - 1
         data = None
         if self.stage_index in (0, last):  # inputs on the first stage, targets on the last
@@ -203,7 +206,7 @@ class _RankJob:
         )
         return StageWorker(
             config,
-            build_stage_module(self.workload.model, layers),
+            self.layout.build(self.stage_index),
             self._table(first, count),
             optimizer_factory=self.workload.optimizer,
             loss_fn=self.workload.loss_fn,
@@ -231,14 +234,9 @@ class _RankJob:
             progress=self.options.progress,
         )
 
-    def run(
-        self,
-        stage_layers: list[list[str]],
-        todo: list[tuple[int, int]],
-        resume_from: Path | None,
-    ) -> int:
+    def run(self, todo: list[tuple[int, int]], resume_from: Path | None) -> int:
         first, count = todo[0]
-        worker = self._worker(stage_layers[self.stage_index], first, count)
+        worker = self._worker(first, count)
         if resume_from is not None:
             restore_stage(resume_from, worker.module, worker.optimizer, stage=self.stage_index)
             self.last_checkpoint = resume_from
@@ -336,6 +334,8 @@ class _RankJob:
                 post_early=self.backend == "gloo",
             ),
             rank=self.rank,
+            io=self.layout.ios[self.stage_index],
+            stage_of_rank=self.stage_of_rank,
             replica_group=self.groups.get(self.stage_index),
             num_replicas=self.stage.replicas,
             check_versions=self.plan.schedule == "pipedream-vs",

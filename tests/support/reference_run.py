@@ -6,6 +6,7 @@ import torch
 
 from pipedream.data import MicrobatchStream
 from pipedream.runtime.reference import run_reference
+from pipedream.runtime.routing import sequential_ios
 from pipedream.runtime.schedule import PipelineSpec, build_tables
 from pipedream.runtime.stage import build_stage_module
 from pipedream.runtime.worker import StageWorker, WorkerConfig
@@ -45,7 +46,7 @@ def reference_weights(
                 loss_fn=workload.loss_fn,
                 data=MicrobatchStream(workload.dataset, microbatch_size, seed),
             )
-    run_reference(tables, workers)
+    run_reference(tables, workers, sequential_ios(len(ranks)))
     merged: dict[str, torch.Tensor] = {}
     for stage_ranks in ranks:
         merged.update(workers[stage_ranks[0]].module.state_dict())

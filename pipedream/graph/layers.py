@@ -1,0 +1,223 @@
+"""Grouping an exported graph into layers, and cutting it into stages.
+
+Every computing node of the exported graph carries the module path it ran in
+(``nn_module_stack``). A *layer* is a module path; a node belongs to the longest layer name that
+is a prefix of its path (nodes of the root module join the layer before them). Layers must be
+contiguous in execution order, so a contiguous range of layers is a valid pipeline stage.
+
+Values (graph nodes) that cross a boundary are what stages exchange: a value made in stage p and
+used in stage c is sent from p to c directly, skip connections included.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+from torch.export import ExportedProgram
+
+from pipedream.errors import WorkloadError
+
+__all__ = ["LayerGraph", "StageIO"]
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+@dataclass(frozen=True)
+class StageIO:
+    """The tensors one stage takes and produces (named by exported-graph node names)."""
+
+    stage: int
+    """Stage index."""
+    inputs: tuple[str, ...]
+    """Values the stage module takes, in order: grouped by producer stage (ascending)."""
+    producers: tuple[tuple[int, tuple[str, ...]], ...]
+    """(producer stage, values) per message received; stage -1 is the data (model input)."""
+    outputs: tuple[str, ...]
+    """Values the stage module returns, in order (the last stage: the model output)."""
+    consumers: tuple[tuple[int, tuple[str, ...]], ...] = field(default_factory=tuple)
+    """(consumer stage, values) per message sent, values in ``outputs`` order."""
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    return str(list(stack.values())[-1][0])
+
+
+def _within(path: str, layer: str) -> bool:
+    return path == layer or path.startswith(layer + ".")
+
+
+class LayerGraph:
+    """An exported model grouped into layers."""
+
+    def __init__(self, program: ExportedProgram, layer_names: Sequence[str]) -> None:
+        self.program = program
+        signature = program.graph_signature
+        self.tensor_names: dict[str, str] = {
+            **signature.inputs_to_parameters,
+            **signature.inputs_to_buffers,
+            **signature.inputs_to_lifted_tensor_constants,
+        }
+        """Placeholder name -> the model's own state name (``blocks.0.l.weight``)."""
+        if len(signature.user_inputs) != 1 or len(signature.user_outputs) != 1:
+            raise WorkloadError(
+                f"the traced model takes {len(signature.user_inputs)} inputs and returns "
+                f"{len(signature.user_outputs)} outputs; pipedream pipelines models with one "
+                "tensor input and one tensor output"
+            )
+        self.input_name = signature.user_inputs[0]
+        self.output_name = signature.user_outputs[0]
+        self.nodes = [n for n in program.graph.nodes if n.op == "call_function"]
+        self.by_name = {n.name: n for n in program.graph.nodes}
+        self.layers = list(layer_names)
+        self.layer_of = self._assign()
+
+    # -- granularity -------------------------------------------------------------------------
+    @staticmethod
+    def auto_layer_names(program: ExportedProgram, model: nn.Module) -> list[str]:
+        """Top-level children, with containers (Sequential, ModuleList) expanded one level."""
+        names: list[str] = []
+        for name, child in model.named_children():
+            if isinstance(child, _CONTAINERS):
+                names += [f"{name}.{sub}" for sub, _ in child.named_children()]
+            else:
+                names.append(name)
+        return LayerGraph._in_execution_order(program, names)
+
+    @staticmethod
+    def depth_layer_names(program: ExportedProgram, depth: int) -> list[str]:
+        """Module paths cut to ``depth`` components (``--depth``)."""
+        if depth < 1:
+            raise WorkloadError(f"--depth must be >= 1, got {depth}")
+        paths = [_module_path(n) for n in program.graph.nodes if n.op == "call_function"]
+        names = [".".join(p.split(".")[:depth]) for p in paths if p]
+        return LayerGraph._in_execution_order(program, list(dict.fromkeys(names)))
+
+    @staticmethod
+    def pattern_layer_names(program: ExportedProgram, patterns: Sequence[str]) -> list[str]:
+        """Layers at module paths matching any glob (``--layers 'blocks.*'``); the rest of the
+        model is grouped by top-level child."""
+        names = []
+        for node in program.graph.nodes:
+            path = _module_path(node)
+            if node.op != "call_function" or not path:
+                continue
+            parts = path.split(".")
+            prefixes = [".".join(parts[: i + 1]) for i in range(len(parts))]
+            matching = [p for p in prefixes if any(fnmatch.fnmatchcase(p, g) for g in patterns)]
+            names.append(matching[0] if matching else parts[0])
+        if not any(any(fnmatch.fnmatchcase(n, g) for g in patterns) for n in names):
+            raise WorkloadError(
+                f"--layers {' '.join(patterns)!r} matches no module of the model; patterns are "
+                "globs over module paths such as 'blocks.*' or 'layer?.*'"
+            )
+        return LayerGraph._in_execution_order(program, list(dict.fromkeys(names)))
+
+    @staticmethod
+    def _in_execution_order(program: ExportedProgram, names: list[str]) -> list[str]:
+        """Leaf names (a name that is a prefix of another is dropped: its own nodes join the
+        layer before them) ordered by the first node they own."""
+        leaves = [n for n in names if not any(o != n and _within(o, n) for o in names)]
+        by_length = sorted(leaves, key=len, reverse=True)
+        first: dict[str, int] = {}
+        for index, node in enumerate(program.graph.nodes):
+            path = _module_path(node)
+            owner = next((n for n in by_length if path and _within(path, n)), None)
+            if owner is not None and owner not in first:
+                first[owner] = index
+        return sorted(first, key=first.__getitem__)
+
+    # -- assignment --------------------------------------------------------------------------
+    def _assign(self) -> dict[str, int]:
+        if not self.layers:
+            raise WorkloadError("no layers: the model's forward ran no module")
+        index = {name: i for i, name in enumerate(self.layers)}
+        by_length = sorted(self.layers, key=len, reverse=True)
+        layer_of: dict[str, int] = {}
+        current = None
+        for node in self.nodes:
+            path = _module_path(node)
+            match = next((name for name in by_length if path and _within(path, name)), None)
+            if match is not None:
+                current = index[match]
+            layer_of[node.name] = current if current is not None else -1
+        for node in self.nodes:  # root-level nodes before the first layer join it
+            if layer_of[node.name] == -1:
+                layer_of[node.name] = 0
+        seen_end: dict[int, int] = {}
+        previous = 0
+        for node in self.nodes:
+            layer = layer_of[node.name]
+            if layer < previous:
+                raise WorkloadError(
+                    f"layer {self.layers[layer]!r} runs again after layer "
+                    f"{self.layers[previous]!r} (node {node.name}); layers must be contiguous in "
+                    "execution order: choose a coarser granularity (--depth or --layers)"
+                )
+            seen_end[layer] = seen_end.get(layer, 0) + 1
+            previous = layer
+        empty = [name for i, name in enumerate(self.layers) if i not in seen_end]
+        if empty:
+            raise WorkloadError(
+                f"layers {empty} run no operation in the traced model; use module paths of the "
+                f"model (its layers at this granularity: {self.layers[:6]}...)"
+            )
+        return layer_of
+
+    # -- values crossing boundaries ------------------------------------------------------------
+    def defined_in(self, value: str) -> int:
+        """The layer that computes ``value`` (-1: the model input)."""
+        return -1 if value == self.input_name else self.layer_of[value]
+
+    def _users_layers(self, node: fx.Node) -> list[int]:
+        out = []
+        for user in node.users:
+            if user.op == "output":
+                out.append(len(self.layers))  # the loss, after the last layer
+            elif user.name in self.layer_of:
+                out.append(self.layer_of[user.name])
+        return out
+
+    def crossing(self, boundary: int) -> list[str]:
+        """Values made at or before layer ``boundary`` and used after it (graph order)."""
+        names = []
+        for node in self.program.graph.nodes:
+            if node.name != self.input_name and node.name not in self.layer_of:
+                continue
+            if self.defined_in(node.name) <= boundary and any(
+                layer > boundary for layer in self._users_layers(node) if layer < len(self.layers)
+            ):
+                names.append(node.name)
+        return names
+
+    def value_bytes(self, value: str) -> int:
+        meta = self.by_name[value].meta.get("val")
+        if not isinstance(meta, torch.Tensor):
+            raise WorkloadError(
+                f"value {value} crosses a layer boundary but is not a tensor ({type(meta)}); "
+                "choose a granularity that keeps it inside one layer"
+            )
+        return meta.numel() * meta.element_size()
+
+    def cut_bytes(self) -> list[int]:
+        return [
+            sum(self.value_bytes(v) for v in self.crossing(b)) for b in range(len(self.layers) - 1)
+        ]
+
+    def layer_state_names(self, layer: int) -> list[str]:
+        """The model's parameter and buffer names used by a layer."""
+        names = []
+        for node in self.nodes:
+            if self.layer_of[node.name] != layer:
+                continue
+            for arg in node.all_input_nodes:
+                name = self.tensor_names.get(arg.name)
+                if name is not None and name not in names:
+                    names.append(name)
+        return names

@@ -1,0 +1,133 @@
+"""Stage modules cut from a layer graph: an ``fx.GraphModule`` per contiguous layer range.
+
+A stage module takes its input values and returns its output values as a tuple; its parameters
+and buffers are the model's own tensors under the model's own names, so ``functional_call``
+(weight stashing) and ``state_dict()`` (checkpoints) work exactly as for ``nn.Sequential``
+stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import fx, nn
+
+from pipedream.errors import WorkloadError
+from pipedream.graph.layers import LayerGraph, StageIO
+
+__all__ = ["build_stage_module", "stage_ios"]
+
+
+def stage_ios(graph: LayerGraph, ranges: Sequence[tuple[int, int]]) -> list[StageIO]:
+    """What every stage receives from and sends to which stage, for layer ranges (inclusive)."""
+    stage_of_layer = {}
+    for stage, (first, last) in enumerate(ranges):
+        for layer in range(first, last + 1):
+            stage_of_layer[layer] = stage
+    num_stages = len(ranges)
+    _check_tied_parameters(graph, stage_of_layer)
+
+    def stage_of_value(value: str) -> int:
+        layer = graph.defined_in(value)
+        return 0 if layer == -1 else stage_of_layer[layer]
+
+    # producer stage -> consumer stage -> values, in graph order
+    sends: dict[int, dict[int, list[str]]] = {s: {} for s in range(num_stages)}
+    for node in graph.program.graph.nodes:
+        if node.name != graph.input_name and node.name not in graph.layer_of:
+            continue
+        producer = stage_of_value(node.name)
+        for user in node.users:
+            if user.op == "output" or user.name not in graph.layer_of:
+                continue
+            consumer = stage_of_layer[graph.layer_of[user.name]]
+            if consumer < producer:
+                raise WorkloadError(f"value {node.name} flows backwards between stages")
+            if consumer > producer:
+                values = sends[producer].setdefault(consumer, [])
+                if node.name not in values:
+                    values.append(node.name)
+    ios = []
+    for stage in range(num_stages):
+        producers = tuple((p, tuple(sends[p][stage])) for p in range(stage) if stage in sends[p])
+        inputs = tuple(v for _, values in producers for v in values)
+        if stage == 0:
+            producers = ((-1, (graph.input_name,)),)
+            inputs = (graph.input_name,)
+        consumers = tuple((c, tuple(values)) for c, values in sorted(sends[stage].items()))
+        if stage == num_stages - 1:
+            outputs: tuple[str, ...] = (graph.output_name,)
+        else:
+            outputs = tuple(dict.fromkeys(v for _, values in consumers for v in values))
+        ios.append(StageIO(stage, inputs, producers, outputs, consumers))
+    return ios
+
+
+def _check_tied_parameters(graph: LayerGraph, stage_of_layer: dict[int, int]) -> None:
+    owner: dict[str, int] = {}
+    for layer in range(len(graph.layers)):
+        for name in graph.layer_state_names(layer):
+            stage = stage_of_layer[layer]
+            if owner.setdefault(name, stage) != stage:
+                raise WorkloadError(
+                    f"parameter {name!r} is used in stages {owner[name]} and {stage} (tied "
+                    "weights); keep the layers that share it in one stage"
+                )
+
+
+def _attach(root: nn.Module, name: str, tensor: object) -> None:
+    """Register ``tensor`` at the dotted path ``name`` below ``root``, creating holders."""
+    *parents, leaf = name.split(".")
+    module = root
+    for part in parents:
+        if not hasattr(module, part):
+            module.add_module(part, nn.Module())
+        module = getattr(module, part)
+    if isinstance(tensor, nn.Parameter):
+        module.register_parameter(leaf, tensor)
+    else:
+        module.register_buffer(leaf, tensor)  # type: ignore[arg-type]
+
+
+def build_stage_module(
+    graph: LayerGraph, model: nn.Module, first: int, last: int, io: StageIO
+) -> fx.GraphModule:
+    """The GraphModule running layers ``first..last`` (inclusive) on ``io.inputs``.
+
+    Parameters and buffers are the ``model``'s own tensor objects (shared, not copied).
+    """
+    state = dict(model.named_parameters()) | dict(model.named_buffers())
+    constants = graph.program.constants
+    root = nn.Module()
+    new = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    for value in io.inputs:
+        env[value] = new.placeholder(value)
+
+    def lookup(node: fx.Node) -> fx.Node:
+        if node.name in env:
+            return env[node.name]
+        target = graph.tensor_names.get(node.name)
+        if target is None:
+            raise AssertionError(f"stage {io.stage} needs {node.name}, which it does not get")
+        if target not in state and target not in constants:
+            raise AssertionError(f"unknown model tensor {target}")
+        if not _has_path(root, target):
+            _attach(root, target, state[target] if target in state else constants[target])
+        env[node.name] = new.get_attr(target)
+        return env[node.name]
+
+    for node in graph.nodes:
+        if first <= graph.layer_of[node.name] <= last:
+            env[node.name] = new.node_copy(node, lookup)
+    new.output(tuple(env[value] for value in io.outputs))
+    return fx.GraphModule(root, new, class_name=f"Stage{io.stage}")
+
+
+def _has_path(root: nn.Module, name: str) -> bool:
+    module: object = root
+    for part in name.split("."):
+        if not hasattr(module, part):
+            return False
+        module = getattr(module, part)
+    return True

@@ -1,0 +1,33 @@
+"""Exporting a workload's model with ``torch.export``, with errors a user can act on."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.export import ExportedProgram
+
+from pipedream.errors import WorkloadError
+
+__all__ = ["TraceError", "trace_model"]
+
+
+class TraceError(WorkloadError):
+    """``torch.export`` could not trace the model."""
+
+
+def trace_model(model: nn.Module, example_input: Tensor) -> ExportedProgram:
+    """Export ``model`` on one microbatch (non-strict, training IR, parameters lifted).
+
+    The graph is specialised to the example's shapes, which is what a pipeline needs: every
+    microbatch has the same shape.
+    """
+    try:
+        return torch.export.export(model, (example_input,), strict=False)
+    except Exception as exc:  # torch.export raises many types; the user needs one message
+        first = " ".join(str(exc).strip().splitlines()[:1])[:300]
+        raise TraceError(
+            f"torch.export could not trace {type(model).__name__} ({type(exc).__name__}: "
+            f"{first}); make its forward traceable (no data-dependent Python control flow, "
+            "one tensor input), or express the model as an nn.Sequential of layers, which "
+            "pipedream splits without tracing"
+        ) from None

@@ -1,0 +1,172 @@
+"""``sleep``: layers that sleep a fixed time in forward and backward, for schedule benchmarks.
+
+Each layer is a custom autograd function that sleeps ``forward_ms`` in forward and
+``backward_ms`` in backward and otherwise does (almost) nothing, so a pipeline of many stages
+fits on a couple of CPU cores: the measured time of a run minus its ideal time is the
+overhead of the schedule, the runtime and the communication, not contention for compute.
+``activation_bytes`` sets the size of the tensor every layer outputs (and so of every message
+between stages), e.g. 32 KiB or 32 MiB per microbatch.
+
+The math is exact and trivial, chosen so that no step touches a large tensor:
+
+* layer 0 maps the (tiny) input to a constant activation of ``activation_bytes``: a cached
+  zero tensor, ``y = 0 * x + 0 * w``;
+* every other layer is the identity, returned as a view of its input: ``y = x + 0 * w``;
+* the loss is ``0 * <output, 1>`` = 0, so every gradient is exactly zero; the gradient of the
+  output is a cached zero tensor, passed through each layer without copying.
+
+Each layer has one scalar weight ``w`` (exact gradient 0) so that the runtime has parameters to
+version, stash, average and update like in any other model.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import Dataset
+
+from pipedream.errors import WorkloadError
+from pipedream.workload import Workload
+from pipedream.workloads.common import optimizer_factory
+
+__all__ = ["SleepLayer", "build", "zero_loss"]
+
+_ZEROS: dict[tuple[tuple[int, ...], torch.dtype, str], Tensor] = {}
+
+
+def _cached_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """One zero tensor per shape, dtype and device, never written to after creation.
+
+    Allocating and filling 32 MiB costs ~10 ms of CPU on a small machine (page faults), which
+    would be charged to the first and last stage on every microbatch.
+    """
+    key = (shape, dtype, str(device))
+    if key not in _ZEROS:
+        _ZEROS[key] = torch.zeros(shape, dtype=dtype, device=device)
+    return _ZEROS[key]
+
+
+class _SleepFunction(torch.autograd.Function):
+    """``y = x + 0 * w`` (or a constant zero activation) with a sleep in forward and backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, layer: SleepLayer) -> Tensor:
+        time.sleep(layer.forward_s)
+        ctx.layer = layer
+        ctx.x_needs_grad = x.requires_grad
+        if tuple(x.shape) == layer.shape:
+            return x.view_as(x)
+        return _cached_zeros(layer.shape, weight.dtype, weight.device).view(layer.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor, None]:
+        layer: SleepLayer = ctx.layer
+        time.sleep(layer.backward_s)
+        passes = ctx.x_needs_grad and tuple(grad.shape) == layer.shape
+        grad_x = grad if passes else None
+        return grad_x, torch.zeros((), dtype=grad.dtype, device=grad.device), None
+
+
+class SleepLayer(nn.Module):
+    """Sleeps ``forward_ms`` in forward and ``backward_ms`` in backward; outputs ``shape``."""
+
+    def __init__(self, shape: tuple[int, ...], *, forward_ms: float, backward_ms: float) -> None:
+        super().__init__()
+        self.shape = tuple(shape)
+        self.forward_s = forward_ms / 1000
+        self.backward_s = backward_ms / 1000
+        self.weight = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[0] != self.shape[0]:  # the last microbatch of torch's chunking may differ
+            raise ValueError(f"sleep layer expects a microbatch of {self.shape[0]}, got {x.shape}")
+        return _SleepFunction.apply(x, self.weight, self)  # type: ignore[no-any-return]
+
+    def extra_repr(self) -> str:
+        return (
+            f"shape={self.shape}, forward_ms={self.forward_s * 1000:g}, "
+            f"backward_ms={self.backward_s * 1000:g}"
+        )
+
+
+class _ZeroLoss(torch.autograd.Function):
+    """``0 * <output, 1>``: value 0, gradient a cached zero tensor shaped like the output."""
+
+    @staticmethod
+    def forward(ctx: Any, output: Tensor) -> Tensor:
+        ctx.meta = (tuple(output.shape), output.dtype, output.device)
+        return output.new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        shape, dtype, device = ctx.meta
+        return _cached_zeros(shape, dtype, device)
+
+
+def zero_loss(output: Tensor, target: Tensor) -> Tensor:
+    """The sleep workload's loss: exactly 0, with an exactly zero (cached) gradient."""
+    del target
+    return _ZeroLoss.apply(output)  # type: ignore[no-any-return]
+
+
+class _TinyDataset(Dataset[tuple[Tensor, Tensor]]):
+    """``samples`` items of one float input and one float target (the values never matter)."""
+
+    def __init__(self, samples: int) -> None:
+        self.samples = samples
+        self._item = (torch.zeros(1), torch.zeros(1))
+
+    def __len__(self) -> int:
+        return self.samples
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        return self._item
+
+
+def build(
+    layers: int = 4,
+    forward_ms: float = 10.0,
+    backward_ms: float = 20.0,
+    activation_bytes: int = 32 * 1024,
+    samples: int = 256,
+    lr: float = 0.01,
+    microbatch_size: int = 8,
+) -> Workload:
+    """Build the sleep workload: ``layers`` sleep layers whose outputs are ``activation_bytes``.
+
+    ``activation_bytes`` is per microbatch and must be a multiple of ``4 * microbatch_size``
+    (float32 values, one row per sample).
+    """
+    if layers < 1 or samples < 1 or microbatch_size < 1:
+        raise WorkloadError(
+            f"sleep: layers, samples and microbatch_size must be >= 1, got {layers}, "
+            f"{samples}, {microbatch_size}"
+        )
+    if forward_ms < 0 or backward_ms < 0:
+        raise WorkloadError(
+            f"sleep: forward_ms and backward_ms must be >= 0, got {forward_ms}, {backward_ms}"
+        )
+    row = 4 * microbatch_size
+    if activation_bytes < row or activation_bytes % row:
+        raise WorkloadError(
+            f"sleep: activation_bytes={activation_bytes} must be a positive multiple of "
+            f"4 * microbatch_size = {row} (float32 rows, one per sample); e.g. 32768 or 33554432"
+        )
+    shape = (microbatch_size, activation_bytes // row)
+    model = nn.Sequential(
+        *(SleepLayer(shape, forward_ms=forward_ms, backward_ms=backward_ms) for _ in range(layers))
+    )
+    return Workload(
+        model=model,
+        example_input=torch.zeros(microbatch_size, 1),
+        loss_fn=zero_loss,
+        dataset=_TinyDataset(samples),
+        optimizer=optimizer_factory("sgd", lr=lr),
+        description=(
+            f"{layers} sleep layers ({forward_ms:g} ms forward, {backward_ms:g} ms backward, "
+            f"{activation_bytes} bytes out per microbatch)"
+        ),
+    )

@@ -1,0 +1,86 @@
+"""Profiling any model ``torch.export`` can trace: one measurement per layer of its graph.
+
+The model is exported once, grouped into layers (``pipedream.graph``), and every layer is cut out
+as its own module taking exactly the values that reach it, so skip connections are measured
+where they cross: ``output_bytes`` of a layer counts every value it sends to any later layer, and
+the profile's ``cut_bytes`` counts everything live across each boundary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from pipedream.formats.profile import LayerProfile
+from pipedream.graph import LayerGraph, trace_model
+from pipedream.graph.stages import build_stage_module, stage_ios
+from pipedream.profiler.measure import OptimizerFactory, measure_layer
+
+__all__ = ["layer_graph", "measure_graph"]
+
+
+class _Unpack(nn.Module):
+    """Calls a multi-input layer module with one tuple (what ``measure_layer`` passes)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        return self.inner(*inputs)
+
+
+def layer_graph(
+    model: nn.Module,
+    example_input: Tensor,
+    *,
+    depth: int | None = None,
+    patterns: Sequence[str] = (),
+) -> LayerGraph:
+    """Trace ``model`` and group it at the chosen granularity (default: top-level children,
+    containers such as ``nn.Sequential`` expanded one level)."""
+    program = trace_model(model, example_input)
+    if patterns:
+        names = LayerGraph.pattern_layer_names(program, patterns)
+    elif depth is not None:
+        names = LayerGraph.depth_layer_names(program, depth)
+    else:
+        names = LayerGraph.auto_layer_names(program, model)
+    return LayerGraph(program, names)
+
+
+def measure_graph(
+    graph: LayerGraph,
+    model: nn.Module,
+    example_input: Tensor,
+    *,
+    warmup: int = 3,
+    repeats: int = 10,
+    optimizer: OptimizerFactory | None = None,
+) -> list[LayerProfile]:
+    """Measure every layer of ``graph`` on the values it sees when ``example_input`` runs."""
+    count = len(graph.layers)
+    ios = stage_ios(graph, [(i, i) for i in range(count)])
+    values: dict[str, Tensor] = {graph.input_name: example_input}
+    profiles = []
+    for index, io in enumerate(ios):
+        module = build_stage_module(graph, model, index, index, io)
+        inputs = tuple(values[name] for name in io.inputs)
+        with torch.no_grad():
+            outputs = module(*inputs)
+        values.update(zip(io.outputs, outputs))
+        measured = measure_layer(
+            graph.layers[index],
+            _Unpack(module),
+            inputs,
+            warmup=warmup,
+            repeats=repeats,
+            optimizer=optimizer,
+        )
+        shapes = ", ".join(str(list(t.shape)) for t in outputs)
+        operations = sum(1 for n in graph.nodes if graph.layer_of[n.name] == index)
+        profiles.append(dataclasses.replace(measured, type=f"{operations} ops -> {shapes}"))
+    return profiles
