@@ -175,6 +175,10 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
             f"after {args.warmup} warm-up"
         )
     save_profile(profile, args.output)
+    if getattr(args, "plot", None):
+        from pipedream.profiler.plot import plot_profile
+
+        plot_profile(profile, args.plot)
     print(f"{profile.workload}: microbatch size {profile.microbatch_size}, {how}", file=out)
     print(format_table(profile), file=out)
     print(f"wrote {args.output}", file=out)

@@ -1,0 +1,133 @@
+"""Graph-based profiling of traced models: exact bytes, skip connections in cut_bytes, and a
+clear message when torch.export cannot trace a model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from launching import run_cli
+from torch import Tensor, nn
+
+from pipedream.errors import WorkloadError
+from pipedream.formats import load_profile
+from pipedream.graph import trace_model
+from pipedream.profiler.graph_profile import layer_graph, measure_graph
+from pipedream.workload import load_workload
+
+B = 4
+
+
+def _state_bytes(model: nn.Module, layer: str) -> int:
+    module = model.get_submodule(layer)
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+
+
+def test_resnet_layers_bytes_are_exact() -> None:
+    workload = load_workload("resnet", {"width": "4"}, microbatch_size=B)
+    graph = layer_graph(workload.model, workload.example_input)
+    # containers (the stem's Sequential, each layerN) are expanded one level
+    assert graph.layers == [
+        "stem.0",
+        "stem.1",
+        "stem.2",
+        "layer1.0",
+        "layer1.1",
+        "layer2.0",
+        "layer2.1",
+        "pool",
+        "fc",
+    ]
+    layers = measure_graph(graph, workload.model, workload.example_input, warmup=0, repeats=1)
+    for layer in layers:
+        assert layer.parameter_bytes == _state_bytes(workload.model, layer.name)
+    # activations: 4 channels at 16x16 through layer1, 8 channels at 8x8 after layer2.0
+    assert [layer.output_bytes for layer in layers] == [
+        B * 4 * 16 * 16 * 4,
+        B * 4 * 16 * 16 * 4,
+        B * 4 * 16 * 16 * 4,
+        B * 4 * 16 * 16 * 4,
+        B * 4 * 16 * 16 * 4,
+        B * 8 * 8 * 8 * 4,
+        B * 8 * 8 * 8 * 4,
+        B * 8 * 4,
+        B * 4 * 4,
+    ]
+    assert graph.cut_bytes() == [layer.output_bytes for layer in layers[:-1]]
+    assert all(layer.forward_ms > 0 and layer.backward_ms > 0 for layer in layers[:-2])
+
+
+def test_cut_inside_a_block_carries_the_residual() -> None:
+    workload = load_workload("resnet", {"width": "4"}, microbatch_size=B)
+    graph = layer_graph(workload.model, workload.example_input, depth=3)
+    cut = graph.layers.index("layer1.0.conv2") - 1  # between bn1/relu and conv2 of a block
+    activation = B * 4 * 16 * 16 * 4
+    # the block's input (the residual) crosses together with the branch's activation
+    assert graph.cut_bytes()[cut] == 2 * activation
+    assert len(graph.crossing(cut)) == 2
+
+
+def test_gpt_at_depth_two_has_the_residual_stream_in_every_cut() -> None:
+    args = {"layers": "2", "dim": "32", "heads": "2", "seq": "16"}
+    workload = load_workload("gpt", args, microbatch_size=B)
+    graph = layer_graph(workload.model, workload.example_input, depth=2)
+    stream = B * 16 * 32 * 4
+    cut = graph.layers.index("h0.ln1")  # after the layer norm, before attention
+    assert graph.cut_bytes()[cut] == 2 * stream  # normalised activations + residual stream
+    cut = graph.layers.index("h0.mlp")  # after a whole block: only the stream
+    assert graph.cut_bytes()[cut] == stream
+
+
+def test_patterns_choose_the_granularity() -> None:
+    workload = load_workload("resnet", {"width": "4"}, microbatch_size=B)
+    graph = layer_graph(workload.model, workload.example_input, patterns=["layer1.*"])
+    assert graph.layers == ["stem", "layer1.0", "layer1.1", "layer2", "pool", "fc"]  # others whole
+    with pytest.raises(WorkloadError, match="matches no module"):
+        layer_graph(workload.model, workload.example_input, patterns=["nothing.*"])
+
+
+class _DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.sum() > 0:  # data-dependent control flow: not traceable
+            return self.a(x)
+        return x
+
+
+def test_untraceable_model_gets_a_clear_message() -> None:
+    with pytest.raises(WorkloadError) as info:
+        trace_model(_DataDependent(), torch.randn(2, 3))
+    message = str(info.value)
+    assert message.startswith("torch.export could not trace _DataDependent")
+    assert "nn.Sequential" in message and "\n" not in message
+
+
+def test_profile_cli_traces_with_depth_and_plots(tmp_path: Path) -> None:
+    out = tmp_path / "profile.yaml"
+    result = run_cli(
+        "profile",
+        "resnet",
+        "--workload-arg",
+        "width=4",
+        "--microbatch-size",
+        "4",
+        "--depth",
+        "2",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--plot",
+        str(tmp_path / "p.png"),
+        "-o",
+        str(out),
+    )
+    assert result.returncode == 0, result.stderr
+    profile = load_profile(out)
+    assert profile.layer_names[:3] == ["stem.0", "stem.1", "stem.2"]
+    assert profile.cut_bytes is not None and len(profile.cut_bytes) == len(profile.layers) - 1
+    assert (tmp_path / "p.png").stat().st_size > 1000
