@@ -2,15 +2,17 @@
 
 ::
 
-    pipedream plan PROFILE (--workers N [--bandwidth B] | --topology TOPO) [--schedule NAME]
-                   [--microbatches M] [--straight] [--memory X] [--cost-model pipedream]
-                   [--compare] -o PLAN
+    pipedream plan PROFILE (--workers N [--bandwidth B] | --topology TOPO)
+                   [--schedule NAME|auto] [--microbatches M] [--straight] [--memory X]
+                   [--cost-model symmetric|pipedream] [--fewer-workers] [--compare] -o PLAN
 
 ``--workers N --bandwidth B`` is a one-level cluster (PipeDream's default bandwidth, 1e9
-bytes/s, when ``--bandwidth`` is left out). ``--memory`` (or the topology's ``memory``) limits
-each worker's estimated memory (see :mod:`pipedream.optimizer.memory`). Every user mistake
-raises :class:`~pipedream.errors.PlanningError` (or ``FormatError`` for a bad file), which the
-CLI prints as one line with exit status 2.
+bytes/s, when ``--bandwidth`` is left out); ``--topology`` gives several levels, innermost
+first. ``--memory`` (or the topology's ``memory``) limits each worker's estimated memory (see
+:mod:`pipedream.optimizer.memory`). The plan records the profile's path (relative to the plan
+file) and the cluster, so that ``pipedream simulate PLAN`` needs nothing else. Every user
+mistake raises :class:`~pipedream.errors.PlanningError` (or ``FormatError`` for a bad file),
+which the CLI prints as one line with exit status 2.
 
 Nothing here imports torch: planning is pure arithmetic over the profile.
 """
@@ -18,15 +20,20 @@ Nothing here imports torch: planning is pure arithmetic over the profile.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import replace
+from pathlib import Path
 
 from pipedream.errors import PlanningError
 from pipedream.formats.plan import save_plan
-from pipedream.formats.profile import load_profile
+from pipedream.formats.profile import Profile, load_profile
 from pipedream.formats.topology import DEFAULT_BANDWIDTH, Topology, load_topology
-from pipedream.formats.units import format_bytes, parse_bandwidth, parse_bytes
-from pipedream.optimizer.planner import FLUSH_SCHEDULES, PlanOptions, make_plan, network_level
-from pipedream.optimizer.report import format_comparison, format_summary
+from pipedream.formats.units import parse_bandwidth, parse_bytes
+from pipedream.optimizer.baselines import baselines
+from pipedream.optimizer.cost_model import FLUSH_SCHEDULES, LayerCosts
+from pipedream.optimizer.planner import AUTO, PlanOptions, PlanResult, plan_profile
+from pipedream.optimizer.report import format_candidates, format_comparison, format_summary
+from pipedream.optimizer.search import Request
 
 __all__ = ["options_from_args", "run", "topology_from_args"]
 
@@ -81,51 +88,70 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
         straight=bool(args.straight),
         memory=memory,
         cost_model=args.cost_model,
-        # not a CLI flag (yet); honoured if the parser grows one
         use_fewer_workers=bool(getattr(args, "fewer_workers", False)),
     )
+
+
+def _relative(path: str, plan_file: str) -> str:
+    """``path`` as seen from the plan file's folder (absolute if that is impossible)."""
+    try:
+        return os.path.relpath(Path(path).resolve(), Path(plan_file).resolve().parent)
+    except ValueError:  # another drive on Windows
+        return str(Path(path).resolve())
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``pipedream plan``; returns the exit status."""
     options = options_from_args(args)
     topology = topology_from_args(args)
-    level = network_level(topology)
     profile = load_profile(args.profile)
-    plan = make_plan(profile, topology=topology, options=options)
+    limit = options.memory if options.memory is not None else topology.memory
+    result = plan_profile(profile, topology=topology, options=options)
+    plan = replace(result.plan, profile=_relative(args.profile, args.output), topology=topology)
     save_plan(plan, args.output)
-    print(format_summary(plan, profile=profile, level=level))
-    if _worth_checking_fewer(options, plan.world_size):
-        fewer_options = replace(options, use_fewer_workers=True, microbatches=plan.microbatches)
-        fewer = make_plan(profile, topology=topology, options=fewer_options)
-        assert plan.prediction is not None and fewer.prediction is not None
-        if fewer.world_size < plan.world_size and (
-            fewer.prediction.time_per_minibatch_ms
-            >= plan.prediction.time_per_minibatch_ms * (1 - 1e-9)
-        ):
-            print(
-                f"note: {fewer.world_size} workers are predicted to be as fast; the other "
-                f"{plan.world_size - fewer.world_size} add nothing under this cost model"
-            )
-    if options.memory is not None or topology.memory is not None:
-        limit = options.memory if options.memory is not None else topology.memory
-        assert limit is not None
-        print(
-            f"memory limit per worker: {format_bytes(limit)} (checked against the estimate "
-            "weights x versions + gradients + optimizer state + activations x in flight)"
-        )
-    if args.compare:
+    print(format_summary(result, profile=profile, topology=topology, memory_limit=limit))
+    if result.candidates:
         print()
-        print(format_comparison(plan, profile=profile, level=level, options=options))
+        print(format_candidates(result, microbatch_size=profile.microbatch_size))
+    _note_fewer(result, profile, topology, options)
+    if args.compare:
+        request = Request(LayerCosts.from_profile(profile), topology, options.cost_model)
+        found = baselines(request, cluster=result.cluster, schedule=plan.schedule)
+        print()
+        print(
+            format_comparison(
+                result, found, microbatch_size=profile.microbatch_size, memory_limit=limit
+            )
+        )
     print(f"wrote {args.output}")
     return 0
 
 
-def _worth_checking_fewer(options: PlanOptions, world_size: int) -> bool:
-    """Whether to look for a plan as fast on fewer workers (a second, cheap DP run).
+def _note_fewer(
+    result: PlanResult, profile: Profile, topology: Topology, options: PlanOptions
+) -> None:
+    """Say so when fewer workers are predicted to be as fast (a second, cheap DP run).
 
-    Skipped for the flush schedules, whose search over stage counts costs ``S`` times more.
+    Only on one level, and not for the flush schedules and ``auto``: there a second search
+    costs as much as the first.
     """
-    return (
-        not options.use_fewer_workers and world_size > 1 and options.schedule not in FLUSH_SCHEDULES
-    )
+    plan = result.plan
+    if (
+        options.use_fewer_workers
+        or plan.world_size <= 1
+        or result.cluster.num_levels > 1
+        or plan.schedule in FLUSH_SCHEDULES
+        or options.schedule == AUTO
+    ):
+        return
+    fewer_options = replace(options, use_fewer_workers=True, microbatches=plan.microbatches)
+    fewer = plan_profile(profile, topology=topology, options=fewer_options).plan
+    assert plan.prediction is not None and fewer.prediction is not None
+    if fewer.world_size < plan.world_size and (
+        fewer.prediction.time_per_minibatch_ms >= plan.prediction.time_per_minibatch_ms * (1 - 1e-9)
+    ):
+        print(
+            f"note: {fewer.world_size} workers are predicted to be as fast; the other "
+            f"{plan.world_size - fewer.world_size} add nothing under this cost model "
+            "(--fewer-workers plans for fewer)"
+        )

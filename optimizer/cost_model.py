@@ -1,32 +1,39 @@
-"""PipeDream's cost model (SOSP'19 section 3.1) for one level of a cluster.
+"""PipeDream's cost model (SOSP'19 section 3.1), per network level, in two variants.
 
-The model predicts the steady-state time per minibatch of a pipeline in which stage ``s`` runs
-a contiguous range of layers on ``r_s`` data-parallel replicas (1F1B-RR: minibatch ``t`` goes to
-replica ``t mod r_s``). Every term is an *average time per minibatch leaving the pipeline*, so
-the pipeline's time is the largest term, as in the original optimizer
-(``optimizer_graph_hierarchical.py``, "time per stage in pipeline"):
+A stage runs a contiguous range of layers on ``r`` replicas (1F1B-RR: minibatch ``t`` goes to
+replica ``t mod r``). Every term is an *average time per microbatch leaving the pipeline*, so a
+pipeline's time is its largest term (the original's "time per stage in pipeline"):
 
-* compute of a stage on ``r`` replicas::
+* compute of a stage on ``r`` units (workers, or servers each running an inner pipeline)::
 
-      (sum of forward + backward ms  +  allreduce(params, r) / microbatches) / r
-      allreduce(P, r) = 4 * (r - 1) * P / (bandwidth * r)            # ring allreduce, fwd+bwd
+      (T + allreduce(P, r) / microbatches) / r
+      allreduce(P, r) = 4 * (r - 1) * P / (bandwidth * r) / w        # ring allreduce, fwd+bwd
 
-  Replicas synchronise once per minibatch, so with ``microbatches`` microbatches per minibatch
-  (2bw, 1f1b, gpipe) the allreduce is shared by that many microbatches; PipeDream's own schedule
-  has one microbatch per minibatch, which is exactly the original formula.
-* communication across a boundary carrying ``a`` bytes, for the stage on each side::
+  ``T`` is the layers' forward + backward time (innermost level) or the best pipeline time of
+  the range on one unit (outer levels); ``w`` shares a cross-unit allreduce among the workers
+  of a unit. Replicas synchronise once per minibatch, so it is shared by ``microbatches``.
+* communication across a cut carrying ``a`` bytes, for a stage on ``r`` units::
 
       2 * a / (bandwidth * r)          # activations forward, gradients backward
 
-  It overlaps with compute, so it counts as its own term (``max``, not a sum). The original
-  applies this with ``activation_compression_ratio=1``; with ``None`` it drops it.
+  It overlaps with compute, so it counts as its own term (``max``, not a sum).
 
-The original charges the receiving stage's replication for every boundary but the sending
-stage's only when the sender is not the first stage; here both sides are always charged (the
-first stage sends too). The two agree whenever the first stage has at least as many replicas as
-the second, which covers every plan the original picks on its sample profiles.
+The two variants (``--cost-model``) differ only in which terms are charged:
 
-Times are in milliseconds, sizes in bytes, bandwidth in bytes/second.
+``symmetric`` (default)
+    every cut is charged to the stages on *both* sides (each with its own ``r``), at the
+    bandwidth of the level where the cut happens (an inner pipeline never charges the ends of
+    its own range: the enclosing level does, at its own bandwidth), and ``w`` is the number of
+    workers in a unit of the level below, for every stage.
+``pipedream``
+    the original ``optimizer_graph_hierarchical.py`` exactly, with
+    ``--activation_compression_ratio 1``: the first stage of every pipeline pays no transfer
+    (its output is charged to the next stage only), a pipeline of an inner level charges its
+    last stage's output at the *inner* bandwidth, and only a pipeline's first stage divides its
+    allreduce by ``w`` (``w`` = units of the previous level).
+
+Both give the same numbers on one level whenever the first stage has at least as many replicas
+as the second. Times are in milliseconds, sizes in bytes, bandwidths in bytes/second.
 """
 
 from __future__ import annotations
@@ -35,16 +42,29 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
+from pipedream.formats.plan import SCHEDULES
 from pipedream.formats.profile import Profile
 
 if TYPE_CHECKING:
     import numpy as np
     from numpy.typing import NDArray
 
-__all__ = ["COST_MODELS", "Amount", "CostModel", "LayerCosts", "StageCost", "minibatch_ms"]
+__all__ = [
+    "COST_MODELS",
+    "DEFAULT_COST_MODEL",
+    "FLUSH_SCHEDULES",
+    "Amount",
+    "CostModel",
+    "LayerCosts",
+    "StageCost",
+    "minibatch_ms",
+]
 
-COST_MODELS = ("pipedream",)
-"""Names accepted by ``pipedream plan --cost-model``."""
+COST_MODELS = ("symmetric", "pipedream")
+"""Names accepted by ``pipedream plan --cost-model`` (see the module docstring)."""
+DEFAULT_COST_MODEL = "symmetric"
+FLUSH_SCHEDULES = ("1f1b", "gpipe")
+"""Schedules that drain the pipeline after every minibatch (a bubble of S - 1 slots)."""
 
 Amount = TypeVar("Amount", float, "NDArray[np.float64]")
 """A float, or a numpy array of them: the formulas are plain arithmetic, and the partitioner
@@ -53,7 +73,7 @@ evaluates them on whole matrices of layer ranges at once."""
 
 @dataclass(frozen=True)
 class LayerCosts:
-    """The per-layer numbers the cost model reads, taken from a :class:`Profile`."""
+    """The per-layer numbers the cost and memory models read, taken from a :class:`Profile`."""
 
     compute_ms: tuple[float, ...]
     """Forward + backward time of each layer, one microbatch."""
@@ -69,6 +89,10 @@ class LayerCosts:
     @property
     def num_layers(self) -> int:
         return len(self.compute_ms)
+
+    def cut_bytes(self, index: int) -> float:
+        """Bytes crossing the cut after layer ``index`` (0 after the last layer)."""
+        return self.boundary_bytes[index] if index < len(self.boundary_bytes) else 0.0
 
     @classmethod
     def from_profile(cls, profile: Profile) -> LayerCosts:
@@ -89,14 +113,14 @@ class LayerCosts:
 
 @dataclass(frozen=True)
 class StageCost:
-    """The predicted time of one stage, split into its parts (all per minibatch, ms)."""
+    """The predicted time of one stage, split into its parts (all per microbatch, ms)."""
 
     compute_ms: float
-    """(compute + allreduce / microbatches) / replicas."""
+    """(T + allreduce / microbatches) / replicas."""
     allreduce_ms: float
     """The allreduce part of ``compute_ms`` (already divided as above)."""
     transfer_ms: float
-    """Largest of the input and output transfer times / replicas (0 for a single stage)."""
+    """Largest charged input or output transfer time / replicas (0 if none is charged)."""
 
     @property
     def total_ms(self) -> float:
@@ -106,67 +130,92 @@ class StageCost:
 
 @dataclass(frozen=True)
 class CostModel:
-    """PipeDream's cost model on one network level (see the module docstring)."""
+    """The cost model of one network level (see the module docstring)."""
 
     bandwidth: float
-    """Bandwidth between workers, bytes per second."""
+    """Bandwidth between the units of this level, bytes per second."""
     microbatches: int = 1
     """Microbatches per minibatch; replicas allreduce once per minibatch."""
     workers_per_unit: int = 1
-    """Workers inside one unit of this level; they split an allreduce between units (the
-    original divides the inter-unit allreduce by this). 1 for a flat cluster."""
-    name: str = "pipedream"
-    """Name recorded in the plan's prediction."""
+    """``w``: the allreduce divisor (1 on the innermost level)."""
+    name: str = DEFAULT_COST_MODEL
+    """``symmetric`` or ``pipedream``."""
 
     def __post_init__(self) -> None:
         assert self.bandwidth > 0 and self.microbatches >= 1 and self.workers_per_unit >= 1
+        assert self.name in COST_MODELS, self.name
 
-    def allreduce_ms(self, param_bytes: Amount, *, replicas: int) -> Amount:
-        """Time of one ring allreduce of ``param_bytes`` over ``replicas`` workers."""
-        return (
-            4.0 * (replicas - 1) * param_bytes / (self.bandwidth * replicas) * 1e3
-        ) / self.workers_per_unit
+    def allreduce_ms(self, param_bytes: Amount, *, replicas: int, lead: bool = True) -> Amount:
+        """One ring allreduce of ``param_bytes`` over ``replicas`` units; ``lead``: the stage
+        starts its pipeline (only such stages share it among the unit's workers under the
+        ``pipedream`` variant)."""
+        ring = 4.0 * (replicas - 1) * param_bytes / (self.bandwidth * replicas) * 1e3
+        if lead or self.name == "symmetric":
+            return ring / self.workers_per_unit
+        return ring
 
-    def compute_ms(self, compute_ms: Amount, *, param_bytes: Amount, replicas: int) -> Amount:
-        """Average time per minibatch of a stage's compute and allreduce on ``replicas``."""
-        allreduce = self.allreduce_ms(param_bytes, replicas=replicas) / self.microbatches
-        return (compute_ms + allreduce) / replicas
+    def compute_ms(
+        self, compute_ms: Amount, *, param_bytes: Amount, replicas: int, lead: bool = True
+    ) -> Amount:
+        """Average time per microbatch of a stage's compute and allreduce on ``replicas``."""
+        allreduce = self.allreduce_ms(param_bytes, replicas=replicas, lead=lead)
+        return (compute_ms + allreduce / self.microbatches) / replicas
 
     def transfer_ms(self, boundary_bytes: Amount, *, replicas: int) -> Amount:
-        """Average time per minibatch to move a boundary's activations and gradients."""
+        """Average time per microbatch to move a cut's activations and gradients."""
         return 2.0 * boundary_bytes / (self.bandwidth * replicas) * 1e3
 
-    def stage_cost(self, costs: LayerCosts, *, first: int, last: int, replicas: int) -> StageCost:
-        """The cost of layers ``first..last`` (inclusive) run by ``replicas`` workers."""
-        assert 0 <= first <= last < costs.num_layers and replicas >= 1
-        compute = sum(costs.compute_ms[first : last + 1])
+    def charges(
+        self, *, first: int, last: int, range_first: int, range_last: int, num_layers: int
+    ) -> tuple[bool, bool]:
+        """(input charged, output charged) for a stage ``first..last`` of a pipeline over
+        ``range_first..range_last`` (an inner level's range, or the whole model)."""
+        charge_in = first > range_first
+        if self.name == "symmetric":
+            return charge_in, last < range_last
+        return charge_in, charge_in and last < num_layers - 1
+
+    def stage_cost(
+        self,
+        costs: LayerCosts,
+        *,
+        first: int,
+        last: int,
+        replicas: int,
+        inner_ms: float | None = None,
+        range_first: int = 0,
+        range_last: int | None = None,
+    ) -> StageCost:
+        """The cost of layers ``first..last`` on ``replicas`` units, as a stage of a pipeline
+        over ``range_first..range_last`` (default: the whole model). ``inner_ms`` replaces the
+        layers' compute time (an outer level's unit runs a pipeline of its own)."""
+        n = costs.num_layers
+        assert 0 <= range_first <= first <= last < n and replicas >= 1
+        range_last = n - 1 if range_last is None else range_last
+        lead = first == range_first
+        compute = sum(costs.compute_ms[first : last + 1]) if inner_ms is None else inner_ms
         params = sum(costs.parameter_bytes[first : last + 1])
+        charge_in, charge_out = self.charges(
+            first=first, last=last, range_first=range_first, range_last=range_last, num_layers=n
+        )
         transfer = 0.0
-        if first > 0:
-            transfer = self.transfer_ms(costs.boundary_bytes[first - 1], replicas=replicas)
-        if last < costs.num_layers - 1:
-            transfer = max(
-                transfer, self.transfer_ms(costs.boundary_bytes[last], replicas=replicas)
-            )
+        if charge_in:
+            transfer = self.transfer_ms(costs.cut_bytes(first - 1), replicas=replicas)
+        if charge_out:
+            transfer = max(transfer, self.transfer_ms(costs.cut_bytes(last), replicas=replicas))
+        allreduce = self.allreduce_ms(params, replicas=replicas, lead=lead)
         return StageCost(
-            compute_ms=self.compute_ms(compute, param_bytes=params, replicas=replicas),
-            allreduce_ms=self.allreduce_ms(params, replicas=replicas)
-            / self.microbatches
-            / replicas,
+            compute_ms=self.compute_ms(compute, param_bytes=params, replicas=replicas, lead=lead),
+            allreduce_ms=allreduce / self.microbatches / replicas,
             transfer_ms=transfer,
         )
 
     def pipeline_ms(self, costs: LayerCosts, *, stages: Sequence[tuple[int, int, int]]) -> float:
-        """Time per microbatch of a pipeline given as ``(first, last, replicas)`` stages."""
+        """Time per microbatch of a one-level pipeline given as ``(first, last, replicas)``."""
         return max(
             self.stage_cost(costs, first=first, last=last, replicas=replicas).total_ms
             for first, last, replicas in stages
         )
-
-    def data_parallel_ms(self, costs: LayerCosts, *, num_workers: int) -> float:
-        """Time per microbatch of every worker replicating the whole model."""
-        last = costs.num_layers - 1
-        return self.stage_cost(costs, first=0, last=last, replicas=num_workers).total_ms
 
 
 def minibatch_ms(
@@ -177,10 +226,18 @@ def minibatch_ms(
 
     ``pipedream``, ``pipedream-vs`` and ``2bw`` never drain the pipeline, so a minibatch costs
     ``microbatches`` steady-state slots (for PipeDream: exactly its "time per stage in
-    pipeline"). ``1f1b`` and ``gpipe`` flush after every minibatch, which adds the fill and
-    drain bubble of ``num_stages - 1`` slots (the GPipe estimate, exact for equal stages).
+    pipeline")::
+
+        stage 0: F0 F1 B0 F2 B1 F3 B2 ...     one F and one B per slot once full
+
+    ``1f1b`` and ``gpipe`` flush after every minibatch, which adds the fill and drain bubble of
+    ``num_stages - 1`` slots (exact for equal stages: ``(m + S - 1)(F + B)``)::
+
+        stage 0: F0 F1 .  .  B0 B1 | F0 ...   S = 2, m = 2: 3 slots of F + B per minibatch
+        stage 1: .  F0 F1 B0 B1 .  |
     """
+    assert schedule in SCHEDULES, schedule
     slots = microbatches
-    if schedule in ("1f1b", "gpipe"):
+    if schedule in FLUSH_SCHEDULES:
         slots += num_stages - 1
     return slots * microbatch_ms

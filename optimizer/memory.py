@@ -1,41 +1,54 @@
 """Per-worker memory estimate of a stage, by schedule (what ``--memory`` is checked against).
 
-A worker running stage ``s`` (layers ``first..last``, ``r`` replicas) holds::
+A worker running a stage (layers ``first..last``) holds::
 
     weights      versions x params        (versions counts the live copy)
     gradients    1 x params
     optimizer    optimizer_state_bytes    (0 when the profile does not record it)
     activations  in_flight x activations  (saved_bytes, else output_bytes, per microbatch)
 
-``in_flight`` is the number of microbatches whose activations the worker keeps at once. For
-PipeDream's 1F1B-RR schedule it is the warm-up depth + 1 of DESIGN.md section 7,
-``ceil(workers_from_stage / r)`` where ``workers_from_stage`` counts the workers of this stage
-and all later ones (``S - s`` for a straight pipeline); weight stashing keeps one weight version
-per in-flight minibatch. The original optimizer's check is the same idea with the workers
-*after* the stage, ``ceil((M - used) / r) * (activations + params)``; counting the stage itself
-makes the last stage hold one minibatch instead of none.
+``in_flight`` is the number of microbatches whose activations a worker keeps at once, read
+off the runtime's action tables (``pipedream.runtime.schedule``) for a stage of ``R`` replicas
+with ``W_from`` workers in it and all later stages, ``S - s`` stages from it on:
 
-=============  ==========================  ========
-schedule       in_flight                   versions
-=============  ==========================  ========
-pipedream(-vs) ceil(W_from / r)            in_flight
-2bw            ceil(W_from / r)            2
-1f1b           min(ceil(W_from / r), m)    1
-gpipe          m                           1
-=============  ==========================  ========
+=============  ======================================  ========
+schedule       in_flight                               versions
+=============  ======================================  ========
+pipedream(-vs) ceil(W_from / R)  (warm-up depth + 1)   in_flight
+2bw            S - s                                   2
+1f1b           min(S - s, m)                           1
+gpipe          m                                       1
+=============  ======================================  ========
 
-This is an estimate for planning (no framework overhead, workspace or fragmentation); the
-runtime reports what it really holds.
+The dynamic program builds pipelines front to back, so it knows the workers before a stage but
+not how many stages follow; it uses ``W_from - R + 1 >= S - s`` (every later stage has a
+worker), exact for straight pipelines and an upper bound otherwise.
+
+**Placement context.** On a hierarchical cluster a stage of the innermost level is one of
+several stages of a pipeline inside a unit, and that unit pipeline may itself be replicated
+``mult`` times and followed by ``after`` workers of later (outer) stages. With ``w`` the
+unit's workers from the stage on and ``r`` its replicas inside the unit::
+
+    R = mult * r,    W_from = mult * w + after,    S - s <= (w - r + 1) + after
+
+:class:`Context` carries ``(mult, after)``; a one-level cluster is ``Context(1, 0)``.
+
+With ``use_fewer_workers`` the program, building front to back, counts the capacity after a
+stage as if it were all used (an upper bound); the plan reports the estimate for the workers
+it really uses (:func:`~pipedream.optimizer.tree.evaluate_tree`).
+
+This is an estimate for planning (no framework overhead, workspace or fragmentation).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 
-from pipedream.formats.plan import SCHEDULES
+from pipedream.formats.plan import ASYNC_SCHEDULES, SCHEDULES
 from pipedream.optimizer.cost_model import LayerCosts
 
-__all__ = ["MemoryModel"]
+__all__ = ["ROOT", "Context", "MemoryModel"]
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -43,51 +56,95 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 @dataclass(frozen=True)
+class Context:
+    """Where a unit's pipeline sits in the whole pipeline (see the module docstring)."""
+
+    mult: int = 1
+    """Replicas of the enclosing unit pipeline (product over the outer levels)."""
+    after: int = 0
+    """Workers of the outer stages that follow the enclosing unit pipeline."""
+
+    def inner(self, *, replicas: int, after_units: int, unit_workers: int) -> Context:
+        """The context of the pipeline inside a stage of ``replicas`` units of ``unit_workers``
+        workers each, followed by ``after_units`` units of the same pipeline level."""
+        return Context(self.mult * replicas, self.mult * after_units * unit_workers + self.after)
+
+
+ROOT = Context()
+"""The context of the top level: nothing encloses it."""
+
+
+@dataclass(frozen=True)
 class MemoryModel:
-    """Memory per worker of a stage for one schedule, cluster size and minibatch shape."""
+    """Memory per worker of a stage for one schedule and minibatch shape."""
 
     schedule: str
     """One of :data:`pipedream.formats.plan.SCHEDULES`."""
-    num_workers: int
-    """Workers in the whole pipeline (all stages, all replicas)."""
     microbatches: int = 1
     """Microbatches per minibatch."""
 
     def __post_init__(self) -> None:
         assert self.schedule in SCHEDULES, self.schedule
-        assert self.num_workers >= 1 and self.microbatches >= 1
+        assert self.microbatches >= 1
 
-    def in_flight(self, *, workers_before: int, replicas: int) -> int:
-        """Microbatches whose activations one replica of the stage holds at once."""
-        workers_from_stage = self.num_workers - workers_before
-        assert workers_from_stage >= replicas >= 1
-        depth = _ceil_div(workers_from_stage, replicas)
+    def in_flight(self, *, workers_from: int, replicas: int, context: Context = ROOT) -> int:
+        """Microbatches whose activations one replica holds; ``workers_from`` and ``replicas``
+        are counted inside the unit (the whole cluster on one level)."""
+        assert workers_from >= replicas >= 1
         if self.schedule == "gpipe":
             return self.microbatches
+        if self.schedule in ASYNC_SCHEDULES:
+            total = context.mult * workers_from + context.after
+            return _ceil_div(total, context.mult * replicas)
+        stages_from = workers_from - replicas + 1 + context.after
         if self.schedule == "1f1b":
-            return min(depth, self.microbatches)
-        return depth
+            return min(stages_from, self.microbatches)
+        return stages_from
 
-    def weight_versions(self, *, workers_before: int, replicas: int) -> int:
+    def weight_versions(self, *, workers_from: int, replicas: int, context: Context = ROOT) -> int:
         """Copies of the stage's weights one replica keeps (live copy included)."""
-        if self.schedule in ("pipedream", "pipedream-vs"):
-            return self.in_flight(workers_before=workers_before, replicas=replicas)
+        if self.schedule in ASYNC_SCHEDULES:
+            return self.in_flight(workers_from=workers_from, replicas=replicas, context=context)
         return 2 if self.schedule == "2bw" else 1
 
-    def factors(self, *, workers_before: int, replicas: int) -> tuple[int, int]:
+    def factors(
+        self, *, workers_from: int, replicas: int, context: Context = ROOT
+    ) -> tuple[int, int]:
         """``(parameter factor, activation factor)``: memory = pf x params + opt + af x acts.
 
         The partitioner applies these to whole matrices of layer ranges at once.
         """
-        versions = self.weight_versions(workers_before=workers_before, replicas=replicas)
-        return versions + 1, self.in_flight(workers_before=workers_before, replicas=replicas)
+        versions = self.weight_versions(
+            workers_from=workers_from, replicas=replicas, context=context
+        )
+        return versions + 1, self.in_flight(
+            workers_from=workers_from, replicas=replicas, context=context
+        )
+
+    def context_key(self, context: Context) -> object:
+        """What of ``context`` the estimate depends on (equal keys: equal estimates), so that
+        the planner solves an inner level once per distinct key."""
+        if self.schedule == "gpipe":
+            return None
+        if self.schedule in ASYNC_SCHEDULES:
+            return Fraction(context.after, context.mult)
+        if self.schedule == "1f1b":
+            return min(context.after, self.microbatches)
+        return context.after
 
     def stage_bytes(
-        self, costs: LayerCosts, *, first: int, last: int, workers_before: int, replicas: int
+        self,
+        costs: LayerCosts,
+        *,
+        first: int,
+        last: int,
+        workers_from: int,
+        replicas: int,
+        context: Context = ROOT,
     ) -> float:
         """Estimated bytes per worker of layers ``first..last`` (inclusive)."""
         param_factor, activation_factor = self.factors(
-            workers_before=workers_before, replicas=replicas
+            workers_from=workers_from, replicas=replicas, context=context
         )
         span = slice(first, last + 1)
         return (

@@ -1,36 +1,25 @@
-"""Readable text for ``pipedream plan``: the per-stage table and the baseline comparison."""
+"""Readable text for ``pipedream plan``: the per-stage table, the auto search, the comparison."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-from pipedream.errors import PlanningError
-from pipedream.formats.plan import Plan
 from pipedream.formats.profile import Profile
-from pipedream.formats.topology import Level, Topology
+from pipedream.formats.topology import Topology
 from pipedream.formats.units import format_bytes
-from pipedream.optimizer.cost_model import CostModel, LayerCosts
-from pipedream.optimizer.partition import StageSpan
-from pipedream.optimizer.planner import PlanOptions, build_plan, evaluate, make_plan
+from pipedream.optimizer.baselines import Baseline
+from pipedream.optimizer.planner import PlanResult
 
-__all__ = ["format_comparison", "format_summary", "plan_spans"]
-
-
-def plan_spans(plan: Plan, *, profile: Profile) -> tuple[StageSpan, ...]:
-    """The plan's stages as layer-index spans of ``profile``."""
-    return tuple(
-        StageSpan(profile.index_of(s.first_layer), profile.index_of(s.last_layer), s.replicas)
-        for s in plan.stages
-    )
+__all__ = ["format_candidates", "format_comparison", "format_summary", "table"]
 
 
 def _ranks(ranks: tuple[int, ...]) -> str:
     if len(ranks) > 2 and ranks == tuple(range(ranks[0], ranks[-1] + 1)):
         return f"{ranks[0]}-{ranks[-1]}"
+    if len(ranks) > 8:
+        return ",".join(str(rank) for rank in ranks[:6]) + f",... ({len(ranks)})"
     return ",".join(str(rank) for rank in ranks)
 
 
-def _table(header: list[str], rows: list[list[str]], *, left: int = 1) -> list[str]:
+def table(header: list[str], rows: list[list[str]], *, left: int = 1) -> list[str]:
     """Columns padded to width; the first ``left`` columns left-aligned, the others right."""
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
 
@@ -44,28 +33,29 @@ def _table(header: list[str], rows: list[list[str]], *, left: int = 1) -> list[s
     return [line(header), *(line(row) for row in rows)]
 
 
-def format_summary(plan: Plan, *, profile: Profile, level: Level) -> str:
+def format_summary(
+    result: PlanResult, *, profile: Profile, topology: Topology, memory_limit: float | None
+) -> str:
     """The plan as a table: per stage its layers, replicas, ranks, predicted ms and memory."""
-    assert plan.prediction is not None
-    prediction = plan.prediction
-    model = CostModel(level.bandwidth, microbatches=plan.microbatches)
-    spans = plan_spans(plan, profile=profile)
-    evaluation = evaluate(
-        LayerCosts.from_profile(profile), stages=spans, model=model, schedule=plan.schedule
-    )
+    plan, prediction = result.plan, result.plan.prediction
+    assert prediction is not None
+    names = profile.layer_names
     rows = []
-    for index, (stage, span, cost) in enumerate(zip(plan.stages, spans, evaluation.stage_costs)):
+    for index, (stage, leaf) in enumerate(zip(plan.stages, result.evaluation.leaves)):
+        memory = format_bytes(leaf.memory_bytes)
+        if memory_limit is not None and leaf.memory_bytes > memory_limit:
+            memory += " !"
         rows.append(
             [
                 str(index),
-                f"{stage.first_layer} .. {stage.last_layer} ({span.last - span.first + 1})",
+                f"{names[leaf.first]} .. {names[leaf.last]} ({leaf.last - leaf.first + 1})",
                 str(stage.replicas),
                 _ranks(stage.ranks),
-                f"{cost.compute_ms:.3f}",
-                f"{cost.allreduce_ms:.3f}",
-                f"{cost.transfer_ms:.3f}",
-                f"{cost.total_ms:.3f}" + (" *" if index == prediction.bottleneck else "  "),
-                format_bytes(prediction.memory_bytes[index]),
+                f"{leaf.cost.compute_ms:.3f}",
+                f"{leaf.cost.allreduce_ms:.3f}",
+                f"{leaf.cost.transfer_ms:.3f}",
+                f"{leaf.time_ms:.3f}" + (" *" if index == prediction.bottleneck else "  "),
+                memory,
             ]
         )
     header = [
@@ -80,15 +70,17 @@ def format_summary(plan: Plan, *, profile: Profile, level: Level) -> str:
         "memory/worker",
     ]
     per = "microbatch" if plan.microbatches > 1 else "minibatch"
+    levels = result.cluster.num_levels
+    outer = " plus the outer levels' allreduce and transfers" if levels > 1 else ""
     speedup = prediction.data_parallel_time_per_minibatch_ms / prediction.time_per_minibatch_ms
     lines = [
-        f"{profile.workload}: {len(profile.layers)} layers on {plan.world_size} workers "
-        f"@ {level.bandwidth / 1e9:g} GB/s, schedule {plan.schedule}, "
-        f"{plan.microbatches} x {plan.microbatch_size} samples per minibatch",
+        f"{profile.workload}: {len(profile.layers)} layers on {topology.describe()}",
+        f"schedule {plan.schedule}, {plan.microbatches} x {plan.microbatch_size} samples per "
+        f"minibatch, cost model {prediction.cost_model}",
         "",
-        *_table(header, rows, left=2),
+        *table(header, rows, left=2),
         f"(times per {per}; compute includes the allreduce and overlaps the transfers, so a "
-        "stage takes the larger; * = bottleneck)",
+        f"stage takes the larger{outer}; * = bottleneck)",
         "",
         f"predicted time per minibatch: {prediction.time_per_minibatch_ms:.3f} ms "
         f"-> {prediction.throughput_samples_per_s:.1f} samples/s "
@@ -97,62 +89,71 @@ def format_summary(plan: Plan, *, profile: Profile, level: Level) -> str:
         f"{prediction.data_parallel_time_per_minibatch_ms:.3f} ms per minibatch "
         f"(this plan is {speedup:.2f}x as fast)",
     ]
+    if memory_limit is not None:
+        lines.append(
+            f"memory limit per worker: {format_bytes(memory_limit)} (checked against the "
+            "estimate weights x versions + gradients + optimizer state + activations x in "
+            "flight)"
+        )
     return "\n".join(lines)
 
 
-def format_comparison(plan: Plan, profile: Profile, *, level: Level, options: PlanOptions) -> str:
-    """The plan next to baselines: straight pipeline, data parallelism, one worker."""
-    model = CostModel(level.bandwidth, microbatches=plan.microbatches)
-    num_layers = len(profile.layers)
-    last = num_layers - 1
-    candidates: list[tuple[str, Plan | str]] = [(f"this plan ({plan.schedule})", plan)]
-    if not plan.is_straight:
-        straight_options = replace(
-            options,
-            straight=True,
-            microbatches=plan.microbatches,
-            use_fewer_workers=True,
-            memory=None,
-        )
-        topology = Topology.single_level(level.workers, level.bandwidth)
-        try:
-            straight: Plan | str = make_plan(profile, topology=topology, options=straight_options)
-        except PlanningError as exc:
-            straight = f"n/a: {exc}"
-        candidates.append(("straight pipeline", straight))
-    candidates.append(
-        (
-            "data parallel",
-            build_plan(
-                profile,
-                stages=(StageSpan(0, last, level.workers),),
-                model=model,
-                schedule=plan.schedule,
-            ),
-        ),
-    )
-    single = build_plan(
-        profile, stages=(StageSpan(0, last, 1),), model=model, schedule=plan.schedule
-    )
-    candidates.append(("one worker", single))
-    assert single.prediction is not None
-    base = single.prediction.time_per_minibatch_ms
+def format_candidates(result: PlanResult, *, microbatch_size: int) -> str:
+    """The schedules and microbatch counts ``--schedule auto`` tried, best first."""
     rows = []
-    for name, candidate in candidates:
-        if isinstance(candidate, str):
-            rows.append([name, "-", candidate, "-", "-", "-"])
+    for outcome in result.candidates:
+        if outcome.tree is None:
+            rows.append(
+                [outcome.schedule, str(outcome.microbatches), "-", "-", outcome.problem[:60]]
+            )
             continue
-        assert candidate.prediction is not None
-        pred = candidate.prediction
-        shape = "-".join(str(stage.replicas) for stage in candidate.stages)
+        speed = outcome.microbatches_per_ms * microbatch_size * 1e3
         rows.append(
             [
-                name,
-                str(candidate.world_size),
-                f"{candidate.num_stages} ({shape})",
-                f"{pred.time_per_minibatch_ms:.3f}",
-                f"{pred.throughput_samples_per_s:.1f}",
-                f"{base / pred.time_per_minibatch_ms:.2f}x",
+                outcome.schedule,
+                str(outcome.microbatches),
+                f"{outcome.time_per_minibatch_ms:.3f}",
+                f"{speed:.1f}",
+                "chosen" if outcome is result.candidates[0] else "",
+            ]
+        )
+    header = ["schedule", "microbatches", "ms/minibatch", "samples/s", ""]
+    return "\n".join(["--schedule auto tried:", *table(header, rows)])
+
+
+def format_comparison(
+    result: PlanResult,
+    found: list[Baseline],
+    *,
+    microbatch_size: int,
+    memory_limit: float | None,
+) -> str:
+    """The plan next to the baselines (same schedule, microbatches and cost model)."""
+    plan = result.plan
+    assert plan.prediction is not None
+    mine = plan.prediction.time_per_minibatch_ms
+    samples = microbatch_size * plan.microbatches
+    own = Baseline(f"optimizer ({plan.schedule})", result.evaluation, mine)
+    rows = []
+    for entry in [*found, own]:
+        if entry.evaluation is None:
+            rows.append([entry.name, "-", "-", "-", "-", "-", f"n/a: {entry.note[:50]}"])
+            continue
+        leaves = entry.evaluation.leaves
+        shape = "-".join(str(leaf.replicas) for leaf in leaves)
+        if len(shape) > 24:
+            shape = shape[:21] + "..."
+        peak = max(leaf.memory_bytes for leaf in leaves)
+        fits = "" if memory_limit is None else (" ok" if peak <= memory_limit else " over")
+        rows.append(
+            [
+                entry.name,
+                str(sum(leaf.replicas for leaf in leaves)),
+                f"{len(leaves)} ({shape})",
+                f"{entry.time_per_minibatch_ms:.3f}",
+                f"{samples * 1e3 / entry.time_per_minibatch_ms:.1f}",
+                format_bytes(peak) + fits,
+                f"{entry.time_per_minibatch_ms / mine:.2f}x",
             ]
         )
     header = [
@@ -161,8 +162,11 @@ def format_comparison(plan: Plan, profile: Profile, *, level: Level, options: Pl
         "stages (replicas)",
         "ms/minibatch",
         "samples/s",
-        "vs one worker",
+        "max memory/worker",
+        "time vs optimizer",
     ]
-    return "\n".join(
-        ["comparison (same cost model, no memory limit for baselines):", *_table(header, rows)]
+    title = (
+        f"comparison (schedule {plan.schedule}, {plan.microbatches} microbatches, cost model "
+        f"{plan.prediction.cost_model}; baselines ignore the memory limit):"
     )
+    return "\n".join([title, *table(header, rows)])

@@ -27,6 +27,8 @@ _HANDLERS = {
     "plan": "pipedream.optimizer.command:run",
     "train": "pipedream.runtime.command:run",
     "export": "pipedream.runtime.command:export",
+    "trace": "pipedream.runtime.trace:run_command",
+    "simulate": "pipedream.optimizer.simulate_command:run",
 }
 
 
@@ -60,6 +62,25 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="GRAPH_TXT",
         help="import a graph.txt written by the original PipeDream profiler",
     )
+    profile.add_argument(
+        "--depth",
+        type=int,
+        default=None,
+        metavar="D",
+        help="layers = module paths cut to D components (traces the model)",
+    )
+    profile.add_argument(
+        "--layers",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="layers = module paths matching GLOB, e.g. 'blocks.*' (repeatable)",
+    )
+    profile.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="also draw per-layer compute time, output bytes and parameter bytes (matplotlib)",
+    )
     profile.add_argument("--warmup", type=int, default=3, help="untimed runs per layer")
     profile.add_argument("--repeats", type=int, default=10, help="timed runs per layer (median)")
     profile.add_argument("-o", "--output", required=True, metavar="PROFILE")
@@ -76,13 +97,32 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--schedule",
         default="pipedream",
-        help="pipedream, pipedream-vs, 2bw, 1f1b, gpipe (default pipedream)",
+        help="pipedream, pipedream-vs, 2bw, 1f1b, gpipe, or auto: the fastest that fits, with "
+        "its number of microbatches (default pipedream)",
     )
-    plan.add_argument("--microbatches", type=int, default=None, metavar="M")
+    plan.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        metavar="M",
+        help="microbatches per minibatch (2bw, 1f1b, gpipe; default max(4, stages))",
+    )
     plan.add_argument("--straight", action="store_true", help="one replica per stage")
-    plan.add_argument("--memory", metavar="X", help="memory per worker, e.g. '16 GiB'")
-    plan.add_argument("--cost-model", default="pipedream", help="cost model (default pipedream)")
-    plan.add_argument("--compare", action="store_true", help="print baseline plans too")
+    plan.add_argument(
+        "--memory", metavar="X", help="memory per worker, e.g. '16 GiB' (overrides the topology)"
+    )
+    plan.add_argument(
+        "--cost-model",
+        default="symmetric",
+        help="symmetric (default: every cut charged to the stages on both sides) or pipedream "
+        "(the original optimizer's arithmetic exactly, e.g. the first stage pays no transfer)",
+    )
+    plan.add_argument(
+        "--compare",
+        action="store_true",
+        help="also print data parallelism, the best straight pipeline, a uniform split and a "
+        "split by parameters under the same model",
+    )
     plan.add_argument(
         "--fewer-workers",
         action="store_true",
@@ -107,14 +147,27 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="also checkpoint every N minibatches (a final one is always written)",
     )
-    train.add_argument("--resume", default=None, metavar="auto|PATH",
-                       help="continue from the newest complete checkpoint in --run-dir (auto) "
-                       "or from a checkpoint directory, possibly written under another plan")
-    train.add_argument("--keep", type=int, default=0, metavar="K",
-                       help="keep only the newest K checkpoints (default 0: keep all)")
-    train.add_argument("--on-nonfinite", default="stop", choices=["stop", "skip"],
-                       help="on a NaN/inf loss: stop with a message (default), or skip the "
-                       "microbatch (zero gradient) and count it")
+    train.add_argument(
+        "--resume",
+        default=None,
+        metavar="auto|PATH",
+        help="continue from the newest complete checkpoint in --run-dir (auto) "
+        "or from a checkpoint directory, possibly written under another plan",
+    )
+    train.add_argument(
+        "--keep",
+        type=int,
+        default=0,
+        metavar="K",
+        help="keep only the newest K checkpoints (default 0: keep all)",
+    )
+    train.add_argument(
+        "--on-nonfinite",
+        default="stop",
+        choices=["stop", "skip"],
+        help="on a NaN/inf loss: stop with a message (default), or skip the "
+        "microbatch (zero gradient) and count it",
+    )
     train.add_argument("--trace", action="store_true", help="record per-rank action timelines")
     train.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     train.add_argument("--recompute", action="store_true", help="recompute activations in backward")
@@ -127,9 +180,58 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+    simulate = verbs.add_parser(
+        "simulate", help="simulate a plan's action tables: predicted timeline and time/minibatch"
+    )
+    simulate.add_argument("plan", help="plan YAML")
+    simulate.add_argument(
+        "--profile",
+        metavar="PROFILE",
+        help="per-layer costs (default: the profile the plan records)",
+    )
+    simulate.add_argument(
+        "--topology",
+        metavar="TOPO",
+        help="cluster for the bandwidths (default: the one the plan records, else one level "
+        "at --bandwidth)",
+    )
+    simulate.add_argument(
+        "--bandwidth", metavar="B", help="bytes/s between all ranks (default 1e9)"
+    )
+    simulate.add_argument(
+        "--latency", type=float, default=0.0, metavar="MS", help="added to every message (ms)"
+    )
+    simulate.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        metavar="K",
+        help="minibatches to simulate (default: fill, two steady periods, drain)",
+    )
+    simulate.add_argument(
+        "--width", type=int, default=64, metavar="SLOTS", help="time slots shown in the grid"
+    )
+    simulate.add_argument(
+        "--png",
+        metavar="FILE",
+        help="draw the timeline (needs matplotlib: pip install -e '.[plot]')",
+    )
+
     export = verbs.add_parser("export", help="write a checkpoint's full model state dict")
     export.add_argument("checkpoint", help="checkpoint directory (runs/.../checkpoints/step-N)")
     export.add_argument("-o", "--output", required=True, metavar="MODEL_PT")
+
+    trace = verbs.add_parser("trace", help="merge a run's --trace timelines (Perfetto, PNG)")
+    trace.add_argument("run_dir", help="run directory of `pipedream train --trace`")
+    trace.add_argument(
+        "-o", "--output", default=None, metavar="FILE", help="default RUN_DIR/trace.json"
+    )
+    trace.add_argument(
+        "--png",
+        default=None,
+        metavar="FILE",
+        help="Gantt chart (default RUN_DIR/timeline.png when matplotlib is installed)",
+    )
     return parser
 
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pipedream.formats.reader import MappingReader
+from pipedream.formats.topology import Topology
 from pipedream.formats.yamlio import read_yaml_mapping, write_yaml
 
 __all__ = [
@@ -22,6 +24,7 @@ __all__ = [
     "Prediction",
     "StagePlan",
     "load_plan",
+    "profile_path",
     "save_plan",
 ]
 
@@ -148,6 +151,12 @@ class Plan:
     """Recompute activations in backward instead of storing them."""
     prediction: Prediction | None = None
     """The optimizer's prediction (absent in hand-written plans)."""
+    profile: str | None = None
+    """The profile the plan was made from: a path relative to the plan file's folder (or
+    absolute); optional. ``pipedream simulate`` reads the per-layer costs from it."""
+    topology: Topology | None = None
+    """The cluster the plan was made for (levels, bandwidths, memory); optional.
+    ``pipedream simulate`` takes the bandwidths between ranks from it."""
 
     @property
     def num_stages(self) -> int:
@@ -182,6 +191,12 @@ class Plan:
             out["layers"] = list(self.layers)
         if self.prediction is not None:
             out["prediction"] = self.prediction.to_dict()
+        if self.profile is not None:
+            out["profile"] = self.profile
+        if self.topology is not None:
+            body = self.topology.to_dict()
+            del body["format"]
+            out["topology"] = body
         return out
 
     @classmethod
@@ -253,6 +268,17 @@ class Plan:
             prediction = Prediction.from_reader(
                 reader.child(raw_prediction, "prediction"), len(stages)
             )
+        profile = reader.str("profile", None)
+        topology = None
+        raw_topology = reader.mapping("topology", None)
+        if raw_topology is not None:
+            topology = Topology.from_reader(reader.child(raw_topology, "topology"))
+            if topology.num_workers < world_size:
+                raise reader.error(
+                    "topology",
+                    f"has {topology.num_workers} workers but world_size is {world_size}",
+                    "give the cluster the plan runs on, or remove the key",
+                )
         reader.finish()
         return cls(
             workload=workload,
@@ -265,6 +291,8 @@ class Plan:
             layers=layers,
             recompute=recompute,
             prediction=prediction,
+            profile=profile,
+            topology=topology,
         )
 
 
@@ -336,6 +364,14 @@ def _check_stage_layers(
 def load_plan(path: str | os.PathLike[str]) -> Plan:
     """Load and validate a plan YAML file."""
     return Plan.from_dict(read_yaml_mapping(path, what="plan"), source=str(path))
+
+
+def profile_path(plan: Plan, plan_file: str | os.PathLike[str]) -> Path | None:
+    """Where the plan's ``profile`` is: relative paths are relative to the plan file."""
+    if plan.profile is None:
+        return None
+    path = Path(plan.profile)
+    return path if path.is_absolute() else Path(plan_file).parent / path
 
 
 def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:

@@ -99,6 +99,12 @@ class Topology:
             raise reader.error(
                 "format", f"expected {TOPOLOGY_FORMAT!r}, got {fmt!r}", "is this a topology file?"
             )
+        return cls.from_reader(reader)
+
+    @classmethod
+    def from_reader(cls, reader: MappingReader) -> Topology:
+        """The levels and memory of a mapping (a topology file's body, or a plan's
+        ``topology`` key); rejects unknown keys."""
         levels = []
         for i, raw in enumerate(reader.list("levels")):
             level_reader = reader.child(raw, f"levels[{i}]")

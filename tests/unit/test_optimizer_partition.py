@@ -103,7 +103,7 @@ def test_memory_limit_changes_the_answer() -> None:
     # straight: stage 0 holds 2 in flight, 2 versions: 3 x 10 + 2 x 100 = 230; stage 1: 120.
     c = costs([10, 30], params=[10, 10], acts=[100, 100])
     model = CostModel(BANDWIDTH)
-    memory = MemoryModel("pipedream", 2)
+    memory = MemoryModel("pipedream")
     loose = partition(c, num_workers=2, model=model, memory_limit=240, memory_model=memory)
     assert spans(loose) == [(0, 1, 2)]
     assert loose.time_ms == pytest.approx(20.01)
@@ -133,11 +133,13 @@ def brute_force(c, workers, model, *, straight=False, fewer=False, limit=None, s
     best = math.inf
     for stages in all_partitions(c.num_layers, workers, straight=straight, fewer=fewer):
         if limit is not None:
-            memory = MemoryModel(schedule, workers, model.microbatches)
+            memory = MemoryModel(schedule, model.microbatches)
             before, fits = 0, True
             for a, b, r in stages:
                 fits &= (
-                    memory.stage_bytes(c, first=a, last=b, workers_before=before, replicas=r)
+                    memory.stage_bytes(
+                        c, first=a, last=b, workers_from=workers - before, replicas=r
+                    )
                     <= limit
                 )
                 before += r
@@ -212,8 +214,8 @@ def test_dp_with_memory_limit_matches_brute_force(seed: int, schedule: str) -> N
     c = random_costs(rng, n)
     microbatches = 1 if schedule == "pipedream" else rng.randint(1, 4)
     model = CostModel(1e9, microbatches=microbatches)
-    memory = MemoryModel(schedule, workers, microbatches)
-    whole = memory.stage_bytes(c, first=0, last=n - 1, workers_before=0, replicas=1)
+    memory = MemoryModel(schedule, microbatches)
+    whole = memory.stage_bytes(c, first=0, last=n - 1, workers_from=workers, replicas=1)
     limit = rng.uniform(0.1, 1.0) * whole
     result = partition(c, num_workers=workers, model=model, memory_limit=limit, memory_model=memory)
     expected = brute_force(c, workers, model, limit=limit, schedule=schedule)

@@ -67,7 +67,7 @@ def test_plan_fields_ranks_and_prediction() -> None:
         assert stage.ranks == tuple(range(rank, rank + stage.replicas))
         rank += stage.replicas
     pred = plan.prediction
-    assert pred is not None and pred.cost_model == "pipedream"
+    assert pred is not None and pred.cost_model == "symmetric"
     assert pred.time_per_minibatch_ms == pytest.approx(max(pred.stage_ms))
     assert pred.bottleneck == pred.stage_ms.index(max(pred.stage_ms))
     assert pred.throughput_samples_per_s == pytest.approx(8 * 1000 / pred.time_per_minibatch_ms)
@@ -146,13 +146,13 @@ def test_user_errors(options: dict, workers: int, message: str) -> None:
         plan_for(workers, **options)
 
 
-def test_multi_level_topology_is_refused_clearly() -> None:
-    two = Topology((Level("server", 4, 1e11), Level("cluster", 2, 1e9)))
-    with pytest.raises(PlanningError, match="multi-level"):
-        make_plan(PROFILE, topology=two, options=PlanOptions())
+def test_levels_of_one_unit_change_nothing() -> None:
     # a level of one unit is no level: this is one level of 4 workers
     flat = Topology((Level("server", 4, 1e10), Level("cluster", 1, 1e9)))
-    assert make_plan(PROFILE, topology=flat, options=PlanOptions()).world_size == 4
+    one = Topology.single_level(4, 1e10)
+    assert make_plan(PROFILE, topology=flat, options=PlanOptions()).stages == (
+        make_plan(PROFILE, topology=one, options=PlanOptions()).stages
+    )
 
 
 # ---------------------------------------------------------------- the command line
@@ -181,7 +181,8 @@ def test_cli_writes_plan_and_prints_table(
         "predicted time per minibatch",
         "data parallel",
         "straight pipeline",
-        "one worker",
+        "uniform split",
+        "parameter split",
         f"wrote {out}",
     ):
         assert expected in text

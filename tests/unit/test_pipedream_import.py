@@ -195,15 +195,16 @@ ORIGINAL_MS = {
 }
 
 
+@pytest.mark.parametrize("cost_model", ["pipedream", "symmetric"])
 @pytest.mark.parametrize(("name", "workers"), sorted(ORIGINAL_MS))
-def test_reproduces_the_original_optimizer(name: str, workers: int) -> None:
+def test_reproduces_the_original_optimizer(name: str, workers: int, cost_model: str) -> None:
     path = PROFILES / f"{name}.txt"
     if not path.exists():
         pytest.skip(f"{path} not found")
     plan = make_plan(
         import_pipedream_graph(path),
         topology=Topology.single_level(workers, 1e9),
-        options=PlanOptions(),
+        options=PlanOptions(cost_model=cost_model),
     )
     assert plan.prediction is not None
     ours, original = plan.prediction.time_per_minibatch_ms, ORIGINAL_MS[name, workers]

@@ -14,7 +14,7 @@ from pipedream.workload import load_workload, parse_workload_args
         (
             "nope",
             {},
-            "unknown workload 'nope'; use a built-in name (mlp, gpt, digits) or "
+            "unknown workload 'nope'; use a built-in name (mlp, gpt, digits, resnet, sleep) or "
             "package.module:function",
         ),
         ("no_such_module_xyz:build", {}, "workload 'no_such_module_xyz:build': cannot import"),

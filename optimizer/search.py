@@ -1,0 +1,195 @@
+"""Solving for one schedule, and ``--schedule auto``: which schedule and how many microbatches.
+
+The schedule changes what the dynamic program minimises and what fits in memory:
+
+* ``pipedream``/``pipedream-vs``: one microbatch per minibatch, the slowest stage's time;
+  weight stashing keeps one version per minibatch in flight (memory);
+* ``2bw``: ``m`` microbatches per minibatch (the allreduce is shared by them), two weight
+  versions, and at most ``m`` stages (solved per stage count when ``m`` is given);
+* ``1f1b``/``gpipe``: ``m`` microbatches and a flush, ``(m + S - 1)`` slots per minibatch, so
+  the number of stages ``S`` is chosen too (solved per stage count); 1F1B keeps at most
+  ``min(S - s, m)`` microbatches of activations, GPipe all ``m``.
+
+Default ``m`` (no ``--microbatches``) for 2bw, 1f1b and gpipe is ``max(4, S)``: solve with 4,
+and if the answer has more stages, solve again with ``m = S`` (a larger ``m`` only shares the
+allreduce more), keeping ``m >= S`` in the end.
+
+``auto`` solves pipedream, pipedream-vs (``m = 1``) and 2bw, 1f1b, gpipe for every ``m`` in
+``--microbatches`` if given, else :data:`AUTO_MICROBATCHES`, and keeps the highest predicted
+throughput (samples per second) that fits; ties go to the order of :data:`AUTO_ORDER`
+(synchronous semantics first), then to fewer microbatches. Larger minibatches amortise the
+flush and the allreduce, so ``auto`` tends to the largest ``m`` that fits: pin the minibatch
+with ``--microbatches``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pipedream.errors import PlanningError
+from pipedream.formats.plan import ASYNC_SCHEDULES
+from pipedream.formats.topology import Topology
+from pipedream.formats.units import format_bytes
+from pipedream.optimizer.cost_model import FLUSH_SCHEDULES, LayerCosts, minibatch_ms
+from pipedream.optimizer.hierarchy import Solution, solve_cluster
+from pipedream.optimizer.memory import MemoryModel
+from pipedream.optimizer.tree import Cluster, Tree, evaluate_tree
+
+__all__ = [
+    "AUTO_MICROBATCHES",
+    "AUTO_ORDER",
+    "DEFAULT_SYNC_MICROBATCHES",
+    "Outcome",
+    "Request",
+    "solve_auto",
+    "solve_schedule",
+]
+
+DEFAULT_SYNC_MICROBATCHES = 4
+"""Smallest default number of microbatches for 2bw, 1f1b and gpipe."""
+AUTO_MICROBATCHES = (2, 4, 8, 16, 32)
+"""Microbatches per minibatch that ``--schedule auto`` tries for 2bw, 1f1b and gpipe."""
+AUTO_ORDER = ("1f1b", "gpipe", "2bw", "pipedream", "pipedream-vs")
+"""Preference among equally fast schedules: exact (synchronous) semantics first."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """What to solve: the cluster and the search options besides the schedule."""
+
+    costs: LayerCosts
+    """Per-layer costs."""
+    topology: Topology
+    """The cluster."""
+    cost_model: str
+    """Cost model variant."""
+    straight: bool = False
+    """One replica per stage."""
+    use_fewer_workers: bool = False
+    """Allow idle workers when that is no slower."""
+    memory_limit: float | None = None
+    """Bytes per worker, or None."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The best plan for one schedule and number of microbatches (or why there is none)."""
+
+    schedule: str
+    """Schedule name."""
+    microbatches: int
+    """Microbatches per minibatch."""
+    cluster: Cluster
+    """The levels planned on, with ``microbatches``."""
+    tree: Tree | None
+    """The partition; None when nothing is feasible."""
+    time_per_minibatch_ms: float
+    """Predicted time per minibatch (``inf`` when infeasible)."""
+    problem: str = ""
+    """Why nothing is feasible (a sentence with the fix)."""
+
+    @property
+    def microbatches_per_ms(self) -> float:
+        """Microbatches per millisecond: throughput up to the microbatch size."""
+        return self.microbatches / self.time_per_minibatch_ms
+
+
+def _solve(request: Request, schedule: str, m: int, counted: bool) -> dict[int, Solution]:
+    cluster = Cluster.from_topology(request.topology, cost_model=request.cost_model, microbatches=m)
+    return solve_cluster(
+        request.costs,
+        cluster,
+        straight=request.straight,
+        use_fewer_workers=request.use_fewer_workers,
+        memory=MemoryModel(schedule, m),
+        memory_limit=request.memory_limit,
+        by_stage_count=counted,
+    )
+
+
+def _pick(schedule: str, m: int, found: dict[int, Solution]) -> Solution | None:
+    """The best solution for ``schedule`` among per-count (or overall) solutions."""
+    options = [s for count, s in found.items() if not (schedule == "2bw" and count and count > m)]
+    if not options:
+        return None
+    return min(
+        options,
+        key=lambda s: (
+            minibatch_ms(schedule, s.time_ms, microbatches=m, num_stages=s.num_stages),
+            s.num_stages,
+        ),
+    )
+
+
+def solve_schedule(request: Request, *, schedule: str, microbatches: int | None) -> Outcome:
+    """The best plan for ``schedule`` (``microbatches`` None: the default of the docstring)."""
+    counted = schedule in FLUSH_SCHEDULES or (schedule == "2bw" and microbatches is not None)
+    m = microbatches or (1 if schedule in ASYNC_SCHEDULES else DEFAULT_SYNC_MICROBATCHES)
+    best = _pick(schedule, m, _solve(request, schedule, m, counted))
+    if microbatches is None and schedule not in ASYNC_SCHEDULES:
+        for _ in range(3):
+            if best is None or best.num_stages <= m:
+                break
+            m = best.num_stages
+            best = _pick(schedule, m, _solve(request, schedule, m, counted))
+        if best is not None and best.num_stages > m:  # did not settle: keep it, raise m
+            m = best.num_stages
+    cluster = Cluster.from_topology(request.topology, cost_model=request.cost_model, microbatches=m)
+    if best is None:
+        return Outcome(schedule, m, cluster, None, math.inf, _why_infeasible(request, schedule, m))
+    # the tree's value under the final m (raising m only shares the allreduce more)
+    evaluation = evaluate_tree(request.costs, best.tree, cluster=cluster)
+    time_ms = minibatch_ms(
+        schedule,
+        evaluation.microbatch_ms,
+        microbatches=m,
+        num_stages=len(evaluation.leaves),
+    )
+    return Outcome(schedule, m, cluster, best.tree, time_ms)
+
+
+def _why_infeasible(request: Request, schedule: str, m: int) -> str:
+    n, workers = request.costs.num_layers, request.topology.num_workers
+    if request.straight and workers > n and not request.use_fewer_workers:
+        return (
+            f"--straight with {workers} workers needs at least {workers} layers, but the "
+            f"profile has {n}; use --workers {n} or fewer, or drop --straight to replicate stages"
+        )
+    if schedule == "2bw":
+        return (
+            f"--microbatches {m} with schedule 2bw: every plan has more than {m} stages and 2bw "
+            f"needs at least one microbatch per stage; use --microbatches {min(n, workers)} or "
+            "more"
+        )
+    assert request.memory_limit is not None
+    fixes = "raise --memory or add workers"
+    if schedule in ASYNC_SCHEDULES:
+        fixes += ", or use a schedule that keeps fewer weight versions (2bw, 1f1b)"
+    return (
+        f"no partition of {n} layers over {workers} workers fits in "
+        f"{format_bytes(request.memory_limit)} per worker (schedule {schedule}, estimated "
+        f"memory); {fixes}"
+    )
+
+
+def solve_auto(request: Request, *, microbatches: int | None) -> list[Outcome]:
+    """Every candidate of ``--schedule auto``, best first (infeasible ones last)."""
+    outcomes = []
+    for schedule in AUTO_ORDER:
+        if schedule in ASYNC_SCHEDULES:
+            if microbatches in (None, 1):
+                outcomes.append(solve_schedule(request, schedule=schedule, microbatches=1))
+            continue
+        for m in (microbatches,) if microbatches else AUTO_MICROBATCHES:
+            outcomes.append(solve_schedule(request, schedule=schedule, microbatches=m))
+
+    def rank(outcome: Outcome) -> tuple[float, int, int]:
+        speed = 0.0 if outcome.tree is None else outcome.microbatches_per_ms
+        return (-float(f"{speed:.9g}"), AUTO_ORDER.index(outcome.schedule), outcome.microbatches)
+
+    outcomes.sort(key=rank)
+    if outcomes[0].tree is None:
+        reasons = "; ".join(sorted({o.problem.split(";")[0] for o in outcomes}))
+        raise PlanningError(f"--schedule auto: no schedule has a feasible plan ({reasons})")
+    return outcomes

@@ -1,0 +1,140 @@
+"""``pipedream simulate``: a plan's predicted timeline, as a text grid and optionally a PNG.
+
+::
+
+    pipedream simulate PLAN [--profile PROFILE] [--topology TOPO | --bandwidth B]
+                            [--latency MS] [--steps K] [--width SLOTS] [--png FILE]
+
+The per-layer costs come from ``--profile``, else from the profile the plan records (written
+by ``pipedream plan``, relative to the plan file); the bandwidths from ``--topology`` or
+``--bandwidth``, else the cluster the plan records, else one level at 1e9 bytes/s. It prints
+the grid (ranks x time slots, bubbles as ``.``), the simulated steady-state time per minibatch
+next to the plan's own prediction, and each rank's busy share. No torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from pipedream.errors import PlanningError
+from pipedream.formats.plan import Plan, load_plan, profile_path
+from pipedream.formats.profile import Profile, load_profile
+from pipedream.formats.topology import DEFAULT_BANDWIDTH, Topology, load_topology
+from pipedream.formats.units import parse_bandwidth
+from pipedream.optimizer.simulator import (
+    Network,
+    Timeline,
+    default_steps,
+    simulate,
+    stage_work,
+)
+from pipedream.optimizer.timeline import draw_timeline, format_timeline
+
+__all__ = ["format_report", "run"]
+
+
+def _profile(args: argparse.Namespace, plan: Plan) -> Profile:
+    if args.profile is not None:
+        return load_profile(args.profile)
+    path = profile_path(plan, args.plan)
+    if path is None:
+        raise PlanningError(
+            f"{args.plan} does not record the profile it was made from (a hand-written plan?); "
+            "pass --profile PROFILE"
+        )
+    if not path.exists():
+        raise PlanningError(
+            f"{args.plan} was made from the profile {plan.profile}, which is not at {path}; "
+            "pass --profile PROFILE"
+        )
+    return load_profile(path)
+
+
+def _topology(args: argparse.Namespace, plan: Plan) -> Topology:
+    if args.topology is not None and args.bandwidth is not None:
+        raise PlanningError(
+            f"both --topology {args.topology} and --bandwidth {args.bandwidth} given; use one"
+        )
+    if args.topology is not None:
+        topology = load_topology(args.topology)
+    elif args.bandwidth is not None:
+        try:
+            value = parse_bandwidth(args.bandwidth)
+        except ValueError as exc:
+            raise PlanningError(f"--bandwidth: {exc}") from None
+        if value <= 0:
+            raise PlanningError(f"--bandwidth {args.bandwidth!r}: must be positive, e.g. 1e9")
+        topology = Topology.single_level(plan.world_size, value)
+    else:
+        topology = plan.topology or Topology.single_level(plan.world_size, DEFAULT_BANDWIDTH)
+    if topology.num_workers < plan.world_size:
+        raise PlanningError(
+            f"the topology has {topology.num_workers} workers but the plan needs "
+            f"{plan.world_size}; give the cluster the plan runs on"
+        )
+    return topology
+
+
+def _steps(args: argparse.Namespace, plan: Plan) -> int:
+    if args.steps is None:
+        return default_steps(plan)
+    multiple = math.lcm(*(stage.replicas for stage in plan.stages))
+    if args.steps < 1 or args.steps % multiple:
+        fix = multiple * max(1, math.ceil(args.steps / multiple))
+        raise PlanningError(
+            f"--steps {args.steps}: must be a positive multiple of {multiple} (every replica of "
+            f"every stage runs whole minibatches); use --steps {fix}"
+        )
+    return int(args.steps)
+
+
+def format_report(timeline: Timeline, plan: Plan) -> str:
+    """The simulated time next to the plan's prediction, and the busy share of each rank."""
+    first, last = timeline.measured
+    lines = [
+        f"simulated time per minibatch: {timeline.time_per_minibatch_ms:.3f} ms (steady state "
+        f"between minibatches {first} and {last} of {timeline.num_minibatches})"
+    ]
+    if plan.prediction is not None:
+        predicted = plan.prediction.time_per_minibatch_ms
+        ratio = timeline.time_per_minibatch_ms / predicted
+        lines.append(
+            f"plan's prediction ({plan.prediction.cost_model} cost model): {predicted:.3f} ms "
+            f"(simulated / predicted = {ratio:.3f})"
+        )
+    busy = [
+        f"{rank}: {100 * timeline.busy_fraction(rank):.0f}%"
+        for stage in plan.stages
+        for rank in stage.ranks
+    ]
+    lines.append("busy share per rank (the rest is bubbles and waiting): " + ", ".join(busy))
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``pipedream simulate``; returns the exit status."""
+    plan = load_plan(args.plan)
+    if args.latency < 0 or not math.isfinite(args.latency):
+        raise PlanningError(f"--latency {args.latency}: must be >= 0 milliseconds")
+    if args.width < 1:
+        raise PlanningError(f"--width {args.width}: must be at least 1 slot")
+    profile = _profile(args, plan)
+    topology = _topology(args, plan)
+    steps = _steps(args, plan)
+    work = stage_work(plan, profile)
+    network = Network.from_topology(topology, latency_ms=args.latency)
+    timeline = simulate(plan, work, network, num_minibatches=steps)
+    print(
+        f"{plan.workload}: schedule {plan.schedule}, {plan.num_stages} stages on "
+        f"{plan.world_size} ranks, {plan.microbatches} microbatch(es) per minibatch, "
+        f"{steps} minibatches on {topology.describe()}"
+    )
+    print()
+    print(format_timeline(timeline, plan, width=args.width))
+    print()
+    print(format_report(timeline, plan))
+    if args.png is not None:
+        draw_timeline(timeline, plan, args.png)
+        print(f"wrote {args.png}")
+    return 0

@@ -1,0 +1,314 @@
+"""An event simulation of a plan's action tables: predicted timeline and time per minibatch.
+
+It runs the very tables the runtime executes (:func:`pipedream.runtime.schedule.build_tables`)
+with profiled costs instead of tensors:
+
+* ``F``/``B``: the stage's summed forward/backward time of one microbatch; ``U``: the optimizer
+  step (``update_ms``, 0 by default: profiles do not measure it);
+* a send is posted when the rank reaches it and does not block the rank; it occupies the link
+  between the two ranks (one link per pair, shared by activations and gradients, as PipeDream's
+  cost model assumes) for ``bytes / bandwidth``, and arrives ``latency`` later; a receive waits
+  for its message; the bandwidth of a pair is that of the innermost level both ranks share;
+* ``A``: the replicas of a stage wait for each other, then spend a hierarchical ring allreduce
+  ``sum over levels of 4 (k - 1) / k * P / (bandwidth * workers below)``, ``k`` the replicas'
+  units at that level (one level: the cost model's ``4 (r - 1) P / (bandwidth r)``).
+
+Actions run in global time order (a heap), so link contention is first come, first served.
+The time per minibatch is the steady-state slope of the minibatches' completion times (the end
+of their last backward at stage 0), measured over whole periods of the replica pattern
+between the pipeline's fill (the first ``S`` minibatches) and its drain (the last ``S``).
+Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipedream.errors import PlanningError
+from pipedream.formats.plan import Plan
+from pipedream.formats.profile import Profile
+from pipedream.formats.topology import Topology
+from pipedream.runtime.actions import Action, Op
+from pipedream.runtime.schedule import PipelineSpec, build_tables
+
+__all__ = ["Event", "Network", "StageWork", "Timeline", "default_steps", "simulate", "stage_work"]
+
+
+@dataclass(frozen=True)
+class StageWork:
+    """What one stage costs per microbatch."""
+
+    forward_ms: float
+    """Forward time of the stage's layers."""
+    backward_ms: float
+    """Backward time of the stage's layers."""
+    parameter_bytes: float
+    """Parameters allreduced among the stage's replicas."""
+    output_bytes: float
+    """Activation bytes sent to the next stage (and gradient bytes received back)."""
+
+
+@dataclass(frozen=True)
+class Network:
+    """Bandwidths between ranks from the cluster's levels (innermost first)."""
+
+    unit_sizes: tuple[int, ...]
+    """Workers in one unit of each level (cumulative products of the levels' ``workers``)."""
+    bandwidths: tuple[float, ...]
+    """Bandwidth between the units of the level below, bytes/s, per level."""
+    latency_ms: float = 0.0
+    """Added to every message's arrival."""
+
+    @classmethod
+    def from_topology(cls, topology: Topology, *, latency_ms: float = 0.0) -> Network:
+        sizes, size = [], 1
+        for level in topology.levels:
+            size *= level.workers
+            sizes.append(size)
+        return cls(tuple(sizes), tuple(lv.bandwidth for lv in topology.levels), latency_ms)
+
+    def level_of(self, ranks: Sequence[int]) -> int:
+        """The innermost level one of whose units holds all of ``ranks``."""
+        for level, size in enumerate(self.unit_sizes):
+            if len({rank // size for rank in ranks}) == 1:
+                return level
+        return len(self.unit_sizes) - 1
+
+    def transfer_ms(self, num_bytes: float, a: int, b: int) -> float:
+        """Time the link between ranks ``a`` and ``b`` is busy with ``num_bytes``."""
+        return num_bytes / self.bandwidths[self.level_of((a, b))] * 1e3
+
+    def allreduce_ms(self, num_bytes: float, ranks: Sequence[int]) -> float:
+        """Hierarchical ring allreduce of ``num_bytes`` among ``ranks`` (module docstring)."""
+        total, below = 0.0, 1
+        for level, size in enumerate(self.unit_sizes):
+            inner = self.unit_sizes[level - 1] if level else 1
+            groups: dict[int, set[int]] = {}
+            for rank in ranks:
+                groups.setdefault(rank // size, set()).add(rank // inner)
+            k = max(len(units) for units in groups.values())
+            if k > 1:
+                total += 4.0 * (k - 1) / k * num_bytes / (self.bandwidths[level] * below) * 1e3
+            below *= k
+        return total
+
+
+@dataclass(frozen=True)
+class Event:
+    """One action on one rank's timeline."""
+
+    rank: int
+    """The rank."""
+    stage: int
+    """Its stage."""
+    kind: str
+    """``F``, ``B``, ``A`` or ``U``."""
+    index: int
+    """Microbatch (F, B) or update (A, U) index."""
+    start_ms: float
+    """Start time."""
+    end_ms: float
+    """End time."""
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The simulated run."""
+
+    events: tuple[Event, ...]
+    """Compute, allreduce and update actions of every rank, by start time."""
+    num_minibatches: int
+    """Minibatches simulated."""
+    completions_ms: tuple[float, ...]
+    """When each minibatch's last backward (at stage 0) ended."""
+    time_per_minibatch_ms: float
+    """Steady-state time between consecutive minibatches."""
+    measured: tuple[int, int]
+    """The minibatches between whose completions the steady state was measured (between the
+    fill and the drain, whole periods of the replica pattern)."""
+
+    @property
+    def makespan_ms(self) -> float:
+        return max(event.end_ms for event in self.events)
+
+    def busy_fraction(self, rank: int) -> float:
+        """Share of the run the rank spends computing, allreducing or updating."""
+        busy = sum(e.end_ms - e.start_ms for e in self.events if e.rank == rank)
+        return busy / self.makespan_ms if self.makespan_ms > 0 else 1.0
+
+
+def stage_work(plan: Plan, profile: Profile) -> list[StageWork]:
+    """Per-stage costs of ``plan`` from ``profile`` (layer names must match)."""
+    index = {name: i for i, name in enumerate(profile.layer_names)}
+    work = []
+    for number, stage in enumerate(plan.stages):
+        for name in (stage.first_layer, stage.last_layer):
+            if name not in index:
+                raise PlanningError(
+                    f"stage {number} of the plan names layer {name!r}, which the profile of "
+                    f"{profile.workload} does not have; pass the profile the plan was made from "
+                    "with --profile"
+                )
+        first, last = index[stage.first_layer], index[stage.last_layer]
+        layers = profile.layers[first : last + 1]
+        work.append(
+            StageWork(
+                forward_ms=sum(layer.forward_ms for layer in layers),
+                backward_ms=sum(layer.backward_ms for layer in layers),
+                parameter_bytes=float(sum(layer.parameter_bytes for layer in layers)),
+                output_bytes=float(profile.boundary_bytes(last)) if last < len(index) - 1 else 0,
+            )
+        )
+    return work
+
+
+def _period(plan: Plan) -> int:
+    """Minibatches after which the replica pattern repeats."""
+    return math.lcm(*(stage.replicas for stage in plan.stages))
+
+
+def _steady_window(count: int, num_stages: int, period: int) -> tuple[int, int]:
+    """Whole periods between the fill (first ``S`` minibatches) and the drain (last ``S``)."""
+    last = count - 1 - num_stages
+    periods = (last - num_stages) // period
+    return (last - periods * period, last) if periods >= 1 else (0, 0)
+
+
+def default_steps(plan: Plan) -> int:
+    """Enough minibatches for two periods of steady state between the fill and the drain."""
+    period = _period(plan)
+    return period * math.ceil(max(8, 2 * plan.num_stages + 2 * period + 1) / period)
+
+
+def simulate(
+    plan: Plan,
+    work: Sequence[StageWork],
+    network: Network,
+    *,
+    num_minibatches: int,
+    update_ms: float = 0.0,
+) -> Timeline:
+    """Run ``plan``'s tables for ``num_minibatches`` (a multiple of every replica count)."""
+    spec = PipelineSpec(
+        schedule=plan.schedule,
+        stage_ranks=tuple(stage.ranks for stage in plan.stages),
+        microbatches=plan.microbatches,
+        num_minibatches=num_minibatches,
+    )
+    tables = build_tables(spec)
+    run = _Run(tables, work, network, update_ms, spec)
+    run.execute()
+    m = plan.microbatches
+    completions = []
+    for t in range(num_minibatches):
+        ends = [run.backward_end[(0, t * m + j)] for j in range(m)]
+        completions.append(max(ends))
+    first, last = _steady_window(num_minibatches, len(spec.stage_ranks), _period(plan))
+    if last > first:
+        per = (completions[last] - completions[first]) / (last - first)
+    else:  # too short for a steady state: the average
+        first, last = 0, num_minibatches - 1
+        per = completions[last] / num_minibatches
+    events = tuple(sorted(run.events, key=lambda e: (e.start_ms, e.rank)))
+    return Timeline(events, num_minibatches, tuple(completions), per, (first, last))
+
+
+class _Run:
+    """The event loop: ranks advance through their tables in global time order."""
+
+    def __init__(
+        self,
+        tables: dict[int, list[Action]],
+        work: Sequence[StageWork],
+        network: Network,
+        update_ms: float,
+        spec: PipelineSpec,
+    ) -> None:
+        self.tables, self.work, self.network, self.update_ms = tables, work, network, update_ms
+        self.spec = spec
+        self.position = {rank: 0 for rank in tables}
+        self.clock = {rank: 0.0 for rank in tables}
+        self.messages: dict[tuple[Op, int, int, int], float] = {}  # -> arrival time
+        self.link_free: dict[tuple[int, int], float] = {}
+        self.arrived: dict[tuple[int, int], dict[int, float]] = {}
+        self.events: list[Event] = []
+        self.backward_end: dict[tuple[int, int], float] = {}
+        self.waiting: set[int] = set()  # ranks inside an allreduce that others have not reached
+        self.heap: list[tuple[float, int]] = [(0.0, rank) for rank in sorted(tables)]
+
+    def execute(self) -> None:
+        while self.heap:
+            when, rank = heapq.heappop(self.heap)
+            ready = self._ready(rank)
+            if ready is None:
+                continue  # parked: a send or the allreduce's last replica requeues it
+            if ready > when:  # a stale entry: wait for its turn, to keep links first come
+                heapq.heappush(self.heap, (ready, rank))
+                continue
+            self._run_next(rank, ready)
+        stuck = [r for r, pos in self.position.items() if pos < len(self.tables[r])]
+        assert not stuck, f"the tables deadlock at ranks {stuck}"  # validated tables never do
+
+    def _ready(self, rank: int) -> float | None:
+        """When ``rank``'s next action can start (None: not yet known)."""
+        table = self.tables[rank]
+        if self.position[rank] >= len(table) or rank in self.waiting:
+            return None
+        action = table[self.position[rank]]
+        if action.op in (Op.RECV_ACT, Op.RECV_GRAD):
+            arrival = self.messages.get((action.op, action.index, action.peer or 0, rank))
+            return None if arrival is None else max(self.clock[rank], arrival)
+        return self.clock[rank]
+
+    def _wake(self, rank: int) -> None:
+        ready = self._ready(rank)
+        if ready is not None:
+            heapq.heappush(self.heap, (ready, rank))
+
+    def _run_next(self, rank: int, now: float) -> None:
+        """Run ``rank``'s next action at ``now``."""
+        action = self.tables[rank][self.position[rank]]
+        op, stage = action.op, action.stage
+        self.position[rank] += 1
+        if op in (Op.RECV_ACT, Op.RECV_GRAD):
+            del self.messages[(op, action.index, action.peer or 0, rank)]
+        elif op in (Op.SEND_ACT, Op.SEND_GRAD):
+            peer = action.peer or 0
+            link = (min(rank, peer), max(rank, peer))
+            start = max(now, self.link_free.get(link, 0.0))
+            size = self.work[stage if op is Op.SEND_ACT else stage - 1].output_bytes
+            end = start + self.network.transfer_ms(size, rank, peer)
+            self.link_free[link] = end
+            recv = Op.RECV_ACT if op is Op.SEND_ACT else Op.RECV_GRAD
+            self.messages[(recv, action.index, rank, peer)] = end + self.network.latency_ms
+            self._wake(peer)
+        elif op is Op.ALLREDUCE:
+            group = self.spec.stage_ranks[stage]
+            arrivals = self.arrived.setdefault((stage, action.index), {})
+            arrivals[rank] = now
+            if len(arrivals) < len(group):
+                self.waiting.add(rank)
+                return
+            start = max(arrivals.values())
+            end = start + self.network.allreduce_ms(self.work[stage].parameter_bytes, group)
+            for member in group:
+                self.events.append(Event(member, stage, "A", action.index, start, end))
+                self.clock[member] = end
+                self.waiting.discard(member)
+                self._wake(member)
+            return
+        else:
+            duration = {
+                Op.FORWARD: self.work[stage].forward_ms,
+                Op.BACKWARD: self.work[stage].backward_ms,
+                Op.UPDATE: self.update_ms,
+            }[op]
+            self.events.append(Event(rank, stage, op.value, action.index, now, now + duration))
+            now += duration
+            if op is Op.BACKWARD:
+                self.backward_end[(stage, action.index)] = now
+        self.clock[rank] = now
+        self._wake(rank)

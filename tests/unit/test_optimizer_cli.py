@@ -1,0 +1,238 @@
+"""``pipedream plan`` (topologies, auto, compare, cost models) and ``pipedream simulate``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipedream.cli import main
+from pipedream.errors import FormatError
+from pipedream.formats import (
+    LayerProfile,
+    Level,
+    Plan,
+    Profile,
+    StagePlan,
+    Topology,
+    load_plan,
+    save_plan,
+    save_profile,
+    save_topology,
+)
+
+MB = 1_000_000
+PROFILE = Profile(
+    "toy",
+    8,
+    "cpu",
+    "float32",
+    tuple(
+        LayerProfile(f"l{i}", "Linear", ms / 2, ms / 2, out, p)
+        for i, (ms, p, out) in enumerate(
+            zip([40, 10, 10, 20, 5, 5], [0, MB, MB, 2 * MB, 0, MB], [MB] * 6)
+        )
+    ),
+)
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, Path]:
+    profile = tmp_path / "data" / "profile.yaml"
+    save_profile(PROFILE, profile)
+    topology = tmp_path / "topo.yaml"
+    save_topology(Topology((Level("server", 2, 1e10), Level("rack", 2, 1e9))), topology)
+    return {"profile": profile, "topology": topology, "plan": tmp_path / "out" / "plan.yaml"}
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_plan_on_a_topology_records_profile_and_cluster(files, capsys) -> None:
+    plan_file = files["plan"]
+    argv = ["plan", str(files["profile"]), "--topology", str(files["topology"]), "--compare"]
+    code, out, _ = run_cli([*argv, "-o", str(plan_file)], capsys)
+    assert code == 0
+    plan = load_plan(plan_file)
+    assert plan.world_size == 4 and plan.topology is not None
+    assert plan.topology.levels[1] == Level("rack", 2, 1e9)
+    assert plan.profile == "../data/profile.yaml"  # relative to the plan file
+    for row in ("data parallel", "straight pipeline", "uniform split", "parameter split"):
+        assert row in out
+    assert "optimizer (pipedream)" in out and "2 x server @ 10 GB/s within 2 x rack" in out
+    # the simulator needs nothing else
+    code, out, _ = run_cli(["simulate", str(plan_file), "--width", "12"], capsys)
+    assert code == 0
+    assert "simulated time per minibatch" in out and "plan's prediction" in out
+    assert "rank (stage) | 0" in out
+
+
+def test_plan_auto_prints_what_it_tried(files, capsys) -> None:
+    code, out, _ = run_cli(
+        [
+            "plan",
+            str(files["profile"]),
+            "--workers",
+            "3",
+            "--schedule",
+            "auto",
+            "-o",
+            str(files["plan"]),
+        ],
+        capsys,
+    )
+    assert code == 0 and "--schedule auto tried:" in out and "chosen" in out
+    assert load_plan(files["plan"]).schedule in (
+        "pipedream",
+        "pipedream-vs",
+        "2bw",
+        "1f1b",
+        "gpipe",
+    )
+
+
+def test_cost_models_differ_only_where_the_original_skips_a_transfer(files, capsys) -> None:
+    predictions = {}
+    for name in ("symmetric", "pipedream"):
+        out = files["plan"].with_name(f"{name}.yaml")
+        argv = ["plan", str(files["profile"]), "--workers", "4", "--cost-model", name]
+        assert run_cli([*argv, "-o", str(out)], capsys)[0] == 0
+        prediction = load_plan(out).prediction
+        assert prediction is not None and prediction.cost_model == name
+        predictions[name] = prediction.time_per_minibatch_ms
+    assert predictions["pipedream"] <= predictions["symmetric"]
+
+
+def test_simulate_draws_a_png(files, capsys) -> None:
+    pytest.importorskip("matplotlib")
+    argv = ["plan", str(files["profile"]), "--workers", "2", "--schedule", "gpipe"]
+    assert run_cli([*argv, "-o", str(files["plan"])], capsys)[0] == 0
+    png = files["plan"].with_name("timeline.png")
+    code, out, _ = run_cli(["simulate", str(files["plan"]), "--png", str(png)], capsys)
+    assert code == 0 and f"wrote {png}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_simulate_without_matplotlib_says_how_to_install(files, capsys, monkeypatch) -> None:
+    argv = ["plan", str(files["profile"]), "--workers", "2", "-o", str(files["plan"])]
+    assert run_cli(argv, capsys)[0] == 0
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    code, _, err = run_cli(["simulate", str(files["plan"]), "--png", "x.png"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "pip install -e '.[plot]'" in err
+
+
+def hand_written(tmp_path: Path, replicas: tuple[int, ...] = (1, 1)) -> Path:
+    stages, rank = [], 0
+    names = [("l0", "l2"), ("l3", "l5")]
+    for (first, last), r in zip(names, replicas):
+        stages.append(StagePlan(first, last, r, tuple(range(rank, rank + r))))
+        rank += r
+    path = tmp_path / "hand.yaml"
+    save_plan(Plan("toy", "pipedream", 8, 1, rank, tuple(stages)), path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "{profile}", "--workers", "2", "--cost-model", "alpa"], "unknown cost model"),
+        (["plan", "{profile}", "--workers", "2", "--schedule", "fast"], "or auto"),
+        (
+            ["plan", "{profile}", "--workers", "2", "--schedule", "auto", "--microbatches", "0"],
+            "--microbatches 0",
+        ),
+        (["plan", "{profile}", "--topology", "{topology}", "--bandwidth", "1e9"], "does not apply"),
+        (["simulate", "{hand}"], "pass --profile"),
+        (["simulate", "{hand2}", "--profile", "{profile}", "--steps", "3"], "use --steps 4"),
+        (["simulate", "{hand}", "--profile", "{profile}", "--latency", "-1"], "--latency -1"),
+        (["simulate", "{hand}", "--profile", "{profile}", "--width", "0"], "--width 0"),
+        (
+            [
+                "simulate",
+                "{hand}",
+                "--profile",
+                "{profile}",
+                "--topology",
+                "{topology}",
+                "--bandwidth",
+                "1",
+            ],
+            "use one",
+        ),
+        (["simulate", "{hand}", "--profile", "{profile}", "--bandwidth", "fast"], "cannot parse"),
+        (["simulate", "{hand}", "--profile", "{other}"], "does not have"),
+        (["simulate", "{missing}"], "not found"),
+    ],
+)
+def test_new_options_fail_in_one_line_with_exit_2(files, tmp_path, capsys, argv, message) -> None:
+    other = tmp_path / "other.yaml"
+    save_profile(
+        Profile("o", 1, "cpu", "float32", (LayerProfile("x", "Linear", 1, 1, 1, 1),)), other
+    )
+    names = {
+        "profile": files["profile"],
+        "topology": files["topology"],
+        "hand": hand_written(tmp_path),
+        "hand2": hand_written(tmp_path, (2, 2)),
+        "other": other,
+        "missing": tmp_path / "nope.yaml",
+    }
+    argv = [a.format(**{k: str(v) for k, v in names.items()}) for a in argv]
+    if argv[0] == "plan":
+        argv += ["-o", str(files["plan"])]
+    code, _, err = run_cli(argv, capsys)
+    assert code == 2, err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_simulate_finds_a_moved_profile_missing(files, tmp_path, capsys) -> None:
+    argv = ["plan", str(files["profile"]), "--workers", "2", "-o", str(files["plan"])]
+    assert run_cli(argv, capsys)[0] == 0
+    files["profile"].unlink()
+    code, _, err = run_cli(["simulate", str(files["plan"])], capsys)
+    assert code == 2 and "was made from the profile ../data/profile.yaml" in err
+
+
+def test_plan_and_simulate_never_import_torch(files) -> None:
+    profile, topology, plan = (str(files[key]) for key in ("profile", "topology", "plan"))
+    code = (
+        "import sys\n"
+        "from pipedream.cli import main\n"
+        f"assert main(['plan', {profile!r}, '--topology', {topology!r},\n"
+        f"             '--schedule', 'auto', '--compare', '-o', {plan!r}]) == 0\n"
+        f"assert main(['simulate', {plan!r}]) == 0\n"
+        "assert 'torch' not in sys.modules, 'planning or simulating imported torch'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_plan_keys_profile_and_topology_round_trip_and_are_validated() -> None:
+    topology = Topology((Level("server", 2, 1e10), Level("rack", 2, 1e9)), memory=2**30)
+    plan = Plan(
+        "toy",
+        "pipedream",
+        8,
+        1,
+        2,
+        (StagePlan("l0", "l2", 1, (0,)), StagePlan("l3", "l5", 1, (1,))),
+        profile="profile.yaml",
+        topology=topology,
+    )
+    data = plan.to_dict()
+    assert data["profile"] == "profile.yaml" and "format" not in data["topology"]
+    assert Plan.from_dict(data) == plan
+    bad = dict(data, topology={"levels": [{"name": "s", "workers": "two", "bandwidth": 1e9}]})
+    with pytest.raises(FormatError, match=r"topology\.levels\[0\]\.workers"):
+        Plan.from_dict(bad, source="p.yaml")
+    small = dict(data, topology={"levels": [{"name": "s", "workers": 1, "bandwidth": 1e9}]})
+    with pytest.raises(FormatError, match="has 1 workers but world_size is 2"):
+        Plan.from_dict(small, source="p.yaml")
+    assert Plan.from_dict({k: v for k, v in data.items() if k not in ("profile", "topology")}) == (
+        Plan("toy", "pipedream", 8, 1, 2, plan.stages)
+    )

@@ -1,0 +1,122 @@
+"""The simulator against hand-computed timelines, and its text grid."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipedream.formats import LayerProfile, Level, Plan, Profile, StagePlan, Topology
+from pipedream.optimizer.simulator import (
+    Network,
+    StageWork,
+    default_steps,
+    simulate,
+    stage_work,
+)
+from pipedream.optimizer.timeline import format_timeline
+
+FAST = Network((64,), (1e12,))  # transfers of 0 bytes: free
+
+
+def plan_of(schedule: str, replicas: list[int], microbatches: int = 1) -> Plan:
+    stages, rank = [], 0
+    for s, r in enumerate(replicas):
+        stages.append(StagePlan(f"l{s}", f"l{s}", r, tuple(range(rank, rank + r))))
+        rank += r
+    return Plan("toy", schedule, 1, microbatches, rank, tuple(stages))
+
+
+def equal(num_stages: int, forward: float, backward: float) -> list[StageWork]:
+    return [StageWork(forward, backward, 0.0, 0.0)] * num_stages
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("stages", "m"), [(1, 1), (2, 2), (3, 4), (4, 4), (4, 8)])
+def test_flush_schedules_take_m_plus_s_minus_1_slots(schedule: str, stages: int, m: int) -> None:
+    F, B = 1.0, 2.0
+    timeline = simulate(
+        plan_of(schedule, [1] * stages, m), equal(stages, F, B), FAST, num_minibatches=12
+    )
+    assert timeline.time_per_minibatch_ms == pytest.approx((m + stages - 1) * (F + B))
+
+
+@pytest.mark.parametrize(("schedule", "m"), [("pipedream", 1), ("pipedream-vs", 1), ("2bw", 4)])
+@pytest.mark.parametrize("stages", [1, 2, 4])
+def test_async_schedules_take_m_slots_in_steady_state(schedule: str, m: int, stages: int) -> None:
+    F, B = 1.0, 2.0
+    timeline = simulate(
+        plan_of(schedule, [1] * stages, m), equal(stages, F, B), FAST, num_minibatches=16
+    )
+    assert timeline.time_per_minibatch_ms == pytest.approx(m * (F + B))
+
+
+def test_the_slowest_stage_sets_the_pace() -> None:
+    work = [StageWork(1.0, 1.0, 0, 0), StageWork(2.0, 3.0, 0, 0), StageWork(1.0, 2.0, 0, 0)]
+    timeline = simulate(plan_of("pipedream", [1, 1, 1]), work, FAST, num_minibatches=16)
+    assert timeline.time_per_minibatch_ms == pytest.approx(5.0)
+
+
+def test_transfers_and_latency_are_on_the_critical_path_of_a_flush() -> None:
+    # 2 stages, 1 microbatch: F0, send (0.5 ms + 0.25 latency), F1, B1, send back, B0
+    network = Network((2,), (2e6,), latency_ms=0.25)  # 1000 B take 0.5 ms
+    work = [StageWork(1.0, 1.0, 0, 1000.0), StageWork(1.0, 1.0, 0, 0)]
+    timeline = simulate(plan_of("gpipe", [1, 1]), work, network, num_minibatches=8)
+    assert timeline.time_per_minibatch_ms == pytest.approx(4 + 2 * 0.75)
+
+
+def test_replicas_allreduce_once_per_own_minibatch() -> None:
+    # data parallel on 2 workers: each does F + B = 3 ms, then allreduces 1 MB:
+    # 4 * (2 - 1) / 2 * 1e6 B / 1e9 B/s = 2 ms; two minibatches per 5 ms
+    network = Network((2,), (1e9,))
+    work = [StageWork(1.0, 2.0, 1e6, 0.0)]
+    timeline = simulate(plan_of("pipedream", [2]), work, network, num_minibatches=8)
+    assert timeline.time_per_minibatch_ms == pytest.approx(2.5)
+    kinds = {event.kind for event in timeline.events}
+    assert kinds == {"F", "B", "A", "U"}
+
+
+def test_hierarchical_allreduce_by_hand() -> None:
+    # 4 ranks on 2 servers of 2: ring in the server (k = 2) at 10 GB/s, then across servers
+    # (k = 2) at 1 GB/s with the data split over the server's 2 workers
+    network = Network.from_topology(Topology((Level("server", 2, 1e10), Level("net", 2, 1e9))))
+    size = 1e9
+    expected = (4 * 0.5 * size / 1e10 + 4 * 0.5 * size / (1e9 * 2)) * 1e3
+    assert network.allreduce_ms(size, [0, 1, 2, 3]) == pytest.approx(expected)
+    assert network.allreduce_ms(size, [0, 1]) == pytest.approx(4 * 0.5 * size / 1e10 * 1e3)
+    assert network.transfer_ms(1e9, 0, 1) == pytest.approx(100.0)
+    assert network.transfer_ms(1e9, 1, 2) == pytest.approx(1000.0)
+
+
+def test_text_grid_shows_the_bubbles() -> None:
+    timeline = simulate(plan_of("gpipe", [1, 1], 2), equal(2, 1.0, 1.0), FAST, num_minibatches=1)
+    grid = format_timeline(timeline, plan_of("gpipe", [1, 1], 2), width=6)
+    assert grid.splitlines() == [
+        "rank (stage) | 0  1  2  3  4  5",
+        "       0 (0) | F0 F1 .  .  B0 B1",
+        "       1 (1) | .  F0 F1 B0 B1 .",
+        "one slot = 1 ms",
+    ]
+    assert timeline.busy_fraction(0) == pytest.approx(4 / 6)
+
+
+def test_stage_work_from_a_profile() -> None:
+    layers = tuple(
+        LayerProfile(f"l{i}", "Linear", 1.0 + i, 2.0 * i, 100 * (i + 1), 10 * i) for i in range(4)
+    )
+    profile = Profile("toy", 1, "cpu", "float32", layers, cut_bytes=(7, 8, 9))
+    plan = Plan(
+        "toy",
+        "pipedream",
+        1,
+        1,
+        2,
+        (StagePlan("l0", "l1", 1, (0,)), StagePlan("l2", "l3", 1, (1,))),
+    )
+    assert stage_work(plan, profile) == [
+        StageWork(forward_ms=3.0, backward_ms=2.0, parameter_bytes=10.0, output_bytes=8.0),
+        StageWork(forward_ms=7.0, backward_ms=10.0, parameter_bytes=50.0, output_bytes=0.0),
+    ]
+
+
+def test_default_steps_cover_fill_drain_and_two_periods() -> None:
+    assert default_steps(plan_of("pipedream", [1, 1, 1, 1])) == 11
+    assert default_steps(plan_of("pipedream", [2, 3])) == 18
