@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from pipedream.errors import FormatError
+from pipedream.errors import FormatError, WorkloadError
 from pipedream.formats.plan import Plan
 from pipedream.graph import LayerGraph, StageIO, trace_model
 from pipedream.graph.stages import build_stage_module as build_graph_stage
@@ -60,7 +60,17 @@ def stage_layout(workload: Workload, plan: Plan, *, source: str) -> StageLayout:
         )
     program = trace_model(model, workload.example_input)
     names = list(plan.layers) if plan.layers else LayerGraph.auto_layer_names(program, model)
-    graph = LayerGraph(program, names)
+    try:
+        graph = LayerGraph(program, names)
+    except WorkloadError as exc:
+        if not plan.layers:
+            raise
+        raise FormatError(
+            source,
+            "layers",
+            f"do not match the traced model: {exc}",
+            "re-run `pipedream profile` and `pipedream plan` for this workload and its arguments",
+        ) from None
     groups = stage_layer_names(plan, graph.layers, source=source)
     index = {name: i for i, name in enumerate(graph.layers)}
     ranges = [(index[g[0]], index[g[-1]]) for g in groups]

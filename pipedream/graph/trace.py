@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor, nn
 from torch.export import ExportedProgram
@@ -21,8 +26,11 @@ def trace_model(model: nn.Module, example_input: Tensor) -> ExportedProgram:
     The graph is specialised to the example's shapes, which is what a pipeline needs: every
     microbatch has the same shape.
     """
+    chatter = io.StringIO()  # torch.export prints the partial graph when it fails
     try:
-        return torch.export.export(model, (example_input,), strict=False)
+        with _quiet_torch_logs(), contextlib.redirect_stdout(chatter):
+            with contextlib.redirect_stderr(chatter):
+                return torch.export.export(model, (example_input,), strict=False)
     except Exception as exc:  # torch.export raises many types; the user needs one message
         first = " ".join(str(exc).strip().splitlines()[:1])[:300]
         raise TraceError(
@@ -31,3 +39,21 @@ def trace_model(model: nn.Module, example_input: Tensor) -> ExportedProgram:
             "one tensor input), or express the model as an nn.Sequential of layers, which "
             "pipedream splits without tracing"
         ) from None
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """Silence torch's own warnings while tracing (the failure is reported as one line)."""
+    loggers = [
+        logging.getLogger(name)
+        for name in list(logging.root.manager.loggerDict)
+        if name == "torch" or name.startswith("torch.")
+    ]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)

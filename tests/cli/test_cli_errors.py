@@ -146,8 +146,8 @@ def test_train_plan_layers_differ_from_the_model(tmp_path: Path) -> None:
     path = _plan(tmp_path, data)
     line = _one_line(run_cli("train", str(path), "--steps", "1"), "pipedream train: error: ")
     assert line.startswith(
-        f"pipedream train: error: {path}: layers: the plan lists 4 layers that differ from the "
-        "model's 3 layers"
+        f"pipedream train: error: {path}: layers: do not match the traced model: layers ['3'] "
+        "run no operation in the traced model"
     )
     assert "re-run `pipedream profile` and `pipedream plan`" in line
 

@@ -71,12 +71,16 @@ def test_microbatch_size_option(tmp_path: Path) -> None:
 
 @pytest.fixture
 def fake_workloads(monkeypatch: pytest.MonkeyPatch) -> str:
-    """An importable module with a workload whose model is not an nn.Sequential."""
+    """An importable module with a workload whose model torch.export cannot trace."""
     module = types.ModuleType("pd_fake_workloads")
+
+    class DataDependent(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2 if x.sum() > 0 else x  # data-dependent control flow
 
     def not_sequential() -> Workload:
         return Workload(
-            model=nn.Linear(2, 2),
+            model=DataDependent(),
             example_input=torch.zeros(1, 2),
             loss_fn=nn.functional.mse_loss,
             dataset=torch.utils.data.TensorDataset(torch.zeros(4, 2), torch.zeros(4, 2)),
@@ -100,7 +104,7 @@ def fake_workloads(monkeypatch: pytest.MonkeyPatch) -> str:
         (["profile", "mlp", "--warmup", "-1"], "--warmup must be >= 0"),
         (["profile", "mlp", "--microbatch-size", "0"], "--microbatch-size must be >= 1"),
         (["profile", "mlp", "--from-pipedream", "graph.txt"], "not both"),
-        (["profile", "FAKE"], "graph-based profiling of non-Sequential models is not supported"),
+        (["profile", "FAKE"], "torch.export could not trace DataDependent"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(

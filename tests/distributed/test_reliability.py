@@ -3,17 +3,15 @@ the same weights), non-finite losses stop cleanly or are skipped, --keep prunes 
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
 
 import psutil
 import torch
-from launching import REPO, launch, straight_plan, write_plan
+from launching import launch, start_launch, stop, straight_plan, write_plan
 
 from pipedream.data import MicrobatchStream
 from pipedream.runtime.checkpoint import load_full_state_dict
@@ -28,29 +26,18 @@ def _plan(tmp: Path) -> Path:
 
 
 def _start(plan: Path, run_dir: Path, *extra: str) -> subprocess.Popen[str]:
-    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
-    return subprocess.Popen(
-        [
-            "bash",
-            str(REPO / "launch.sh"),
-            str(plan),
-            "--steps",
-            str(STEPS),
-            "--checkpoint-every",
-            str(EVERY),
-            "--run-dir",
-            str(run_dir),
-            "--timeout",
-            "30",
-            "--no-progress",
-            *extra,
-        ],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+    return start_launch(
+        plan,
+        "--steps",
+        str(STEPS),
+        "--checkpoint-every",
+        str(EVERY),
+        "--run-dir",
+        str(run_dir),
+        "--timeout",
+        "30",
+        "--no-progress",
+        *extra,
     )
 
 
@@ -85,10 +72,7 @@ def _finish(launcher: subprocess.Popen[str], timeout: float) -> tuple[int, str, 
     try:
         _, err = launcher.communicate(timeout=timeout)
     finally:
-        try:
-            os.killpg(launcher.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        stop(launcher)
     return launcher.returncode, err, time.monotonic() - start
 
 

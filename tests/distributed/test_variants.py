@@ -4,22 +4,18 @@ training, determinism, and a two-node launch on loopback."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from launching import REPO, launch, straight_plan, write_plan
+from launching import launch, start_launch, stop, straight_plan, write_plan
 from oracles import stale_oracle
-from runs import even_groups, max_rel_diff, train_and_load
 
 from pipedream.data import MicrobatchStream
 from pipedream.runtime.checkpoint import load_full_state_dict
 from pipedream.workload import load_workload
+from runs import even_groups, max_rel_diff, train_and_load
 
 B = 8
 
@@ -117,35 +113,24 @@ def test_two_nodes_equal_one_node_and_runs_are_bit_identical(tmp_path: Path) -> 
 
     plan = write_plan(straight_plan("mlp", stages, workload_args=args), tmp_path / "two.yaml")
     port = _free_port()
-    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
     nodes = [
-        subprocess.Popen(
-            [
-                "bash",
-                str(REPO / "launch.sh"),
-                str(plan),
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(n),
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                str(port),
-                "--steps",
-                "8",
-                "--run-dir",
-                str(tmp_path / "two"),
-                "--timeout",
-                "60",
-                "--no-progress",
-            ],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
+        start_launch(
+            plan,
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(n),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "--steps",
+            "8",
+            "--run-dir",
+            str(tmp_path / "two"),
+            "--timeout",
+            "60",
+            "--no-progress",
         )
         for n in range(2)
     ]
@@ -153,10 +138,7 @@ def test_two_nodes_equal_one_node_and_runs_are_bit_identical(tmp_path: Path) -> 
         outputs = [node.communicate(timeout=180) for node in nodes]
     finally:
         for node in nodes:
-            try:
-                os.killpg(node.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            stop(node)
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-2000:]
     two = load_full_state_dict(tmp_path / "two" / "checkpoints" / "step-000008")
     assert all(torch.equal(one[k], two[k]) for k in one)

@@ -11,7 +11,16 @@ from typing import Any
 
 import yaml
 
-__all__ = ["REPO", "launch", "run_cli", "straight_plan", "write_plan"]
+__all__ = [
+    "REPO",
+    "launch",
+    "run_cli",
+    "start",
+    "start_launch",
+    "stop",
+    "straight_plan",
+    "write_plan",
+]
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -65,11 +74,9 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def _run(
-    cmd: list[str], timeout: float, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    """Run ``cmd`` in its own session; on timeout kill the whole process group."""
-    proc = subprocess.Popen(
+def start(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """Start ``cmd`` in its own session (so that :func:`stop` can kill all its processes)."""
+    return subprocess.Popen(
         cmd,
         cwd=REPO,
         env=_env(env),
@@ -78,17 +85,36 @@ def _run(
         text=True,
         start_new_session=True,
     )
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    """Kill ``proc``'s whole process group, whatever state it is in (no orphans)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def start_launch(
+    plan_path: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """``./launch.sh PLAN ARGS...`` in the background; pair with :func:`stop`."""
+    return start(["bash", str(REPO / "launch.sh"), str(plan_path), *args], env)
+
+
+def _run(
+    cmd: list[str], timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` in its own session; on timeout kill the whole process group."""
+    proc = start(cmd, env)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        stop(proc)
         out, err = proc.communicate()
         raise AssertionError(f"{cmd} timed out after {timeout}s\n{out}\n{err}") from None
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # no orphans, whatever happened
-        except ProcessLookupError:
-            pass
+        stop(proc)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
