@@ -6,10 +6,13 @@ travels with them (vertical sync needs it). Each message part has its own tag, d
 microbatch, the kind of message and the part number.
 
 Receives are posted ahead: on gloo, the headers of the next receives in the table are posted
-early and the payload receive is posted as soon as a header arrives (:meth:`P2P.poll`). NCCL
+early and the payload receive is posted as soon as a header is known to have arrived
+(:meth:`P2P.poll`; gloo often reports completion only on ``wait``, so in practice the payload is
+posted when its receive action runs). NCCL
 matches point-to-point operations between two ranks in issue order and ignores tags, so there a
 message is received header-then-payload at its turn. Sends are never waited on until their
-buffers must be reclaimed (``poll``) or the run ends (``drain``).
+buffers must be reclaimed (``poll`` keeps at most ``MAX_SENDS_IN_FLIGHT``) or the run ends
+(``drain``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from pipedream.errors import RunFailure
 __all__ = ["HEADER_LEN", "P2P", "PeerTimeoutError", "decode_header", "encode_header", "message_tag"]
 
 HEADER_LEN = 64
+MAX_SENDS_IN_FLIGHT = 16
+"""Message parts (headers and tensors) sent but not yet waited on, at most."""
 _MAGIC = 0x5044  # "PD"
 _DTYPES = [
     torch.float32,
@@ -129,7 +134,11 @@ class P2P:
                 if incoming.header_work.is_completed():
                     incoming.header_work.wait()
                     self._post_payload(incoming)
-        self._outgoing = [(w, t) for w, t in self._outgoing if not w.is_completed()]
+        # gloo reports a send complete only once it is waited on, so bound the sends in flight
+        # by waiting on the oldest: otherwise every sent activation stays alive until the end
+        while len(self._outgoing) > MAX_SENDS_IN_FLIGHT:
+            work, _ = self._outgoing.pop(0)
+            self._wait(work, "an earlier send")
 
     def recv(self, kind: str, microbatch: int, peer: int, *, what: str) -> tuple[list[Tensor], int]:
         """Wait for a message; returns its tensors and version tag."""

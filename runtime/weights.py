@@ -102,6 +102,6 @@ class WeightVersions:
                 continue
             param = self.params[name]
             if param.grad is None:
-                param.grad = grad.detach().clone()
+                param.grad = grad.detach()  # a fresh tensor from autograd.grad: no copy needed
             else:
                 param.grad.add_(grad)
