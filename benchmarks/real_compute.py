@@ -1,0 +1,189 @@
+"""Real compute: the ``mlp`` workload in 2 stages (one thread per process) vs one process.
+
+    python benchmarks/real_compute.py
+
+The baseline is plain single-process PyTorch training with one thread (forward, backward and
+SGD step per microbatch, measured in this process); its time per microbatch divided by a
+pipeline's steady-state time per microbatch is the speedup, ideally 2x on 2 cores. Our runtime
+runs every schedule through ``./launch.sh PLAN --trace``; torch.distributed.pipelining's
+ScheduleGPipe and Schedule1F1B run the same split (``torch_pipelining.py``). The 1-stage plan
+of our runtime shows its own overhead against the plain loop. Refreshes the ``real-compute``
+section of ``benchmarks/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from typing import Any
+
+import torch
+from common import RUNS, machine_lines, plan_dict, run_command, steady_period_ms, write_plan
+from common import write_section as write_results_section
+
+from pipedream.data import MicrobatchStream
+from pipedream.runtime.trace import load_traces
+from pipedream.workload import load_workload
+
+__all__ = ["ARGS", "main"]
+
+ARGS = {"layers": 8, "width": 1024, "in_features": 1024, "samples": 4096}
+"""mlp options: 8 Linear(1024)+ReLU blocks and a head, ~8.4 M parameters."""
+MICROBATCH_SIZE = 64
+SPLIT = [("0", "3"), ("4", "8")]
+"""Four blocks on stage 0; four blocks and the head on stage 1 (balanced)."""
+M = 8
+"""Microbatches per minibatch for 2bw, 1f1b and gpipe."""
+# (schedule, microbatches, stages, steps, updates skipped)
+OURS = [
+    ("pipedream", 1, SPLIT, 40, 8),
+    ("2bw", M, SPLIT, 6, 1),
+    ("1f1b", M, SPLIT, 5, 0),
+    ("gpipe", M, SPLIT, 5, 0),
+    ("pipedream", 1, [("0", "8")], 30, 5),
+]
+
+
+def single_process_ms(repeats: int = 30, warmup: int = 5) -> float:
+    """Plain one-thread training: mean time per microbatch (forward, backward, SGD step)."""
+    torch.set_num_threads(1)
+    workload = load_workload("mlp", {k: str(v) for k, v in ARGS.items()}, microbatch_size=64)
+    model, optimizer = workload.model, workload.optimizer(workload.model.parameters())
+    stream = MicrobatchStream(workload.dataset, MICROBATCH_SIZE, seed=0)
+    start = 0.0
+    for step in range(warmup + repeats):
+        if step == warmup:
+            start = time.perf_counter()
+        inputs, targets = stream.microbatch(step)
+        loss = workload.loss_fn(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return (time.perf_counter() - start) * 1000 / repeats
+
+
+def run_ours(schedule: str, m: int, stages: list[tuple[str, str]], steps: int, skip: int) -> dict:
+    name = f"mlp-{len(stages)}stage-{schedule}-m{m}"
+    directory = RUNS / "real" / name
+    shutil.rmtree(directory, ignore_errors=True)
+    plan = plan_dict(
+        "mlp", ARGS, stages, schedule=schedule, microbatch_size=MICROBATCH_SIZE, microbatches=m
+    )
+    path = write_plan(plan, directory / "plan.yaml")
+    argv = ["./launch.sh", str(path), "--steps", str(steps), "--run-dir", str(directory / "run")]
+    command = run_command([*argv, "--trace", "--no-progress", "--timeout", "120"], timeout=300)
+    out: dict[str, Any] = {"name": name, "command": command.shell(), "m": m, "plan": str(path)}
+    if command.returncode != 0:
+        print(f"  {name}: FAILED {command.output[-2000:]}", file=sys.stderr)
+        return out
+    period, _ = steady_period_ms(load_traces(directory / "run"), skip=skip)
+    out["per_microbatch_ms"] = period / m
+    print(f"  {name}: {period / m:.1f} ms per microbatch")
+    return out
+
+
+def run_torch() -> tuple[dict[str, float], str]:
+    directory = RUNS / "real" / "torch"
+    directory.mkdir(parents=True, exist_ok=True)
+    cases = [
+        {
+            "name": f"torch-{schedule}",
+            "workload": "mlp",
+            "workload_args": {k: str(v) for k, v in ARGS.items()},
+            "stages": [list(s) for s in SPLIT],
+            "schedule": schedule,
+            "microbatches": M,
+            "microbatch_size": MICROBATCH_SIZE,
+            "steps": 5,
+            "warmup": 1,
+        }
+        for schedule in ("gpipe", "1f1b")
+    ]
+    (directory / "cases.json").write_text(json.dumps(cases, indent=1))
+    out = directory / "results.json"
+    out.unlink(missing_ok=True)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    argv += ["2", "benchmarks/torch_pipelining.py", str(directory / "cases.json"), str(out)]
+    command = run_command(argv, timeout=300)
+    if command.returncode != 0:
+        print(f"  torch: FAILED {command.output[-3000:]}", file=sys.stderr)
+    found = json.loads(out.read_text()) if out.exists() else []
+    return {item["name"]: item["period_ms"] / M for item in found}, command.shell()
+
+
+def main() -> int:
+    before = single_process_ms()
+    print(f"  single process, one thread: {before:.1f} ms per microbatch")
+    ours = [run_ours(*case) for case in OURS]
+    theirs, torch_command = run_torch()
+    after = single_process_ms()
+    baseline = (before + after) / 2  # measured before and after: the machine is shared
+    print(f"  single process, one thread, again: {after:.1f} ms per microbatch")
+    for name, value in theirs.items():
+        print(f"  {name}: {value:.1f} ms per microbatch")
+    rows = [
+        "| runtime | stages | schedule | m | ms per microbatch | speedup vs 1 process | "
+        "target >= 1.8x |",
+        "|---|---:|---|---:|---:|---:|---|",
+        f"| plain PyTorch, 1 process, 1 thread | 1 | - | 1 | {baseline:.1f} (before {before:.1f}, "
+        f"after {after:.1f}) | 1.00 | |",
+    ]
+    for result in ours:
+        stages = result["name"].split("-")[1].removesuffix("stage")
+        schedule = result["name"].split("-", 2)[2].rsplit("-m", 1)[0]
+        if "per_microbatch_ms" not in result:
+            rows.append(f"| pipedream | {stages} | {schedule} | {result['m']} | failed | | |")
+            continue
+        speedup = baseline / result["per_microbatch_ms"]
+        verdict = (
+            ""
+            if stages == "1"
+            else ("met" if speedup >= 1.8 else f"**missed by {1.8 - speedup:.2f}**")
+        )
+        rows.append(
+            f"| pipedream | {stages} | {schedule} | {result['m']} | "
+            f"{result['per_microbatch_ms']:.1f} | {speedup:.2f} | {verdict} |"
+        )
+    for name, value in theirs.items():
+        speedup = baseline / value
+        verdict = "met" if speedup >= 1.8 else f"**missed by {1.8 - speedup:.2f}**"
+        schedule = name.removeprefix("torch-")
+        rows.append(
+            f"| torch.distributed.pipelining | 2 | {schedule} | {M} | {value:.1f} | "
+            f"{speedup:.2f} | {verdict} |"
+        )
+    (RUNS / "real" / "results.json").write_text(
+        json.dumps({"baseline_ms": baseline, "ours": ours, "torch": theirs}, indent=1)
+    )
+    body = [
+        "## Real compute: mlp in 2 stages vs one process",
+        "",
+        *machine_lines(),
+        "- regenerate: `python benchmarks/real_compute.py`",
+        "",
+        f"`mlp` with {ARGS} (8 Linear+ReLU blocks of width 1024 and a head), microbatches of "
+        f"{MICROBATCH_SIZE} samples, SGD; split {SPLIT} (layer ranges per stage); "
+        "OMP_NUM_THREADS=1 and one process per stage. Speedup = time per microbatch of plain "
+        "one-thread training in one process / the pipeline's steady-state time per microbatch "
+        "(ideal 2x on 2 cores).",
+        "",
+        *rows,
+        "",
+        "<details><summary>Commands run</summary>",
+        "",
+        "```",
+        "python benchmarks/real_compute.py   # the single-process baseline runs inside it",
+        *(r["command"] for r in ours),
+        torch_command,
+        "```",
+        "",
+        "</details>",
+    ]
+    write_results_section("real-compute", "\n".join(body))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Simulator accuracy: ``pipedream simulate``'s time per minibatch vs the measured one.
+
+    python benchmarks/simulator_accuracy.py      (after sleep_pipeline.py and real_compute.py)
+
+For every plan those two benchmarks ran, the layers are profiled with ``pipedream profile``
+(the same workload options) and the plan is simulated with ``pipedream simulate --profile``
+on a network calibrated on this machine: bandwidth = 32 MiB / the one-way time of a 32 MiB gloo
+message, latency = the one-way time of a 32 KiB one (``gloo_p2p.py``). The measured time is
+read again from the runs' traces. Target: within 10%. Refreshes the ``simulator`` section of
+``benchmarks/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+from common import RUNS, machine_lines, run_command, steady_period_ms, write_section
+from real_compute import MICROBATCH_SIZE, OURS
+from sleep_pipeline import MICROBATCH_SIZE as SLEEP_MICROBATCH
+from sleep_pipeline import SIZES, cases
+
+from pipedream.runtime.trace import load_traces
+
+__all__ = ["main"]
+
+_SIMULATED = re.compile(r"simulated time per minibatch: ([0-9.]+) ms")
+PIPEDREAM = [sys.executable, "-m", "pipedream.cli"]
+
+
+def _profile(plan: dict[str, Any], microbatch_size: int, commands: list[str]) -> Path:
+    """Profile the plan's workload once per set of options (once per run of this script)."""
+    args = plan["workload_args"]
+    key = "-".join(f"{k}{v}" for k, v in sorted(args.items()))
+    path = RUNS / "simulator" / f"profile-{plan['workload']}-{key}.yaml"
+    if not path.exists():
+        argv = [*PIPEDREAM, "profile", plan["workload"], "--microbatch-size", str(microbatch_size)]
+        for name, value in args.items():
+            argv += ["--workload-arg", f"{name}={value}"]
+        command = run_command(
+            [*argv, "--warmup", "1", "--repeats", "3", "-o", str(path)], timeout=300
+        )
+        commands.append(command.shell())
+        if command.returncode != 0:
+            raise RuntimeError(command.output[-2000:])
+    return path
+
+
+def _simulate(
+    plan_path: Path, profile: Path, network: list[str], commands: list[str]
+) -> float | None:
+    argv = [*PIPEDREAM, "simulate", str(plan_path), "--profile", str(profile), *network]
+    command = run_command(argv, timeout=300)
+    commands.append(command.shell())
+    match = _SIMULATED.search(command.output)
+    if command.returncode != 0 or match is None:
+        print(f"  simulate {plan_path}: FAILED {command.output[-1500:]}", file=sys.stderr)
+        return None
+    return float(match.group(1))
+
+
+def _measured(run_dir: Path, skip: int) -> float | None:
+    try:
+        return steady_period_ms(load_traces(run_dir), skip=skip)[0]
+    except Exception as exc:  # a case that failed or was not run
+        print(f"  {run_dir}: no measurement ({exc})", file=sys.stderr)
+        return None
+
+
+def main() -> int:
+    shutil.rmtree(RUNS / "simulator", ignore_errors=True)  # profile afresh on every run
+    message = json.loads((RUNS / "sleep" / "gloo-p2p.json").read_text())
+    small_ms, large_ms = message[str(SIZES["small"])], message[str(SIZES["large"])]
+    bandwidth = SIZES["large"] / (large_ms / 1000)
+    network = ["--bandwidth", f"{bandwidth:.0f}", "--latency", f"{small_ms:.3f}"]
+    commands: list[str] = []
+    rows = []
+    todo: list[tuple[str, Path, int, int]] = []
+    for case in cases([2, 4, 8], ["small", "large"]):
+        todo.append(
+            (case.name, RUNS / "sleep" / case.name, case.steps_and_skip[1], SLEEP_MICROBATCH)
+        )
+    for schedule, m, stages, _, skip in OURS:
+        name = f"mlp-{len(stages)}stage-{schedule}-m{m}"
+        todo.append((name, RUNS / "real" / name, skip, MICROBATCH_SIZE))
+    for name, directory, skip, microbatch_size in todo:
+        plan_path = directory / "plan.yaml"
+        if not plan_path.exists():
+            continue
+        measured = _measured(directory / "run", skip)
+        plan = yaml.safe_load(plan_path.read_text())
+        simulated = _simulate(
+            plan_path, _profile(plan, microbatch_size, commands), network, commands
+        )
+        if measured is None or simulated is None:
+            continue
+        error = simulated / measured - 1
+        verdict = "met" if abs(error) <= 0.10 else f"**missed by {abs(error) - 0.10:.2f}**"
+        rows.append(f"| {name} | {measured:.1f} | {simulated:.1f} | {error:+.1%} | {verdict} |")
+        print(f"  {name}: measured {measured:.1f} ms, simulated {simulated:.1f} ms ({error:+.1%})")
+    within = sum("| met |" in row for row in rows)
+    body = [
+        "## Simulator accuracy: predicted vs measured time per minibatch",
+        "",
+        *machine_lines(),
+        "- regenerate: `python benchmarks/simulator_accuracy.py` (after the two benchmarks above)",
+        "",
+        "Each plan run above, simulated by `pipedream simulate PLAN --profile PROFILE` with the "
+        "workload profiled by `pipedream profile` (`--warmup 1 --repeats 3`) and the network "
+        f"calibrated on this machine: {bandwidth / 1e9:.2f} GB/s and {small_ms:.2f} ms latency "
+        "per message (gloo, one way). Measured = the same steady-state time per minibatch as "
+        f"above, from the traces. Within 10% in {within} of {len(rows)} cases.",
+        "",
+        "| case | measured ms | simulated ms | error | target (within 10%) |",
+        "|---|---:|---:|---:|---|",
+        *rows,
+        "",
+        "<details><summary>Commands run</summary>",
+        "",
+        "```",
+        *commands,
+        "```",
+        "",
+        "</details>",
+    ]
+    write_section("simulator", "\n".join(body))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""Sleep workload: every schedule against the physical limit and torch.distributed.pipelining.
+
+    python benchmarks/sleep_pipeline.py [--stages 2,4,8] [--sizes small,large]
+
+One sleep layer per stage (``forward_ms`` F and ``backward_ms`` B per stage and microbatch),
+S = 2, 4, 8 stages, m = 8 and 16 microbatches per minibatch, 32 KiB and 32 MiB activations.
+Each case runs through ``./launch.sh PLAN --trace``; the time per minibatch is the mean gap
+between the last stage's optimizer updates after the warm-up (from the traces). The ideal is
+(m + S - 1)(F + B) per minibatch for the flushing schedules (1f1b, gpipe) and m(F + B) for the
+asynchronous ones in steady state (pipedream and pipedream-vs take m = 1 per minibatch).
+ScheduleGPipe and Schedule1F1B of torch.distributed.pipelining run the same model on the same
+split (``torch_pipelining.py``). Refreshes the ``sleep`` section of ``benchmarks/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from common import REPO, RUNS, Command, plan_dict, run_command, steady_period_ms, write_plan
+from sleep_report import render
+
+from pipedream.runtime.trace import load_traces, write_chrome_trace
+from pipedream.runtime.trace_plot import matplotlib_available, plot_timeline
+
+__all__ = ["F_MS", "B_MS", "Case", "main"]
+
+F_MS, B_MS = 20.0, 40.0
+"""Sleep per stage and microbatch (ms): ~1 ms of per-action runtime overhead is then ~3%."""
+MICROBATCH_SIZE = 8
+SIZES = {"small": 32 * 1024, "large": 32 * 1024 * 1024}
+FLUSHING = ("1f1b", "gpipe")
+ASYNC = ("pipedream", "pipedream-vs", "2bw")
+EXAMPLE_TIMELINES = ("small-S4-1f1b-m8", "large-S2-1f1b-m8")
+"""Cases always drawn (benchmarks/timelines/), besides the least efficient one of each size."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark configuration."""
+
+    size: str
+    """``small`` (32 KiB) or ``large`` (32 MiB) activations per microbatch."""
+    stages: int
+    """Pipeline depth S (one rank and one sleep layer per stage)."""
+    schedule: str
+    """Schedule name."""
+    microbatches: int
+    """Microbatches per minibatch m (1 for pipedream and pipedream-vs)."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.size}-S{self.stages}-{self.schedule}-m{self.microbatches}"
+
+    @property
+    def ideal_ms(self) -> float:
+        m, s = self.microbatches, self.stages
+        return (m + s - 1 if self.schedule in FLUSHING else m) * (F_MS + B_MS)
+
+    @property
+    def steps_and_skip(self) -> tuple[int, int]:
+        """Minibatches to run and updates to leave out before measuring."""
+        large = self.size == "large"  # slow on a CPU box: fewer minibatches
+        if self.schedule in FLUSHING:
+            return (2 if large else 3), 0  # every minibatch is a whole fill-drain
+        if self.schedule == "2bw":
+            return (3 if large else 4), 1
+        return (self.stages + 10 if large else 2 * self.stages + 12), self.stages + 2
+
+    def workload_args(self) -> dict[str, Any]:
+        return {
+            "layers": self.stages,
+            "forward_ms": F_MS,
+            "backward_ms": B_MS,
+            "activation_bytes": SIZES[self.size],
+        }
+
+
+def cases(stages: list[int], sizes: list[str]) -> list[Case]:
+    out = []
+    for size in sizes:
+        for s in stages:
+            out += [Case(size, s, name, 1) for name in ("pipedream", "pipedream-vs")]
+            for m in (8, 16):
+                out += [Case(size, s, name, m) for name in ("2bw", *FLUSHING)]
+    return out
+
+
+def run_ours(case: Case, *, reuse: bool = False) -> dict[str, Any]:
+    """Launch one case with tracing (one retry); return its measurement and the command.
+
+    With ``reuse``, a case whose run directory holds a finished run of the same command is
+    read back instead of run again (to finish an interrupted benchmark).
+    """
+    directory = RUNS / "sleep" / case.name
+    stages = [(str(i), str(i)) for i in range(case.stages)]
+    plan = plan_dict(
+        "sleep",
+        case.workload_args(),
+        stages,
+        schedule=case.schedule,
+        microbatch_size=MICROBATCH_SIZE,
+        microbatches=case.microbatches,
+    )
+    steps, skip = case.steps_and_skip
+    path = directory / "plan.yaml"
+    argv = ["./launch.sh", str(path), "--steps", str(steps), "--run-dir", str(directory / "run")]
+    argv += ["--trace", "--no-progress", "--timeout", "120"]
+    done = directory / "done.txt"
+    result: dict[str, Any] = {"case": case}
+    if reuse and done.exists() and done.read_text() == " ".join(argv):
+        command = None
+        result["command"] = Command(tuple(argv), 0, 0.0, "").shell()
+    else:
+        for _ in range(2):  # a port clash or a shared machine's hiccup should not lose a case
+            shutil.rmtree(directory, ignore_errors=True)
+            write_plan(plan, path)
+            command = run_command(argv, timeout=300)
+            (directory / "output.log").write_text(command.output)
+            if command.returncode == 0:
+                done.write_text(" ".join(argv))
+                break
+        result["command"] = command.shell()
+    if command is not None and command.returncode != 0:
+        reasons = [line for line in command.output.splitlines() if "pipedream" in line.lower()]
+        result["error"] = (reasons or ["exit status " + str(command.returncode)])[-1:]
+        print(f"  {case.name}: FAILED twice: {result['error']}", file=sys.stderr)
+        return result
+    traces = load_traces(directory / "run")
+    period, intervals = steady_period_ms(traces, skip=skip)
+    result.update(period_ms=period, intervals=intervals, traces=traces)
+    print(f"  {case.name}: {period:.1f} ms/minibatch, efficiency {case.ideal_ms / period:.3f}")
+    return result
+
+
+def run_torch(
+    stages: int, group: list[Case], *, reuse: bool = False
+) -> tuple[dict[str, float], Command]:
+    """All torch.distributed.pipelining cases of one depth in one torchrun launch."""
+    directory = RUNS / "sleep" / f"torch-S{stages}"
+    directory.mkdir(parents=True, exist_ok=True)
+    out = directory / "results.json"
+    specs = []
+    for case in group:
+        steps, _ = case.steps_and_skip
+        specs.append(
+            {
+                "name": case.name,
+                "workload": "sleep",
+                "workload_args": {k: str(v) for k, v in case.workload_args().items()},
+                "stages": [[str(i), str(i)] for i in range(stages)],
+                "schedule": case.schedule,
+                "microbatches": case.microbatches,
+                "microbatch_size": MICROBATCH_SIZE,
+                "steps": steps,
+                "warmup": 1,
+            }
+        )
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    argv += ["--nproc-per-node", str(stages), "benchmarks/torch_pipelining.py"]
+    argv += [str(directory / "cases.json"), str(out)]
+    cases_json = json.dumps(specs, indent=1)
+    names = {spec["name"] for spec in specs}
+    if reuse and out.exists() and (directory / "cases.json").read_text() == cases_json:
+        found = json.loads(out.read_text())
+        if names <= {item["name"] for item in found}:
+            return {item["name"]: item["period_ms"] for item in found}, Command(
+                tuple(argv), 0, 0.0, ""
+            )
+    (directory / "cases.json").write_text(cases_json)
+    out.unlink(missing_ok=True)
+    command = run_command(argv, timeout=600)
+    if command.returncode != 0:
+        print(f"  torch S={stages}: FAILED {command.output[-3000:]}", file=sys.stderr)
+    found = json.loads(out.read_text()) if out.exists() else []
+    for item in found:
+        print(f"  torch {item['name']}: {item['period_ms']:.1f} ms/minibatch")
+    return {item["name"]: item["period_ms"] for item in found}, command
+
+
+def gloo_message_ms(*, reuse: bool = False) -> tuple[dict[int, float], Command]:
+    out = RUNS / "sleep" / "gloo-p2p.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    argv += ["2", "benchmarks/gloo_p2p.py", str(out)]
+    if reuse and out.exists():
+        return {int(k): v for k, v in json.loads(out.read_text()).items()}, Command(
+            tuple(argv), 0, 0.0, ""
+        )
+    command = run_command(argv, timeout=120)
+    data = json.loads(out.read_text()) if command.returncode == 0 else {}
+    return {int(k): v for k, v in data.items()}, command
+
+
+def save_timeline(result: dict[str, Any], path: Path) -> None:
+    """Chrome trace next to the run; a PNG of two steady minibatches at ``path``."""
+    case: Case = result["case"]
+    traces = result["traces"]
+    write_chrome_trace(traces, RUNS / "sleep" / case.name / "trace.json")
+    if not matplotlib_available():
+        return
+    origin = min(e.start for t in traces for e in t.events)
+    last = max(traces, key=lambda t: t.stage)
+    ends = [(e.end - origin) * 1000 for e in last.events if e.op.value == "U"]
+    period = result["period_ms"]
+    low = ends[-3] - 0.2 * period if len(ends) >= 3 else 0.0
+    high = ends[-1] + 0.05 * period if len(ends) >= 3 else ends[-1]
+    title = (
+        f"{case.schedule}, S={case.stages}, m={case.microbatches}, {case.size} activations: "
+        f"{period:.0f} ms per minibatch vs {case.ideal_ms:.0f} ms ideal"
+    )
+    plot_timeline(traces, path, title=title, window=(low, high))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stages", default="2,4,8", help="comma-separated depths")
+    parser.add_argument("--sizes", default="small,large", help="small, large or both")
+    parser.add_argument(
+        "--reuse", action="store_true", help="read back cases already run with the same command"
+    )
+    args = parser.parse_args(argv)
+    stages = [int(s) for s in args.stages.split(",")]
+    sizes = [s for s in args.sizes.split(",") if s]
+    todo = cases(stages, sizes)
+    message_ms, p2p_command = gloo_message_ms(reuse=args.reuse)
+    commands = [p2p_command.shell()]
+    ours = []
+    for case in todo:
+        result = run_ours(case, reuse=args.reuse)
+        commands.append(result["command"])
+        ours.append(result)
+    torch_ms: dict[str, float] = {}
+    for s in stages:
+        group = [c for c in todo if c.stages == s and c.schedule in FLUSHING]
+        found, command = run_torch(s, group, reuse=args.reuse)
+        torch_ms.update(found)
+        commands.append(command.shell())
+    timelines = REPO / "benchmarks" / "timelines"
+    for stale in timelines.glob("sleep-*.png"):
+        stale.unlink()
+    shown = []
+    measured = [r for r in ours if "period_ms" in r]
+    pictures = [r for r in measured if r["case"].name in EXAMPLE_TIMELINES]
+    for size in sizes:  # and the least efficient case of each size
+        mine = [r for r in measured if r["case"].size == size]
+        if mine:
+            pictures.append(min(mine, key=lambda r: r["case"].ideal_ms / r["period_ms"]))
+    for result in pictures:
+        path = timelines / f"sleep-{result['case'].name}.png"
+        if not path.exists():
+            save_timeline(result, path)
+            shown.append((result["case"].name, path.relative_to(REPO / "benchmarks")))
+    render(ours, torch_ms, message_ms, commands, shown, f_ms=F_MS, b_ms=B_MS)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""The ``sleep`` section of ``benchmarks/RESULTS.md``: tables, targets met or missed, diagnosis.
+
+Kept apart from ``sleep_pipeline.py`` (which runs things) so that the report can be re-rendered
+and read on its own. Every number comes from the run's traces: efficiency = ideal / measured,
+and the per-action overrun (measured forward and backward minus the layer's sleep) says how
+much of a miss is runtime overhead rather than waiting.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from common import machine_lines, write_section
+
+from pipedream.runtime.actions import Op
+
+__all__ = ["TARGETS", "render"]
+
+TARGETS = {"small": 0.95, "large": 0.90}
+"""Issue 6's efficiency targets per activation size."""
+_LABEL = {"small": "32 KiB", "large": "32 MiB"}
+
+
+def _size_label(size: int) -> str:
+    return f"{size // 2**20} MiB" if size >= 2**20 else f"{size // 2**10} KiB"
+
+
+def _overrun_ms(result: dict[str, Any], f_ms: float, b_ms: float) -> float:
+    """Mean (forward + backward) duration minus the sleep, over all ranks and microbatches."""
+    forward = [e.end - e.start for t in result["traces"] for e in t.events if e.op is Op.FORWARD]
+    backward = [e.end - e.start for t in result["traces"] for e in t.events if e.op is Op.BACKWARD]
+    return (statistics.mean(forward) + statistics.mean(backward)) * 1000 - f_ms - b_ms
+
+
+def _copy_bound_ms(case: Any, message_ms: dict[int, float]) -> float:
+    """max(ideal, m (S - 1) T): the 2 m (S - 1) messages of a minibatch each keep about one of
+    the 2 cores busy for the one-way time T of a message (loopback TCP copies, page faults)."""
+    from sleep_pipeline import SIZES
+
+    one_way = message_ms.get(SIZES[case.size], 0.0)
+    cores = os.cpu_count() or 1
+    return max(case.ideal_ms, 2 * case.microbatches * (case.stages - 1) * one_way / cores)
+
+
+def _verdict(efficiency: float, target: float, torch_eff: float | None) -> str:
+    parts = ["met" if efficiency >= target else f"**missed by {target - efficiency:.2f}**"]
+    if torch_eff is not None:
+        gap = efficiency - torch_eff
+        parts.append(">= torch" if gap >= 0 else f"**{-gap:.2f} below torch**")
+    return ", ".join(parts)
+
+
+def _table(
+    rows: Sequence[dict[str, Any]], torch_ms: dict[str, float], size: str, **kw: Any
+) -> list[str]:
+    lines = [
+        "| S | schedule | m | ideal ms | ours ms | ours eff. | torch ms | torch eff. "
+        "| copy bound ms | ours / bound | F+B overrun ms "
+        f"| target (>= {TARGETS[size]:.2f}; >= torch) |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for result in rows:
+        case = result["case"]
+        if "period_ms" not in result:
+            lines.append(
+                f"| {case.stages} | {case.schedule} | {case.microbatches} | {case.ideal_ms:.0f} "
+                f"| failed: {' '.join(result['error'])[:60]} | | | | | | | **not measured** |"
+            )
+            continue
+        eff = case.ideal_ms / result["period_ms"]
+        theirs = torch_ms.get(case.name)
+        torch_eff = case.ideal_ms / theirs if theirs else None
+        torch_cells = f"{theirs:.0f} | {torch_eff:.3f}" if theirs else "- | -"
+        bound = _copy_bound_ms(case, kw["message_ms"])
+        lines.append(
+            f"| {case.stages} | {case.schedule} | {case.microbatches} | {case.ideal_ms:.0f} "
+            f"| {result['period_ms']:.0f} | {eff:.3f} | {torch_cells} "
+            f"| {bound:.0f} | {bound / result['period_ms']:.3f} "
+            f"| {_overrun_ms(result, kw['f_ms'], kw['b_ms']):.1f} "
+            f"| {_verdict(eff, TARGETS[size], torch_eff)} |"
+        )
+    return lines
+
+
+def _summary(ours: Sequence[dict[str, Any]], torch_ms: dict[str, float]) -> list[str]:
+    lines = []
+    for size, target in TARGETS.items():
+        measured = [r for r in ours if r["case"].size == size and "period_ms" in r]
+        if not measured:
+            continue
+        effs = [r["case"].ideal_ms / r["period_ms"] for r in measured]
+        met = sum(e >= target for e in effs)
+        pairs = [
+            (r["case"].ideal_ms / r["period_ms"], r["case"].ideal_ms / torch_ms[r["case"].name])
+            for r in measured
+            if r["case"].name in torch_ms
+        ]
+        beat = sum(a >= b for a, b in pairs)
+        lines.append(
+            f"- {_LABEL[size]} activations: efficiency >= {target} in {met} of {len(effs)} cases "
+            f"(range {min(effs):.3f} .. {max(effs):.3f}); >= torch.distributed.pipelining in "
+            f"{beat} of {len(pairs)} comparable cases."
+        )
+    return lines
+
+
+def render(
+    ours: Sequence[dict[str, Any]],
+    torch_ms: dict[str, float],
+    message_ms: dict[int, float],
+    commands: Sequence[str],
+    timelines: Sequence[tuple[str, Path]],
+    *,
+    f_ms: float,
+    b_ms: float,
+) -> None:
+    """Write the ``sleep`` section of the results file."""
+    lines = [
+        "## Sleep workload: efficiency against the ideal and torch.distributed.pipelining",
+        "",
+        *machine_lines(),
+        "- regenerate: `python benchmarks/sleep_pipeline.py` (all commands it ran are listed "
+        "below)",
+        "",
+        f"One sleep layer per stage: F = {f_ms:g} ms forward, B = {b_ms:g} ms backward per "
+        "microbatch, microbatches of 8 samples, one process per stage on "
+        f"{os.cpu_count()} cores (gloo on 127.0.0.1, one thread each). Measured = mean time "
+        "between the last stage's optimizer updates after the warm-up, from the `--trace` "
+        "timelines. Ideal = (m + S - 1)(F + B) per minibatch for 1f1b and gpipe (and for "
+        "torch's ScheduleGPipe and Schedule1F1B), m(F + B) for the asynchronous schedules "
+        "(pipedream and pipedream-vs run one microbatch per minibatch). Efficiency = ideal / "
+        "measured. Copy bound = max(ideal, 2 m (S - 1) T / cores), T the one-way time of one "
+        "message (below): a rough floor set by copying a minibatch's 2 m (S - 1) messages "
+        "through loopback TCP on this machine's cores (it matters for 32 MiB only). "
+        "F+B overrun = mean measured forward + backward action minus F + B (the "
+        "runtime's own cost per microbatch and stage: autograd, functional_call, sleep "
+        "granularity).",
+        "",
+    ]
+    if message_ms:
+        cells = ", ".join(
+            f"{_size_label(size)}: {ms:.2f} ms" for size, ms in sorted(message_ms.items())
+        )
+        lines += [
+            f"One gloo message between two processes of this machine, one way ({cells}); a "
+            "32 MiB activation costs about as much as a forward, and both processes' CPU "
+            "while it is copied.",
+            "",
+        ]
+    for size in TARGETS:
+        rows = [r for r in ours if r["case"].size == size]
+        if rows:
+            lines += [f"### {_LABEL[size]} activations", ""]
+            lines += _table(rows, torch_ms, size, f_ms=f_ms, b_ms=b_ms, message_ms=message_ms)
+            lines += [""]
+    lines += ["### Targets", "", *_summary(ours, torch_ms), ""]
+    for name, path in timelines:
+        lines += [f"Timeline of {name} (two minibatches): ![{name}]({path})", ""]
+    lines += ["<details><summary>Commands run</summary>", "", "```"]
+    lines += [*commands, "```", "", "</details>"]
+    write_section("sleep", "\n".join(lines))
