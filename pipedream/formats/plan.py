@@ -345,10 +345,15 @@ def _check_stage_layers(
                 "a stage is the range first_layer..last_layer in the order of 'layers'",
             )
         if first != expected_first:
+            where = (
+                f"start at {layers[expected_first]!r}"
+                if expected_first < len(layers)
+                else "not exist: earlier stages already cover every layer"
+            )
             raise reader.error(
                 f"stages[{index}]",
                 f"covers layers {stage.first_layer!r}..{stage.last_layer!r}, but the stage must "
-                f"start at {layers[expected_first]!r}",
+                f"{where}",
                 "stages must be contiguous, in order, and cover every layer once",
             )
         expected_first = last + 1

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from launching import run_cli, straight_plan, write_plan
 
 from pipedream.errors import CheckpointError
 from pipedream.runtime.checkpoint import (
@@ -17,6 +16,8 @@ from pipedream.runtime.checkpoint import (
     load_full_state_dict,
     load_manifest,
 )
+
+from launching import run_cli, straight_plan, write_plan
 
 
 @pytest.fixture(scope="module")

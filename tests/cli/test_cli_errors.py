@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import yaml
+
 from launching import launch, run_cli, straight_plan, write_plan
 
 # The default mlp with layers=2 has the layers "0", "1" (Linear+ReLU blocks) and "2" (the head).

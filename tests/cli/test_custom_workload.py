@@ -5,10 +5,10 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from launching import launch, run_cli
-
 from pipedream.formats import load_plan, load_profile
 from pipedream.runtime.checkpoint import load_full_state_dict
+
+from launching import launch, run_cli
 
 USER_MODULE = """
 from collections import OrderedDict

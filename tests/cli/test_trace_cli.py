@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from launching import run_cli
 
 from pipedream.runtime.trace_plot import matplotlib_available
+
+from launching import run_cli
 
 START = 1_700_000_000.0
 

@@ -9,11 +9,12 @@ import sys
 from pathlib import Path
 
 import torch
-from launching import REPO, launch, run_cli
 
 from pipedream.formats import load_plan, load_profile
 from pipedream.runtime.checkpoint import load_full_state_dict
 from pipedream.workload import load_workload
+
+from launching import REPO, launch, run_cli
 
 
 def test_profile_plan_train_export(tmp_path: Path) -> None:

@@ -6,14 +6,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from launching import launch, write_plan
-from oracles import stale_oracle
 
 from pipedream.data import MicrobatchStream
 from pipedream.graph.stages import stage_ios
 from pipedream.profiler.graph_profile import layer_graph
 from pipedream.runtime.checkpoint import load_full_state_dict
 from pipedream.workload import load_workload
+
+from launching import launch, write_plan
+from oracles import stale_oracle
 from runs import max_rel_diff
 
 CASES = {

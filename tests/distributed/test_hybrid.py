@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from reference_run import reference_weights
 from runs import max_rel_diff, train_and_load
 

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from launching import launch, straight_plan, write_plan
-from oracles import stale_oracle
 
 from pipedream.data import MicrobatchStream
 from pipedream.runtime.checkpoint import load_full_state_dict
 from pipedream.workload import load_workload
+
+from launching import launch, straight_plan, write_plan
+from oracles import stale_oracle
 
 ARGS = {"layers": "5", "width": "16", "lr": "0.2"}
 MICROBATCH = 8

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import psutil
 import torch
-from launching import launch, start_launch, stop, straight_plan, write_plan
 
 from pipedream.data import MicrobatchStream
 from pipedream.runtime.checkpoint import load_full_state_dict
+
+from launching import launch, start_launch, stop, straight_plan, write_plan
 
 ARGS = {"layers": "4", "width": "512", "samples": "512", "lr": "0.01"}
 STAGES = [["0"], ["1"], ["2"], ["3", "4"]]

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from launching import launch, straight_plan, write_plan
 
 from pipedream.runtime.checkpoint import load_full_state_dict
+
+from launching import launch, straight_plan, write_plan
 
 ARGS = {"layers": "5", "width": "16", "lr": "0.1", "optimizer": "sgd", "momentum": "0.9"}
 FOUR = [["0", "1"], ["2"], ["3"], ["4", "5"]]

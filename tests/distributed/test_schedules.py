@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from oracles import plain_training, stale_oracle
-from runs import even_groups, max_rel_diff, train_and_load
 
 from pipedream.data import MicrobatchStream
 from pipedream.workload import load_workload
+
+from oracles import plain_training, stale_oracle
+from runs import even_groups, max_rel_diff, train_and_load
 
 ARGS = {"layers": "5", "width": "16", "lr": "0.2"}
 B = 8  # microbatch size

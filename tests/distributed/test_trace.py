@@ -8,13 +8,14 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from launching import launch, run_cli, straight_plan, write_plan
 
 from pipedream.formats.plan import load_plan
 from pipedream.runtime.plan_check import plan_spec
 from pipedream.runtime.schedule import build_tables
 from pipedream.runtime.trace import CATEGORIES, load_traces
 from pipedream.runtime.trace_plot import matplotlib_available
+
+from launching import launch, run_cli, straight_plan, write_plan
 
 SLEEP_ARGS = {"layers": "3", "forward_ms": "1", "backward_ms": "1", "activation_bytes": "1024"}
 

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from launching import launch, start_launch, stop, straight_plan, write_plan
-from oracles import stale_oracle
 
 from pipedream.data import MicrobatchStream
 from pipedream.runtime.checkpoint import load_full_state_dict
 from pipedream.workload import load_workload
+
+from launching import launch, start_launch, stop, straight_plan, write_plan
+from oracles import stale_oracle
 from runs import even_groups, max_rel_diff, train_and_load
 
 B = 8

@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from launching import launch, straight_plan, write_plan
 
 from pipedream.runtime.checkpoint import load_full_state_dict
+
+from launching import launch, straight_plan, write_plan
 
 __all__ = ["even_groups", "max_rel_diff", "train_and_load"]
 

@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import yaml
-from launching import REPO
 
 from pipedream.errors import FormatError, PipedreamError
 from pipedream.formats import (
@@ -34,6 +33,8 @@ from pipedream.formats import (
 )
 from pipedream.formats.units import format_bytes, parse_bandwidth, parse_bytes
 from pipedream.formats.yamlio import atomic_write_text
+
+from launching import REPO
 
 # ---------------------------------------------------------------------------------------------
 # Literal files
@@ -693,3 +694,24 @@ def test_unreadable_file(
         problem=problem.format(kind=kind),
         fix=fix.format(kind=kind),
     )
+
+
+def test_stage_after_all_layers_are_covered_is_a_clean_error(tmp_path) -> None:
+    """Found by fuzzing: a stage after one that already ends at the last layer."""
+    from pipedream.errors import FormatError
+    from pipedream.formats.plan import Plan
+
+    data = {
+        "format": "pipedream/plan@1",
+        "workload": "mlp",
+        "schedule": "pipedream",
+        "microbatch_size": 8,
+        "world_size": 2,
+        "layers": ["0", "1"],
+        "stages": [
+            {"first_layer": "0", "last_layer": "1", "ranks": [0]},
+            {"first_layer": "1", "last_layer": "1", "ranks": [1]},
+        ],
+    }
+    with pytest.raises(FormatError, match="earlier stages already cover every layer"):
+        Plan.from_dict(data, source="plan.yaml")

@@ -10,13 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from fuzz_cases import CASES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipedream.errors import PipedreamError
 from pipedream.formats import load_plan, load_profile, load_topology
 from pipedream.runtime.checkpoint import load_manifest
+
+from fuzz_cases import CASES
 
 PROFILE = {
     "format": "pipedream/profile@1",

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from launching import run_cli
 from torch import Tensor, nn
 
 from pipedream.errors import WorkloadError
@@ -15,6 +14,8 @@ from pipedream.formats import load_profile
 from pipedream.graph import trace_model
 from pipedream.profiler.graph_profile import layer_graph, measure_graph
 from pipedream.workload import load_workload
+
+from launching import run_cli
 
 B = 4
 

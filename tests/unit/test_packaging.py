@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from launching import REPO
 
 # tomllib is stdlib from Python 3.11; the project supports 3.10 too

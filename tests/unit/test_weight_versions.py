@@ -4,6 +4,7 @@ reference executor's numerics, in one process."""
 from __future__ import annotations
 
 import pytest
+
 from reference_run import reference_weights
 
 ARGS = {"layers": "3", "width": "8", "lr": "0.1"}
