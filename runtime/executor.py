@@ -29,16 +29,13 @@ from pipedream.runtime.routing import (
 )
 from pipedream.runtime.worker import StageWorker
 
-__all__ = ["SKIP_TAG", "Executor", "UpdateEvent"]
+__all__ = ["SKIP_TAG", "Executor"]
 
 _RECVS = {Op.RECV_ACT: "act", Op.RECV_GRAD: "grad"}
 _SENDS = {Op.SEND_ACT: "act", Op.SEND_GRAD: "grad"}
 
 SKIP_TAG = -1
 """Version tag of the gradient message of a microbatch whose non-finite loss was skipped."""
-
-UpdateEvent = tuple[Action, list[int]]
-"""An update and the microbatches whose gradients it applied."""
 
 
 class Executor:
@@ -82,8 +79,6 @@ class Executor:
         self._since_update: list[int] = []
         self.compute_s = 0.0
         """Seconds spent in forward, backward and update actions."""
-        self.communication_s = 0.0
-        """Seconds spent in sends, receive waits and allreduces (the rest of the time)."""
 
     def run(self) -> None:
         receives = [p for p, a in enumerate(self.table) if a.op in _RECVS]
@@ -100,8 +95,6 @@ class Executor:
             end = time.perf_counter()
             if action.op in (Op.FORWARD, Op.BACKWARD, Op.UPDATE):
                 self.compute_s += end - start
-            else:
-                self.communication_s += end - start
             if self.trace is not None:
                 self.trace.append((str(action), start, end))
         self.p2p.drain(what=f"the last sends of stage {self.worker.config.stage}")
