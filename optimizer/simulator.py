@@ -4,7 +4,8 @@ It runs the very tables the runtime executes (:func:`pipedream.runtime.schedule.
 with profiled costs instead of tensors:
 
 * ``F``/``B``: the stage's summed forward/backward time of one microbatch; ``U``: the optimizer
-  step (``update_ms``, 0 by default: profiles do not measure it);
+  step over the stage's parameters (the layers' ``update_ms``, 0 where the profile has none);
+  each plus the runtime's own cost per action where the profile measured it (``overhead_ms``);
 * a send is posted when the rank reaches it and does not block the rank; it occupies the link
   between the two ranks (one link per pair, shared by activations and gradients, as PipeDream's
   cost model assumes) for ``bytes / bandwidth``, and arrives ``latency`` later; a receive waits
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 from pipedream.errors import PlanningError
 from pipedream.formats.plan import Plan
-from pipedream.formats.profile import Profile
+from pipedream.formats.profile import ActionOverhead, Profile
 from pipedream.formats.topology import Topology
 from pipedream.runtime.actions import Action, Op
 from pipedream.runtime.schedule import PipelineSpec, build_tables
@@ -49,6 +50,8 @@ class StageWork:
     """Parameters allreduced among the stage's replicas."""
     output_bytes: float
     """Activation bytes sent to the next stage (and gradient bytes received back)."""
+    update_ms: float = 0.0
+    """Optimizer step over the stage's parameters."""
 
 
 @dataclass(frozen=True)
@@ -141,8 +144,14 @@ class Timeline:
 
 
 def stage_work(plan: Plan, profile: Profile) -> list[StageWork]:
-    """Per-stage costs of ``plan`` from ``profile`` (layer names must match)."""
+    """Per-stage costs of ``plan`` from ``profile`` (layer names must match).
+
+    The runtime's cost per action (the profile's ``overhead_ms``) is added to every forward,
+    backward and update; a profile without it (imported, or written before it was measured)
+    adds nothing.
+    """
     index = {name: i for i, name in enumerate(profile.layer_names)}
+    overhead = profile.overhead or ActionOverhead(0.0, 0.0, 0.0)
     work = []
     for number, stage in enumerate(plan.stages):
         for name in (stage.first_layer, stage.last_layer):
@@ -156,10 +165,11 @@ def stage_work(plan: Plan, profile: Profile) -> list[StageWork]:
         layers = profile.layers[first : last + 1]
         work.append(
             StageWork(
-                forward_ms=sum(layer.forward_ms for layer in layers),
-                backward_ms=sum(layer.backward_ms for layer in layers),
+                forward_ms=sum(layer.forward_ms for layer in layers) + overhead.forward_ms,
+                backward_ms=sum(layer.backward_ms for layer in layers) + overhead.backward_ms,
                 parameter_bytes=float(sum(layer.parameter_bytes for layer in layers)),
                 output_bytes=float(profile.boundary_bytes(last)) if last < len(index) - 1 else 0,
+                update_ms=sum(layer.update_ms or 0.0 for layer in layers) + overhead.update_ms,
             )
         )
     return work
@@ -189,7 +199,6 @@ def simulate(
     network: Network,
     *,
     num_minibatches: int,
-    update_ms: float = 0.0,
 ) -> Timeline:
     """Run ``plan``'s tables for ``num_minibatches`` (a multiple of every replica count)."""
     spec = PipelineSpec(
@@ -199,7 +208,7 @@ def simulate(
         num_minibatches=num_minibatches,
     )
     tables = build_tables(spec)
-    run = _Run(tables, work, network, update_ms, spec)
+    run = _Run(tables, work, network, spec)
     run.execute()
     m = plan.microbatches
     completions = []
@@ -224,10 +233,9 @@ class _Run:
         tables: dict[int, list[Action]],
         work: Sequence[StageWork],
         network: Network,
-        update_ms: float,
         spec: PipelineSpec,
     ) -> None:
-        self.tables, self.work, self.network, self.update_ms = tables, work, network, update_ms
+        self.tables, self.work, self.network = tables, work, network
         self.spec = spec
         self.position = {rank: 0 for rank in tables}
         self.clock = {rank: 0.0 for rank in tables}
@@ -304,7 +312,7 @@ class _Run:
             duration = {
                 Op.FORWARD: self.work[stage].forward_ms,
                 Op.BACKWARD: self.work[stage].backward_ms,
-                Op.UPDATE: self.update_ms,
+                Op.UPDATE: self.work[stage].update_ms,
             }[op]
             self.events.append(Event(rank, stage, op.value, action.index, now, now + duration))
             now += duration

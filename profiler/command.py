@@ -23,6 +23,7 @@ from torch import nn
 from pipedream.formats.profile import Profile, save_profile
 from pipedream.profiler.graph_profile import layer_graph, measure_graph
 from pipedream.profiler.measure import ProfilerError, measure_sequential
+from pipedream.profiler.overhead import measure_overhead
 from pipedream.workload import load_workload, parse_workload_args
 
 __all__ = ["default_device", "format_table", "profile_workload", "run"]
@@ -46,7 +47,17 @@ def _human_bytes(num: int | None) -> str:
 
 def format_table(profile: Profile) -> str:
     """Per-layer table (times in ms, sizes in binary units) followed by a totals row."""
-    header = ("layer", "type", "fwd ms", "bwd ms", "output", "params", "saved", "optim state")
+    header = (
+        "layer",
+        "type",
+        "fwd ms",
+        "bwd ms",
+        "update ms",
+        "output",
+        "params",
+        "saved",
+        "optim state",
+    )
     rows = []
     for layer in profile.layers:
         rows.append(
@@ -55,6 +66,7 @@ def format_table(profile: Profile) -> str:
                 layer.type if len(layer.type) <= 40 else layer.type[:37] + "...",
                 f"{layer.forward_ms:.3f}",
                 f"{layer.backward_ms:.3f}",
+                "-" if layer.update_ms is None else f"{layer.update_ms:.3f}",
                 _human_bytes(layer.output_bytes),
                 _human_bytes(layer.parameter_bytes),
                 _human_bytes(layer.saved_bytes),
@@ -72,6 +84,9 @@ def format_table(profile: Profile) -> str:
             f"{len(layers)} layers",
             f"{sum(layer.forward_ms for layer in layers):.3f}",
             f"{sum(layer.backward_ms for layer in layers):.3f}",
+            "-"
+            if any(layer.update_ms is None for layer in layers)
+            else f"{sum(layer.update_ms or 0.0 for layer in layers):.3f}",
             "",
             _human_bytes(sum(layer.parameter_bytes for layer in layers)),
             _human_bytes(total([layer.saved_bytes for layer in layers])),
@@ -88,7 +103,14 @@ def format_table(profile: Profile) -> str:
         return "  ".join(cells).rstrip()
 
     rule = "  ".join("-" * width for width in widths)
-    return "\n".join([line(header), rule, *(line(row) for row in rows[:-1]), rule, line(rows[-1])])
+    table = [line(header), rule, *(line(row) for row in rows[:-1]), rule, line(rows[-1])]
+    if profile.overhead is not None:
+        extra = profile.overhead
+        table.append(
+            f"runtime cost per action (added by the simulator): forward {extra.forward_ms:.3f} "
+            f"ms, backward {extra.backward_ms:.3f} ms, update {extra.update_ms:.3f} ms"
+        )
+    return "\n".join(table)
 
 
 def profile_workload(
@@ -106,6 +128,7 @@ def profile_workload(
 
     An ``nn.Sequential`` is measured child by child; any other model, or any model with
     ``depth``/``patterns`` (``--depth``, ``--layers``), through its ``torch.export`` graph.
+    The runtime's own cost per action is measured too (:mod:`pipedream.profiler.overhead`).
     """
     if microbatch_size is not None and microbatch_size < 1:
         raise ProfilerError(f"--microbatch-size must be >= 1, got {microbatch_size}")
@@ -128,6 +151,7 @@ def profile_workload(
             graph, model, example, warmup=warmup, repeats=repeats, optimizer=workload.optimizer
         )
         cut_bytes = tuple(graph.cut_bytes())
+    overhead = measure_overhead(workload.optimizer, device=device, warmup=warmup, repeats=repeats)
     param = next(iter(model.parameters()), None)
     dtype = param.dtype if param is not None else torch.get_default_dtype()
     return Profile(
@@ -138,6 +162,7 @@ def profile_workload(
         layers=tuple(layers),
         cut_bytes=cut_bytes,
         workload_args=dict(workload_args),
+        overhead=overhead,
     )
 
 

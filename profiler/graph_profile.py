@@ -17,13 +17,14 @@ from torch import Tensor, nn
 from pipedream.formats.profile import LayerProfile
 from pipedream.graph import LayerGraph, trace_model
 from pipedream.graph.stages import build_stage_module, stage_ios
-from pipedream.profiler.measure import OptimizerFactory, measure_layer
+from pipedream.profiler.chain import ChainLayer, time_chain
+from pipedream.profiler.measure import OptimizerFactory, check_repetitions, describe_layer
 
 __all__ = ["layer_graph", "measure_graph"]
 
 
 class _Unpack(nn.Module):
-    """Calls a multi-input layer module with one tuple (what ``measure_layer`` passes)."""
+    """Calls a multi-input layer module with one tuple (what ``describe_layer`` passes)."""
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
@@ -61,18 +62,23 @@ def measure_graph(
     repeats: int = 10,
     optimizer: OptimizerFactory | None = None,
 ) -> list[LayerProfile]:
-    """Measure every layer of ``graph`` on the values it sees when ``example_input`` runs."""
+    """Measure every layer of ``graph`` on the values it sees when ``example_input`` runs.
+
+    Bytes and memory come from each layer module alone, the times from whole passes through the
+    chain of layer modules (:mod:`pipedream.profiler.chain`).
+    """
+    check_repetitions(warmup, repeats)
     count = len(graph.layers)
     ios = stage_ios(graph, [(i, i) for i in range(count)])
     values: dict[str, Tensor] = {graph.input_name: example_input}
-    profiles = []
+    profiles, chain = [], []
     for index, io in enumerate(ios):
         module = build_stage_module(graph, model, index, index, io)
         inputs = tuple(values[name] for name in io.inputs)
         with torch.no_grad():
             outputs = module(*inputs)
         values.update(zip(io.outputs, outputs))
-        measured = measure_layer(
+        described = describe_layer(
             graph.layers[index],
             _Unpack(module),
             inputs,
@@ -82,5 +88,17 @@ def measure_graph(
         )
         shapes = ", ".join(str(list(t.shape)) for t in outputs)
         operations = sum(1 for n in graph.nodes if graph.layer_of[n.name] == index)
-        profiles.append(dataclasses.replace(measured, type=f"{operations} ops -> {shapes}"))
-    return profiles
+        profiles.append(dataclasses.replace(described, type=f"{operations} ops -> {shapes}"))
+        chain.append(ChainLayer(module, tuple(io.inputs), tuple(io.outputs)))
+    times = time_chain(
+        chain,
+        {graph.input_name: example_input},
+        model.parameters(),
+        device=example_input.device,
+        warmup=warmup,
+        repeats=repeats,
+    )
+    return [
+        dataclasses.replace(profile, forward_ms=forward, backward_ms=backward)
+        for profile, (forward, backward) in zip(profiles, times)
+    ]

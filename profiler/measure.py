@@ -1,15 +1,14 @@
 """Measure every layer of an ``nn.Sequential``: compute times, bytes sent, memory kept.
 
 Each child of the Sequential is one layer (its name is the child's name, as in ``state_dict``
-keys). The layers are measured one at a time on the activation the previous layers produce from
-the workload's example microbatch, which is what a pipeline stage sees:
+keys).
 
-- ``forward_ms``: median over ``repeats`` timed forward passes (after ``warmup`` untimed ones),
-  with autograd recording, as in training.
-- ``backward_ms``: median time of ``backward`` alone: the forward runs untimed on a *detached*
-  copy of the input that requires grad (if it is floating point), then backward is timed with a
-  gradient of the output's shape. So it includes the input gradient a pipeline stage must send
-  back, and the parameter gradients, and nothing of the other layers.
+- ``forward_ms`` / ``backward_ms``: medians over ``repeats`` whole forward+backward passes of
+  the model (after ``warmup`` untimed ones), split at the layer boundaries
+  (:mod:`pipedream.profiler.chain`): each layer's time as it runs inside the model, caches
+  included, and the layers add up to the whole pass. The backward includes the parameter
+  gradients and the gradient of the layer's input (what a stage sends back); the model's input
+  gets no gradient, as on the first stage.
 - ``output_bytes``: bytes of the output (summed over tensors if it is a tuple/list/dict).
 - ``parameter_bytes``: parameters plus buffers.
 - ``saved_bytes``: storages that autograd keeps for backward (found with
@@ -17,8 +16,9 @@ the workload's example microbatch, which is what a pipeline stage sees:
   layer's parameters/buffers (counted in ``parameter_bytes``) and the layer's input (it is the
   previous layer's output, counted there or stashed by the stage). So the activation memory of a
   stage for one microbatch is about its input bytes plus the sum of its layers' ``saved_bytes``.
-- ``optimizer_state_bytes``: state tensors the workload's optimizer creates after one step over
-  copies of the layer's parameters (0 for plain SGD, 2x parameters for Adam, ...).
+- ``optimizer_state_bytes`` and ``update_ms``: state tensors the workload's optimizer creates,
+  and the median time of its step, over copies of the layer's parameters (0 bytes for plain
+  SGD, 2x parameters for Adam, ...).
 
 Times on CUDA use CUDA events (GPU time of the work); on CPU ``time.perf_counter``. The number of
 CPU threads is torch's setting; this module leaves it alone.
@@ -26,7 +26,7 @@ CPU threads is torch's setting; this module leaves it alone.
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -37,12 +37,14 @@ from torch import Tensor, nn
 
 from pipedream.errors import PipedreamError
 from pipedream.formats.profile import LayerProfile
+from pipedream.profiler.chain import ChainLayer, time_chain
 
 __all__ = [
     "OptimizerFactory",
     "ProfilerError",
+    "check_repetitions",
+    "describe_layer",
     "layer_inputs",
-    "measure_layer",
     "measure_sequential",
     "tensors_in",
 ]
@@ -90,23 +92,6 @@ def _fresh_input(x: Any) -> Any:
     return x
 
 
-def _elapsed_ms(fn: Callable[[], Any], device: torch.device) -> float:
-    if device.type == "cuda":
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        result = fn()
-        end.record()
-        end.synchronize()
-        del result  # freed outside the timed region
-        return float(start.elapsed_time(end))
-    begin = time.perf_counter()
-    result = fn()
-    elapsed = time.perf_counter() - begin
-    del result
-    return elapsed * 1000.0
-
-
 def _describe(layer: nn.Module, output: list[Tensor]) -> str:
     """``Linear+ReLU -> [32, 64]``: class names (a Sequential's children) and output shape."""
     if isinstance(layer, nn.Sequential):
@@ -128,18 +113,6 @@ def layer_inputs(model: nn.Sequential, example_input: Any) -> list[Any]:
     return inputs
 
 
-def _backward_once(layer: nn.Module, x: Any, device: torch.device) -> float:
-    for param in layer.parameters():
-        param.grad = None  # as after optimizer.zero_grad(): backward allocates the grads
-    outputs = [t for t in tensors_in(layer(_fresh_input(x))) if t.requires_grad]
-    if not outputs:
-        return 0.0
-    grads = [torch.ones_like(t) for t in outputs]
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return _elapsed_ms(lambda: torch.autograd.backward(outputs, grads), device)
-
-
 def _saved_bytes(layer: nn.Module, x: Any) -> int:
     fresh = _fresh_input(x)
     excluded = {_storage_key(t) for t in (*layer.parameters(), *layer.buffers())}
@@ -158,24 +131,47 @@ def _saved_bytes(layer: nn.Module, x: Any) -> int:
     return sum(seen.values())
 
 
-def _optimizer_state_bytes(layer: nn.Module, optimizer: OptimizerFactory) -> int:
+def _optimizer_costs(
+    layer: nn.Module, optimizer: OptimizerFactory, *, warmup: int, repeats: int
+) -> tuple[int, float]:
+    """Bytes of optimizer state and median step time (ms) over copies of the layer's
+    parameters with zero gradients (the layer itself is not touched)."""
     params = [p for p in layer.parameters() if p.requires_grad]
     if not params:
-        return 0
+        return 0, 0.0
     copies = [nn.Parameter(torch.zeros_like(p)) for p in params]
     for clone in copies:
         clone.grad = torch.zeros_like(clone)
     opt = optimizer(copies)
-    opt.step()
-    return sum(
+    cuda = copies[0].device.type == "cuda"
+    times = []
+    for step in range(max(1, warmup) + repeats):  # the first step creates the state
+        if cuda:
+            torch.cuda.synchronize(copies[0].device)
+        begin = time.perf_counter()
+        opt.step()
+        if cuda:
+            torch.cuda.synchronize(copies[0].device)
+        if step >= max(1, warmup):
+            times.append((time.perf_counter() - begin) * 1000.0)
+    state_bytes = sum(
         _nbytes([value])
         for state in opt.state.values()
         for value in state.values()
         if isinstance(value, Tensor)
     )
+    return state_bytes, statistics.median(times)
 
 
-def measure_layer(
+def check_repetitions(warmup: int, repeats: int) -> None:
+    """Reject a negative ``warmup`` or ``repeats`` < 1 with a message naming the option."""
+    if warmup < 0:
+        raise ProfilerError(f"warmup (--warmup) must be >= 0, got {warmup}")
+    if repeats < 1:
+        raise ProfilerError(f"repeats (--repeats) must be >= 1, got {repeats}")
+
+
+def describe_layer(
     name: str,
     layer: nn.Module,
     x: Any,
@@ -183,38 +179,26 @@ def measure_layer(
     warmup: int = 3,
     repeats: int = 10,
     optimizer: OptimizerFactory | None = None,
-    device: torch.device | None = None,
 ) -> LayerProfile:
-    """Measure one layer on input ``x`` (see the module docstring for what each number means)."""
-    if warmup < 0:
-        raise ProfilerError(f"warmup (--warmup) must be >= 0, got {warmup}")
-    if repeats < 1:
-        raise ProfilerError(f"repeats (--repeats) must be >= 1, got {repeats}")
-    if device is None:
-        device = next((t.device for t in tensors_in(x)), torch.device("cpu"))
+    """Everything about one layer on input ``x`` except its compute times (0 here; they come
+    from whole passes, :func:`pipedream.profiler.chain.time_chain`)."""
+    check_repetitions(warmup, repeats)
     with torch.enable_grad():
         output = tensors_in(layer(_fresh_input(x)))
-        forward, backward = [], []
-        for i in range(warmup + repeats):
-            forward_ms = _elapsed_ms(functools.partial(layer, _fresh_input(x)), device)
-            backward_ms = _backward_once(layer, x, device)
-            if i >= warmup:
-                forward.append(forward_ms)
-                backward.append(backward_ms)
-        for param in layer.parameters():
-            param.grad = None
         saved = _saved_bytes(layer, x)
+    state_bytes, update_ms = None, None
+    if optimizer is not None:
+        state_bytes, update_ms = _optimizer_costs(layer, optimizer, warmup=warmup, repeats=repeats)
     return LayerProfile(
         name=name,
         type=_describe(layer, output),
-        forward_ms=statistics.median(forward),
-        backward_ms=statistics.median(backward),
+        forward_ms=0.0,
+        backward_ms=0.0,
         output_bytes=_nbytes(output),
         parameter_bytes=_nbytes([*layer.parameters(), *layer.buffers()]),
         saved_bytes=saved,
-        optimizer_state_bytes=None
-        if optimizer is None
-        else _optimizer_state_bytes(layer, optimizer),
+        optimizer_state_bytes=state_bytes,
+        update_ms=update_ms,
     )
 
 
@@ -239,6 +223,7 @@ def measure_sequential(
         )
     if len(model) == 0:
         raise ProfilerError("the model is an empty nn.Sequential; give it at least one layer")
+    check_repetitions(warmup, repeats)
     param = next(iter(model.parameters()), None)
     device = param.device if param is not None else torch.device("cpu")
     if isinstance(example_input, Tensor):
@@ -249,8 +234,26 @@ def measure_sequential(
         if progress is not None:
             progress(index, len(model), name)
         profiles.append(
-            measure_layer(
-                name, layer, x, warmup=warmup, repeats=repeats, optimizer=optimizer, device=device
-            )
+            describe_layer(name, layer, x, warmup=warmup, repeats=repeats, optimizer=optimizer)
         )
-    return profiles
+    chain = [
+        ChainLayer(_single(layer), (str(index),), (str(index + 1),))
+        for index, layer in enumerate(model)
+    ]
+    times = time_chain(
+        chain,
+        {"0": example_input},
+        model.parameters(),
+        device=device,
+        warmup=warmup,
+        repeats=repeats,
+    )
+    return [
+        dataclasses.replace(profile, forward_ms=forward, backward_ms=backward)
+        for profile, (forward, backward) in zip(profiles, times)
+    ]
+
+
+def _single(layer: nn.Module) -> Callable[[Any], tuple[Any]]:
+    """A Sequential child as a chain step: one value in, one value out."""
+    return lambda x: (layer(x),)

@@ -6,10 +6,17 @@ name the file, the field and the fix) and written atomically.
 """
 
 from pipedream.formats.plan import Plan, Prediction, StagePlan, load_plan, save_plan
-from pipedream.formats.profile import LayerProfile, Profile, load_profile, save_profile
+from pipedream.formats.profile import (
+    ActionOverhead,
+    LayerProfile,
+    Profile,
+    load_profile,
+    save_profile,
+)
 from pipedream.formats.topology import Level, Topology, load_topology, save_topology
 
 __all__ = [
+    "ActionOverhead",
     "LayerProfile",
     "Level",
     "Plan",

@@ -9,7 +9,14 @@ from typing import Any
 from pipedream.formats.reader import MappingReader
 from pipedream.formats.yamlio import read_yaml_mapping, write_yaml
 
-__all__ = ["PROFILE_FORMAT", "LayerProfile", "Profile", "load_profile", "save_profile"]
+__all__ = [
+    "PROFILE_FORMAT",
+    "ActionOverhead",
+    "LayerProfile",
+    "Profile",
+    "load_profile",
+    "save_profile",
+]
 
 PROFILE_FORMAT = "pipedream/profile@1"
 
@@ -34,6 +41,8 @@ class LayerProfile:
     """Bytes the layer keeps alive for its backward (activation memory); optional."""
     optimizer_state_bytes: int | None = None
     """Bytes of optimizer state for the layer's parameters (e.g. 2x params for Adam); optional."""
+    update_ms: float | None = None
+    """Median time of the workload's optimizer step over the layer's parameters; optional."""
 
     @property
     def compute_ms(self) -> float:
@@ -52,6 +61,8 @@ class LayerProfile:
             out["saved_bytes"] = self.saved_bytes
         if self.optimizer_state_bytes is not None:
             out["optimizer_state_bytes"] = self.optimizer_state_bytes
+        if self.update_ms is not None:
+            out["update_ms"] = round(self.update_ms, 6)
         return out
 
     @classmethod
@@ -65,9 +76,44 @@ class LayerProfile:
             parameter_bytes=reader.int("parameter_bytes"),
             saved_bytes=reader.int("saved_bytes", None),
             optimizer_state_bytes=reader.int("optimizer_state_bytes", None),
+            update_ms=reader.number("update_ms", None),
         )
         reader.finish()
         return layer
+
+
+@dataclass(frozen=True)
+class ActionOverhead:
+    """The runtime's own cost per action on the profiled machine, beyond the layers' compute.
+
+    Measured by running the runtime's stage worker on a stage with a single scalar weight: the
+    fixed cost of an action (stashing and functional calls, the autograd call, the optimizer
+    call), which small layers feel and the simulator adds to every action.
+    """
+
+    forward_ms: float
+    """Per forward action."""
+    backward_ms: float
+    """Per backward action."""
+    update_ms: float
+    """Per optimizer update."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "forward_ms": round(self.forward_ms, 6),
+            "backward_ms": round(self.backward_ms, 6),
+            "update_ms": round(self.update_ms, 6),
+        }
+
+    @classmethod
+    def from_reader(cls, reader: MappingReader) -> ActionOverhead:
+        overhead = cls(
+            forward_ms=reader.number("forward_ms"),
+            backward_ms=reader.number("backward_ms"),
+            update_ms=reader.number("update_ms"),
+        )
+        reader.finish()
+        return overhead
 
 
 @dataclass(frozen=True)
@@ -88,6 +134,8 @@ class Profile:
     """Bytes live across the boundary after each layer (len(layers) - 1); None: output_bytes."""
     workload_args: dict[str, str] = field(default_factory=dict)
     """``--workload-arg`` options the workload was built with."""
+    overhead: ActionOverhead | None = None
+    """The runtime's cost per action on the profiled machine (``overhead_ms``); optional."""
 
     def __post_init__(self) -> None:
         assert self.cut_bytes is None or len(self.cut_bytes) == len(self.layers) - 1
@@ -125,6 +173,8 @@ class Profile:
         )
         if self.cut_bytes is not None:
             out["cut_bytes"] = list(self.cut_bytes)
+        if self.overhead is not None:
+            out["overhead_ms"] = self.overhead.to_dict()
         return out
 
     @classmethod
@@ -166,6 +216,10 @@ class Profile:
                 {f"cut_bytes[{i}]": v for i, v in enumerate(raw_cuts)}, source=source
             )
             cuts = tuple(cut_reader.int(f"cut_bytes[{i}]") for i in range(len(raw_cuts)))
+        raw_overhead = reader.mapping("overhead_ms", None)
+        overhead = None
+        if raw_overhead is not None:
+            overhead = ActionOverhead.from_reader(reader.child(raw_overhead, "overhead_ms"))
         reader.finish()
         return cls(
             workload=workload,
@@ -175,6 +229,7 @@ class Profile:
             layers=tuple(layers),
             cut_bytes=cuts,
             workload_args=args,
+            overhead=overhead,
         )
 
 

@@ -18,6 +18,7 @@ import yaml
 
 from pipedream.errors import FormatError, PipedreamError
 from pipedream.formats import (
+    ActionOverhead,
     Level,
     Plan,
     Prediction,
@@ -56,6 +57,7 @@ PROFILE: dict[str, Any] = {
             "parameter_bytes": 4352,
             "saved_bytes": 2048,
             "optimizer_state_bytes": 0,
+            "update_ms": 0.0625,
         },
         {
             "name": "1",
@@ -75,6 +77,7 @@ PROFILE: dict[str, Any] = {
         },
     ],
     "cut_bytes": [1024, 2048],
+    "overhead_ms": {"forward_ms": 0.25, "backward_ms": 0.125, "update_ms": 0.5},
 }
 
 TOPOLOGY: dict[str, Any] = {
@@ -150,6 +153,9 @@ def test_profile_from_literal_dict() -> None:
     assert profile.layers[0].saved_bytes == 2048
     assert profile.layers[0].optimizer_state_bytes == 0
     assert profile.layers[1].saved_bytes is None
+    assert profile.layers[0].update_ms == 0.0625
+    assert profile.layers[1].update_ms is None
+    assert profile.overhead == ActionOverhead(forward_ms=0.25, backward_ms=0.125, update_ms=0.5)
     assert profile.cut_bytes == (1024, 2048)
     assert [profile.boundary_bytes(i) for i in range(2)] == [1024, 2048]
     assert profile.index_of("2") == 2
@@ -472,6 +478,14 @@ CASES: list[tuple[str, str, Edit, str, str, str]] = [
      "layers[2].name", "duplicate layer name '0'", "layer names must be unique"),
     ("profile-empty-name", "profile", _set("layers", 1, "name", value=""),
      "layers[1].name", "expected a non-empty string, got str ''", "write a non-empty string"),
+    ("profile-update-negative", "profile", _set("layers", 0, "update_ms", value=-1),
+     "layers[0].update_ms", "must be >= 0, got -1", "use 0 or more"),
+    ("profile-overhead-missing", "profile", _delete("overhead_ms", "update_ms"),
+     "overhead_ms.update_ms", "required field is missing", "add 'update_ms: ...'"),
+    ("profile-overhead-unknown", "profile", _set("overhead_ms", "fwd_ms", value=1.0),
+     "overhead_ms.fwd_ms", "unknown key", "remove it or use one of: backward_ms"),
+    ("profile-overhead-type", "profile", _set("overhead_ms", value=[1, 2]),
+     "overhead_ms", "expected a mapping, got list", "write it as 'key: value' lines"),
     ("profile-cut-bytes-length", "profile", _set("cut_bytes", value=[1024]), "cut_bytes",
      "has 1 entries but the profile has 3 layers", "number of layers - 1"),
     ("profile-cut-bytes-negative", "profile", _set("cut_bytes", value=[1024, -1]),

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from pipedream.formats import LayerProfile, Level, Plan, Profile, StagePlan, Topology
+from pipedream.formats import (
+    ActionOverhead,
+    LayerProfile,
+    Level,
+    Plan,
+    Profile,
+    StagePlan,
+    Topology,
+)
 from pipedream.optimizer.simulator import (
     Network,
     StageWork,
@@ -115,6 +123,31 @@ def test_stage_work_from_a_profile() -> None:
         StageWork(forward_ms=3.0, backward_ms=2.0, parameter_bytes=10.0, output_bytes=8.0),
         StageWork(forward_ms=7.0, backward_ms=10.0, parameter_bytes=50.0, output_bytes=0.0),
     ]
+
+
+def test_stage_work_adds_update_times_and_the_runtime_cost_per_action() -> None:
+    layers = tuple(
+        LayerProfile(f"l{i}", "Linear", 1.0, 2.0, 100, 10, update_ms=0.5 * (i + 1))
+        for i in range(3)
+    )
+    overhead = ActionOverhead(forward_ms=0.25, backward_ms=0.125, update_ms=0.0625)
+    profile = Profile("toy", 1, "cpu", "float32", layers, overhead=overhead)
+    plan = Plan(
+        "toy",
+        "pipedream",
+        1,
+        1,
+        2,
+        (StagePlan("l0", "l1", 1, (0,)), StagePlan("l2", "l2", 1, (1,))),
+    )
+    work = stage_work(plan, profile)
+    assert work == [
+        StageWork(2.25, 4.125, 20.0, 100.0, update_ms=1.5625),
+        StageWork(1.25, 2.125, 10.0, 0.0, update_ms=1.5625),
+    ]
+    # 1F1B in steady state: the slower stage's F + B + U per minibatch
+    timeline = simulate(plan, work, FAST, num_minibatches=default_steps(plan))
+    assert timeline.time_per_minibatch_ms == pytest.approx(2.25 + 4.125 + 1.5625)
 
 
 def test_default_steps_cover_fill_drain_and_two_periods() -> None:

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor, nn
 
 from pipedream.errors import PipedreamError
-from pipedream.profiler.measure import ProfilerError, measure_layer, measure_sequential
+from pipedream.profiler.measure import ProfilerError, describe_layer, measure_sequential
 from pipedream.workload import load_workload
 
 
@@ -68,7 +68,7 @@ def test_times_are_positive_and_backward_is_timed() -> None:
 
 
 def test_tuple_outputs_are_summed() -> None:
-    layer = measure_layer("split", _Split(), torch.randn(2, 4), warmup=0, repeats=1)
+    layer = describe_layer("split", _Split(), torch.randn(2, 4), warmup=0, repeats=1)
     assert layer.output_bytes == 2 * 4 * 4 + 2 * 1 * 8
     assert layer.parameter_bytes == 0
 

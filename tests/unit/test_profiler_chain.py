@@ -1,0 +1,91 @@
+"""Per-layer times from whole passes (pipedream.profiler.chain) and the runtime's cost per
+action (pipedream.profiler.overhead)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from pipedream.profiler.chain import ChainLayer, _backward_ms, time_chain
+from pipedream.profiler.measure import measure_sequential
+from pipedream.profiler.overhead import measure_overhead
+from pipedream.workloads.sleep import SleepLayer
+
+
+class _Marks:
+    """A host clock whose marks are plain numbers (milliseconds)."""
+
+    cuda = False
+
+    @staticmethod
+    def elapsed_ms(start: float, end: float) -> float:
+        return end - start
+
+
+@pytest.mark.parametrize(
+    ("starts", "end", "expected"),
+    [
+        # layers 0..3; backward begins at 0 with layer 3, layer 2 starts at 4, 1 at 6, 0 at 9
+        ({2: 4.0, 1: 6.0, 0: 9.0}, 10.0, [1.0, 3.0, 2.0, 4.0]),
+        # layer 1 creates no autograd node (a pass-through): its time stays with layer 2
+        ({2: 4.0, 0: 9.0}, 10.0, [1.0, 0.0, 5.0, 4.0]),
+        # layer 1's hook ran before layer 2's (out of order): 0 for layer 2, boundary kept
+        ({2: 4.0, 1: 3.0, 0: 9.0}, 10.0, [1.0, 5.0, 0.0, 4.0]),
+        # no hooks at all: everything is the last layer's
+        ({}, 10.0, [0.0, 0.0, 0.0, 10.0]),
+    ],
+)
+def test_backward_is_split_at_the_first_node_of_each_layer(
+    starts: dict[int, float], end: float, expected: list[float]
+) -> None:
+    times = _backward_ms(4, starts, _Marks(), 0.0, end)  # type: ignore[arg-type]
+    assert times == expected
+    assert math.isclose(sum(times), end)
+
+
+def test_sleeping_layers_get_their_own_times() -> None:
+    # forward 4/8/16 ms, backward 6/12/24 ms: each layer's time must land on that layer
+    sleeps = [(4.0, 6.0), (8.0, 12.0), (16.0, 24.0)]
+    layers = [SleepLayer((2, 4), forward_ms=f, backward_ms=b) for f, b in sleeps]
+    chain = [
+        ChainLayer(lambda x, layer=layer: (layer(x),), (str(i),), (str(i + 1),))
+        for i, layer in enumerate(layers)
+    ]
+    x = torch.zeros(2, 4, requires_grad=True)
+    params = [p for layer in layers for p in layer.parameters()]
+    times = time_chain(chain, {"0": x}, params, device=torch.device("cpu"), warmup=1, repeats=3)
+    for (forward, backward), (f, b) in zip(times, sleeps):
+        assert f <= forward < f + 3.0
+        assert b <= backward < b + 3.0
+    assert all(p.grad is None for p in params)
+
+
+def test_every_computing_layer_gets_positive_times() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.Linear(256, 8))
+    layers = measure_sequential(model, torch.randn(64, 32), warmup=1, repeats=3)
+    # every layer that computes gets a positive time in both directions
+    assert all(layer.forward_ms > 0 for layer in layers)
+    assert all(layer.backward_ms > 0 for layer in layers)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_update_time_is_measured_with_the_optimizer() -> None:
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU())
+    with_optimizer = measure_sequential(
+        model, torch.randn(4, 64), warmup=0, repeats=2, optimizer=lambda p: torch.optim.Adam(p)
+    )
+    assert with_optimizer[0].update_ms is not None and with_optimizer[0].update_ms > 0
+    assert with_optimizer[1].update_ms == 0.0  # no parameters
+    assert measure_sequential(model, torch.randn(4, 64))[0].update_ms is None
+
+
+def test_runtime_overhead_is_measured_per_action() -> None:
+    overhead = measure_overhead(
+        lambda p: torch.optim.SGD(p, lr=0.1), device=torch.device("cpu"), warmup=1, repeats=5
+    )
+    for value in (overhead.forward_ms, overhead.backward_ms, overhead.update_ms):
+        assert 0.0 <= value < 50.0
