@@ -12,7 +12,10 @@ replicas stay inside the innermost unit when the tree puts them there), and the 
   stage"), ``bottleneck`` the slowest (the first one on ties);
 * ``time_per_minibatch_ms``: :func:`~pipedream.optimizer.cost_model.minibatch_ms` of the
   slowest stage: PipeDream's "time per stage in pipeline" for its own schedule, ``m`` slots
-  for 2bw, plus the flush bubble ``S - 1`` for 1f1b/gpipe;
+  for 2bw, plus the flush bubble ``S - 1`` for 1f1b/gpipe; where that formula is not exact
+  (replicated stages and ``m > 1``) the simulated time of the DP's plan, the best straight
+  pipeline and data parallelism decides, and the fastest is kept (``method: simulated``,
+  :mod:`~pipedream.optimizer.verify`);
 * ``throughput_samples_per_s = microbatch_size * m * 1000 / time_per_minibatch_ms``;
 * ``memory_bytes``: :class:`~pipedream.optimizer.memory.MemoryModel`'s estimate per worker;
 * ``data_parallel_time_per_minibatch_ms``: every worker replicating the whole model (one
@@ -21,7 +24,7 @@ replicas stay inside the innermost unit when the tree puts them there), and the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipedream.errors import PlanningError
 from pipedream.formats.plan import ASYNC_SCHEDULES, SCHEDULES, Plan, Prediction, StagePlan
@@ -34,8 +37,15 @@ from pipedream.optimizer.cost_model import (
     minibatch_ms,
 )
 from pipedream.optimizer.memory import MemoryModel
-from pipedream.optimizer.search import Outcome, Request, solve_auto, solve_schedule
+from pipedream.optimizer.search import (
+    Outcome,
+    Request,
+    rank_outcomes,
+    solve_auto,
+    solve_schedule,
+)
 from pipedream.optimizer.tree import Cluster, Node, Tree, TreeEvaluation, evaluate_tree, leaf_ranks
+from pipedream.optimizer.verify import needs_simulation, simulated_ms
 
 __all__ = [
     "AUTO",
@@ -121,7 +131,8 @@ def plan_profile(profile: Profile, *, topology: Topology, options: PlanOptions) 
     )
     candidates: tuple[Outcome, ...] = ()
     if options.schedule == AUTO:
-        candidates = tuple(solve_auto(request, microbatches=options.microbatches))
+        found = solve_auto(request, microbatches=options.microbatches)
+        candidates = tuple(rank_outcomes([_checked(o, profile, topology) for o in found]))
         outcome = candidates[0]
     else:
         outcome = solve_schedule(
@@ -132,7 +143,78 @@ def plan_profile(profile: Profile, *, topology: Topology, options: PlanOptions) 
     plan, evaluation = build_plan(
         profile, tree=outcome.tree, cluster=outcome.cluster, schedule=outcome.schedule
     )
-    return PlanResult(plan, outcome.tree, outcome.cluster, evaluation, candidates)
+    tree = outcome.tree
+    if needs_simulation(plan):
+        checked = _fastest_simulated(profile, topology, request, outcome)
+        if checked is not None:
+            plan, evaluation, tree = checked
+            assert plan.prediction is not None
+            if candidates:  # the chosen row shows what was chosen
+                chosen = replace(
+                    outcome, tree=tree, time_per_minibatch_ms=plan.prediction.time_per_minibatch_ms
+                )
+                candidates = (chosen, *candidates[1:])
+    return PlanResult(plan, tree, outcome.cluster, evaluation, candidates)
+
+
+def _checked(outcome: Outcome, profile: Profile, topology: Topology) -> Outcome:
+    """``outcome`` with its simulated time where the formula is not exact (``verify``)."""
+    if outcome.tree is None:
+        return outcome
+    plan, _ = build_plan(
+        profile, tree=outcome.tree, cluster=outcome.cluster, schedule=outcome.schedule
+    )
+    if not needs_simulation(plan):
+        return outcome
+    simulated = simulated_ms(plan, profile, topology)
+    return outcome if simulated is None else replace(outcome, time_per_minibatch_ms=simulated)
+
+
+def _fastest_simulated(
+    profile: Profile, topology: Topology, request: Request, outcome: Outcome
+) -> tuple[Plan, TreeEvaluation, Tree] | None:
+    """The fastest of the DP's plan, the best straight pipeline and data parallelism (same
+    schedule and ``m``), by simulation where the formula is not exact (``verify``); None when a
+    plan is too big to simulate (the formula stands)."""
+    assert outcome.tree is not None
+    trees = [outcome.tree]
+    straight = solve_schedule(
+        replace(request, straight=True),
+        schedule=outcome.schedule,
+        microbatches=outcome.microbatches,
+    )
+    if straight.tree is not None and straight.microbatches == outcome.microbatches:
+        trees.append(straight.tree)
+    trees.append(data_parallel_tree(outcome.cluster, len(profile.layers)))
+    found: list[tuple[float, str, Plan, TreeEvaluation, Tree]] = []
+    for tree in trees:
+        plan, evaluation = build_plan(
+            profile, tree=tree, cluster=outcome.cluster, schedule=outcome.schedule
+        )
+        limit = request.memory_limit
+        if limit is not None and max(leaf.memory_bytes for leaf in evaluation.leaves) > limit:
+            continue  # data parallelism may not fit
+        assert plan.prediction is not None
+        time_ms, method = plan.prediction.time_per_minibatch_ms, "closed-form"
+        if needs_simulation(plan):
+            simulated = simulated_ms(plan, profile, topology)
+            if simulated is None:
+                return None
+            time_ms, method = simulated, "simulated"
+        found.append((time_ms, method, plan, evaluation, tree))
+    time_ms, method, plan, evaluation, tree = min(found, key=lambda item: item[0])
+    assert plan.prediction is not None
+    data_parallel_ms = plan.prediction.data_parallel_time_per_minibatch_ms
+    if found[-1][4] is trees[-1]:  # data parallelism fits: its time by the same method
+        data_parallel_ms = found[-1][0]
+    prediction = replace(
+        plan.prediction,
+        time_per_minibatch_ms=time_ms,
+        throughput_samples_per_s=profile.microbatch_size * plan.microbatches * 1e3 / time_ms,
+        data_parallel_time_per_minibatch_ms=data_parallel_ms,
+        method=method,
+    )
+    return replace(plan, prediction=prediction), evaluation, tree
 
 
 def make_plan(profile: Profile, *, topology: Topology, options: PlanOptions) -> Plan:

@@ -84,7 +84,13 @@ def format_summary(
         "",
         f"predicted time per minibatch: {prediction.time_per_minibatch_ms:.3f} ms "
         f"-> {prediction.throughput_samples_per_s:.1f} samples/s "
-        f"(bottleneck: stage {prediction.bottleneck})",
+        f"(bottleneck: stage {prediction.bottleneck}"
+        + (
+            "; simulated: the formula is not exact for replicated stages with several "
+            "microbatches per minibatch)"
+            if prediction.method == "simulated"
+            else ")"
+        ),
         f"data parallel on {plan.world_size} workers: "
         f"{prediction.data_parallel_time_per_minibatch_ms:.3f} ms per minibatch "
         f"(this plan is {speedup:.2f}x as fast)",

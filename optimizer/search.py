@@ -42,6 +42,7 @@ __all__ = [
     "DEFAULT_SYNC_MICROBATCHES",
     "Outcome",
     "Request",
+    "rank_outcomes",
     "solve_auto",
     "solve_schedule",
 ]
@@ -184,11 +185,18 @@ def solve_auto(request: Request, *, microbatches: int | None) -> list[Outcome]:
         for m in (microbatches,) if microbatches else AUTO_MICROBATCHES:
             outcomes.append(solve_schedule(request, schedule=schedule, microbatches=m))
 
+    return rank_outcomes(outcomes)
+
+
+def rank_outcomes(outcomes: list[Outcome]) -> list[Outcome]:
+    """Fastest first (samples per second), ties by :data:`AUTO_ORDER` then fewer microbatches;
+    raises when none is feasible."""
+
     def rank(outcome: Outcome) -> tuple[float, int, int]:
         speed = 0.0 if outcome.tree is None else outcome.microbatches_per_ms
         return (-float(f"{speed:.9g}"), AUTO_ORDER.index(outcome.schedule), outcome.microbatches)
 
-    outcomes.sort(key=rank)
+    outcomes = sorted(outcomes, key=rank)
     if outcomes[0].tree is None:
         reasons = "; ".join(sorted({o.problem.split(";")[0] for o in outcomes}))
         raise PlanningError(f"--schedule auto: no schedule has a feasible plan ({reasons})")

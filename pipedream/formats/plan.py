@@ -19,6 +19,7 @@ from pipedream.formats.yamlio import read_yaml_mapping, write_yaml
 __all__ = [
     "ASYNC_SCHEDULES",
     "PLAN_FORMAT",
+    "PREDICTION_METHODS",
     "SCHEDULES",
     "Plan",
     "Prediction",
@@ -33,6 +34,8 @@ SCHEDULES = ("pipedream", "pipedream-vs", "2bw", "1f1b", "gpipe")
 """Schedule names (DESIGN.md section 7)."""
 ASYNC_SCHEDULES = ("pipedream", "pipedream-vs")
 """Schedules with one microbatch per minibatch and an update after every backward."""
+PREDICTION_METHODS = ("closed-form", "simulated")
+"""How a plan's ``time_per_minibatch_ms`` was predicted."""
 
 
 @dataclass(frozen=True)
@@ -75,9 +78,13 @@ class Prediction:
     """Predicted time per minibatch of plain data parallelism on the same workers."""
     cost_model: str = "pipedream"
     """Name of the cost model that made the prediction."""
+    method: str = "closed-form"
+    """``closed-form`` (the cost model's formula) or ``simulated`` (the event simulation of the
+    plan's action tables, where the formula is not exact: replicated stages with several
+    microbatches per minibatch)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "time_per_minibatch_ms": round(self.time_per_minibatch_ms, 6),
             "throughput_samples_per_s": round(self.throughput_samples_per_s, 3),
             "bottleneck": self.bottleneck,
@@ -88,6 +95,9 @@ class Prediction:
             ),
             "cost_model": self.cost_model,
         }
+        if self.method != "closed-form":
+            out["method"] = self.method
+        return out
 
     @classmethod
     def from_reader(cls, reader: MappingReader, num_stages: int) -> Prediction:
@@ -116,7 +126,14 @@ class Prediction:
                 "data_parallel_time_per_minibatch_ms"
             ),
             cost_model=reader.str("cost_model", "pipedream"),
+            method=reader.str("method", "closed-form"),
         )
+        if prediction.method not in PREDICTION_METHODS:
+            raise reader.error(
+                "method",
+                f"unknown prediction method {prediction.method!r}",
+                f"use one of {', '.join(PREDICTION_METHODS)} (or leave it out)",
+            )
         if prediction.bottleneck >= num_stages:
             raise reader.error(
                 "bottleneck",
