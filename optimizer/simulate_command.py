@@ -3,7 +3,8 @@
 ::
 
     pipedream simulate PLAN [--profile PROFILE] [--topology TOPO | --bandwidth B]
-                            [--latency MS] [--steps K] [--width SLOTS] [--png FILE]
+                            [--latency MS] [--host-bandwidth B] [--steps K] [--width SLOTS]
+                            [--png FILE]
 
 The per-layer costs come from ``--profile``, else from the profile the plan records (written
 by ``pipedream plan``, relative to the plan file); the bandwidths from ``--topology`` or
@@ -76,6 +77,19 @@ def _topology(args: argparse.Namespace, plan: Plan) -> Topology:
     return topology
 
 
+def _host_bandwidth(args: argparse.Namespace) -> float | None:
+    text = getattr(args, "host_bandwidth", None)
+    if text is None:
+        return None
+    try:
+        value = parse_bandwidth(text)
+    except ValueError as exc:
+        raise PlanningError(f"--host-bandwidth: {exc}") from None
+    if value <= 0:
+        raise PlanningError(f"--host-bandwidth {text!r}: must be positive, e.g. 2e9")
+    return value
+
+
 def _steps(args: argparse.Namespace, plan: Plan) -> int:
     if args.steps is None:
         return default_steps(plan)
@@ -123,7 +137,9 @@ def run(args: argparse.Namespace) -> int:
     topology = _topology(args, plan)
     steps = _steps(args, plan)
     work = stage_work(plan, profile)
-    network = Network.from_topology(topology, latency_ms=args.latency)
+    network = Network.from_topology(
+        topology, latency_ms=args.latency, unit_capacity=_host_bandwidth(args)
+    )
     timeline = simulate(plan, work, network, num_minibatches=steps)
     print(
         f"{plan.workload}: schedule {plan.schedule}, {plan.num_stages} stages on "

@@ -10,6 +10,8 @@ with profiled costs instead of tensors:
   between the two ranks (one link per pair, shared by activations and gradients, as PipeDream's
   cost model assumes) for ``bytes / bandwidth``, and arrives ``latency`` later; a receive waits
   for its message; the bandwidth of a pair is that of the innermost level both ranks share;
+  with a ``unit_capacity`` the transfers touching one innermost unit (a host) also share that
+  many bytes/s in total (:mod:`~pipedream.optimizer.transfers`);
 * ``A``: the replicas of a stage wait for each other, then spend a hierarchical ring allreduce
   ``sum over levels of 4 (k - 1) / k * P / (bandwidth * workers below)``, ``k`` the replicas'
   units at that level (one level: the cost model's ``4 (r - 1) P / (bandwidth r)``).
@@ -32,6 +34,7 @@ from pipedream.errors import PlanningError
 from pipedream.formats.plan import Plan
 from pipedream.formats.profile import ActionOverhead, Profile
 from pipedream.formats.topology import Topology
+from pipedream.optimizer.transfers import Transfer, TransferPool
 from pipedream.runtime.actions import Action, Op
 from pipedream.runtime.schedule import PipelineSpec, build_tables
 
@@ -64,14 +67,20 @@ class Network:
     """Bandwidth between the units of the level below, bytes/s, per level."""
     latency_ms: float = 0.0
     """Added to every message's arrival."""
+    unit_capacity: float | None = None
+    """Bytes/s that all transfers touching one innermost unit share (a host copying loopback
+    messages with its CPUs, a server's network card); None: every link is independent."""
 
     @classmethod
-    def from_topology(cls, topology: Topology, *, latency_ms: float = 0.0) -> Network:
+    def from_topology(
+        cls, topology: Topology, *, latency_ms: float = 0.0, unit_capacity: float | None = None
+    ) -> Network:
         sizes, size = [], 1
         for level in topology.levels:
             size *= level.workers
             sizes.append(size)
-        return cls(tuple(sizes), tuple(lv.bandwidth for lv in topology.levels), latency_ms)
+        bandwidths = tuple(lv.bandwidth for lv in topology.levels)
+        return cls(tuple(sizes), bandwidths, latency_ms, unit_capacity)
 
     def level_of(self, ranks: Sequence[int]) -> int:
         """The innermost level one of whose units holds all of ``ranks``."""
@@ -79,6 +88,11 @@ class Network:
             if len({rank // size for rank in ranks}) == 1:
                 return level
         return len(self.unit_sizes) - 1
+
+    def units_of(self, a: int, b: int) -> tuple[int, ...]:
+        """The innermost units of ranks ``a`` and ``b`` (one when they share it)."""
+        size = self.unit_sizes[0]
+        return tuple(sorted({a // size, b // size}))
 
     def transfer_ms(self, num_bytes: float, a: int, b: int) -> float:
         """Time the link between ranks ``a`` and ``b`` is busy with ``num_bytes``."""
@@ -246,10 +260,17 @@ class _Run:
         self.backward_end: dict[tuple[int, int], float] = {}
         self.waiting: set[int] = set()  # ranks inside an allreduce that others have not reached
         self.heap: list[tuple[float, int]] = [(0.0, rank) for rank in sorted(tables)]
+        capacity = network.unit_capacity
+        self.pool = None if capacity is None else TransferPool(capacity / 1e3)
+        self.pool_version = 0  # heap entries (t, -1 - version) are the pool's completions
 
     def execute(self) -> None:
         while self.heap:
             when, rank = heapq.heappop(self.heap)
+            if rank < 0:
+                if -1 - rank == self.pool_version:  # not superseded by a later start
+                    self._transfers_done(when)
+                continue
             ready = self._ready(rank)
             if ready is None:
                 continue  # parked: a send or the allreduce's last replica requeues it
@@ -271,6 +292,21 @@ class _Run:
             return None if arrival is None else max(self.clock[rank], arrival)
         return self.clock[rank]
 
+    def _schedule_pool(self) -> None:
+        assert self.pool is not None
+        self.pool_version += 1
+        due = self.pool.next_completion()
+        if due is not None:
+            heapq.heappush(self.heap, (due, -1 - self.pool_version))
+
+    def _transfers_done(self, when: float) -> None:
+        assert self.pool is not None
+        for transfer in self.pool.complete(when):
+            key: tuple[Op, int, int, int] = transfer.key
+            self.messages[key] = when + self.network.latency_ms
+            self._wake(key[3])
+        self._schedule_pool()
+
     def _wake(self, rank: int) -> None:
         ready = self._ready(rank)
         if ready is not None:
@@ -286,13 +322,20 @@ class _Run:
         elif op in (Op.SEND_ACT, Op.SEND_GRAD):
             peer = action.peer or 0
             link = (min(rank, peer), max(rank, peer))
-            start = max(now, self.link_free.get(link, 0.0))
             size = self.work[stage if op is Op.SEND_ACT else stage - 1].output_bytes
-            end = start + self.network.transfer_ms(size, rank, peer)
-            self.link_free[link] = end
             recv = Op.RECV_ACT if op is Op.SEND_ACT else Op.RECV_GRAD
-            self.messages[(recv, action.index, rank, peer)] = end + self.network.latency_ms
-            self._wake(peer)
+            key = (recv, action.index, rank, peer)
+            if self.pool is not None:
+                rate = self.network.bandwidths[self.network.level_of(link)] / 1e3  # bytes per ms
+                units = self.network.units_of(rank, peer)
+                self.pool.start(now, Transfer(key, link, units, size, rate))
+                self._schedule_pool()
+            else:
+                start = max(now, self.link_free.get(link, 0.0))
+                end = start + self.network.transfer_ms(size, rank, peer)
+                self.link_free[link] = end
+                self.messages[key] = end + self.network.latency_ms
+                self._wake(peer)
         elif op is Op.ALLREDUCE:
             group = self.spec.stage_ranks[stage]
             arrivals = self.arrived.setdefault((stage, action.index), {})

@@ -202,6 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--latency", type=float, default=0.0, metavar="MS", help="added to every message (ms)"
     )
     simulate.add_argument(
+        "--host-bandwidth",
+        metavar="B",
+        help="bytes/s that all transfers touching one host (innermost unit) share, e.g. a "
+        "CPU host copying loopback messages (default: every link independent)",
+    )
+    simulate.add_argument(
         "--steps",
         type=int,
         default=None,

@@ -118,6 +118,17 @@ def test_simulate_draws_a_png(files, capsys) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_simulate_with_a_shared_host_bandwidth_is_slower(files, capsys) -> None:
+    argv = ["plan", str(files["profile"]), "--workers", "4", "--schedule", "gpipe"]
+    assert run_cli([*argv, "--straight", "-o", str(files["plan"])], capsys)[0] == 0
+    times = []
+    for extra in ([], ["--host-bandwidth", "1 kB/s"]):
+        code, out, _ = run_cli(["simulate", str(files["plan"]), *extra], capsys)
+        assert code == 0
+        times.append(float(out.split("simulated time per minibatch: ")[1].split(" ms")[0]))
+    assert times[1] > times[0]
+
+
 def test_simulate_without_matplotlib_says_how_to_install(files, capsys, monkeypatch) -> None:
     argv = ["plan", str(files["profile"]), "--workers", "2", "-o", str(files["plan"])]
     assert run_cli(argv, capsys)[0] == 0
@@ -151,6 +162,14 @@ def hand_written(tmp_path: Path, replicas: tuple[int, ...] = (1, 1)) -> Path:
         (["simulate", "{hand2}", "--profile", "{profile}", "--steps", "3"], "use --steps 4"),
         (["simulate", "{hand}", "--profile", "{profile}", "--latency", "-1"], "--latency -1"),
         (["simulate", "{hand}", "--profile", "{profile}", "--width", "0"], "--width 0"),
+        (
+            ["simulate", "{hand}", "--profile", "{profile}", "--host-bandwidth", "0"],
+            "--host-bandwidth '0': must be positive",
+        ),
+        (
+            ["simulate", "{hand}", "--profile", "{profile}", "--host-bandwidth", "lots"],
+            "--host-bandwidth: cannot parse",
+        ),
         (
             [
                 "simulate",

@@ -1,0 +1,93 @@
+"""The fluid model of transfers sharing a host's capacity, against hand-computed times."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipedream.formats import Plan, StagePlan
+from pipedream.optimizer.simulator import Network, StageWork, default_steps, simulate
+from pipedream.optimizer.transfers import Transfer, TransferPool
+
+RATE = 1000.0  # bytes per ms on every link
+SIZE = 4000.0  # 4 ms alone
+
+
+def _transfer(key: str, link: tuple[int, int], units: tuple[int, ...] = (0,)) -> Transfer:
+    return Transfer(key, link, units, SIZE, RATE)
+
+
+def _run(pool: TransferPool, starts: list[tuple[float, Transfer]]) -> dict[str, float]:
+    """Start transfers at their times, return when each ended."""
+    ended: dict[str, float] = {}
+    pending = sorted(starts, key=lambda item: item[0])
+    while pending or pool.active:
+        due = pool.next_completion()
+        if pending and (due is None or pending[0][0] <= due):
+            when, transfer = pending.pop(0)
+            pool.start(when, transfer)
+            continue
+        assert due is not None
+        for transfer in pool.complete(due):
+            ended[transfer.key] = due
+    return ended
+
+
+def test_alone_a_transfer_moves_at_its_link_rate() -> None:
+    assert _run(TransferPool(1.5 * RATE), [(0.0, _transfer("a", (0, 1)))]) == {"a": 4.0}
+
+
+def test_concurrent_transfers_share_the_capacity() -> None:
+    # capacity 1.5 links: two at once move at 0.75 each, so 4 ms of work takes 5.333 ms
+    ended = _run(
+        TransferPool(1.5 * RATE), [(0.0, _transfer("a", (0, 1))), (0.0, _transfer("b", (2, 3)))]
+    )
+    assert ended == pytest.approx({"a": 16 / 3, "b": 16 / 3})
+
+
+def test_rates_change_when_a_transfer_starts_and_ends() -> None:
+    # a alone for 2 ms (half done), then both at 0.75: a ends 2 + 2 / 0.75 = 4.667; b has
+    # moved 2 ms worth by then and finishes its last 2 ms alone: 6.667
+    ended = _run(
+        TransferPool(1.5 * RATE), [(0.0, _transfer("a", (0, 1))), (2.0, _transfer("b", (2, 3)))]
+    )
+    assert ended == pytest.approx({"a": 2 + 2 / 0.75, "b": 2 + 2 / 0.75 + 2})
+
+
+def test_one_link_carries_one_transfer_at_a_time() -> None:
+    ended = _run(
+        TransferPool(10 * RATE), [(0.0, _transfer("a", (0, 1))), (1.0, _transfer("b", (0, 1)))]
+    )
+    assert ended == {"a": 4.0, "b": 8.0}
+
+
+def test_transfers_in_other_units_do_not_interfere() -> None:
+    ended = _run(
+        TransferPool(RATE),
+        [(0.0, _transfer("a", (0, 1), (0,))), (0.0, _transfer("b", (2, 3), (1,)))],
+    )
+    assert ended == {"a": 4.0, "b": 4.0}
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "2bw", "1f1b", "gpipe"])
+def test_ample_capacity_changes_nothing(schedule: str) -> None:
+    m = 1 if schedule == "pipedream" else 4
+    stages = tuple(StagePlan(f"l{s}", f"l{s}", 1, (s,)) for s in range(4))
+    plan = Plan("toy", schedule, 1, m, 4, stages)
+    work = [StageWork(1.0, 2.0, 0.0, 1e6)] * 4
+    independent = Network((4,), (1e9,), 0.1)
+    shared = Network((4,), (1e9,), 0.1, unit_capacity=1e12)
+    steps = default_steps(plan)
+    a = simulate(plan, work, independent, num_minibatches=steps).time_per_minibatch_ms
+    b = simulate(plan, work, shared, num_minibatches=steps).time_per_minibatch_ms
+    assert b == pytest.approx(a)
+
+
+def test_a_host_of_one_link_capacity_serialises_every_transfer() -> None:
+    # 3 stages, pipedream, no compute: each minibatch moves 4 messages of 1 ms; with the host
+    # moving one link's worth at a time the steady state is bound by 4 ms of transfers
+    stages = tuple(StagePlan(f"l{s}", f"l{s}", 1, (s,)) for s in range(3))
+    plan = Plan("toy", "pipedream", 1, 1, 3, stages)
+    work = [StageWork(0.0, 0.0, 0.0, 1e6)] * 3
+    network = Network((3,), (1e9,), 0.0, unit_capacity=1e9)
+    timeline = simulate(plan, work, network, num_minibatches=default_steps(plan))
+    assert timeline.time_per_minibatch_ms == pytest.approx(4.0)
