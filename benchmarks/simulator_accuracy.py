@@ -3,10 +3,12 @@
     python benchmarks/simulator_accuracy.py      (after sleep_pipeline.py and real_compute.py)
 
 For every plan those two benchmarks ran, the layers are profiled with ``pipedream profile``
-(the same workload options) and the plan is simulated with ``pipedream simulate --profile``
-on a network calibrated on this machine: bandwidth = 32 MiB / the one-way time of a 32 MiB gloo
-message, latency = the one-way time of a 32 KiB one (``gloo_p2p.py``). The measured time is
-read again from the runs' traces. Target: within 10%. Refreshes the ``simulator`` section of
+(the same workload options; the profile carries the optimizer step and the runtime's cost per
+action) and the plan is simulated with ``pipedream simulate --profile`` on a network calibrated
+on this machine: bandwidth = 32 MiB / the one-way time of a 32 MiB gloo message, latency = the
+one-way time of a 32 KiB one (``gloo_p2p.py``), and the host's copy capacity shared by
+concurrent messages (``gloo_host.py``, ``--host-bandwidth``). The measured time is read again
+from the runs' traces. Target: within 10%. Refreshes the ``simulator`` section of
 ``benchmarks/RESULTS.md``.
 """
 
@@ -72,13 +74,29 @@ def _measured(run_dir: Path, skip: int) -> float | None:
         return None
 
 
+def _host(commands: list[str]) -> dict[str, Any]:
+    """Measure the host's copy capacity with 4 processes (``gloo_host.py``)."""
+    out = RUNS / "simulator" / "gloo-host.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    command = run_command([*argv, "4", "benchmarks/gloo_host.py", str(out)], timeout=300)
+    commands.append(command.shell())
+    if command.returncode != 0:
+        raise RuntimeError(command.output[-2000:])
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
 def main() -> int:
     shutil.rmtree(RUNS / "simulator", ignore_errors=True)  # profile afresh on every run
     message = json.loads((RUNS / "sleep" / "gloo-p2p.json").read_text())
     small_ms, large_ms = message[str(SIZES["small"])], message[str(SIZES["large"])]
     bandwidth = SIZES["large"] / (large_ms / 1000)
-    network = ["--bandwidth", f"{bandwidth:.0f}", "--latency", f"{small_ms:.3f}"]
     commands: list[str] = []
+    host = _host(commands)
+    capacity = host["capacity_bytes_per_s"]
+    network = ["--bandwidth", f"{bandwidth:.0f}", "--latency", f"{small_ms:.3f}"]
+    network += ["--host-bandwidth", f"{capacity:.0f}"]
     rows = []
     todo: list[tuple[str, Path, int, int]] = []
     for case in cases([2, 4, 8], ["small", "large"]):
@@ -113,7 +131,11 @@ def main() -> int:
         "Each plan run above, simulated by `pipedream simulate PLAN --profile PROFILE` with the "
         "workload profiled by `pipedream profile` (`--warmup 1 --repeats 3`) and the network "
         f"calibrated on this machine: {bandwidth / 1e9:.2f} GB/s and {small_ms:.2f} ms latency "
-        "per message (gloo, one way). Measured = the same steady-state time per minibatch as "
+        "per message (gloo, one way), and a host copy capacity of "
+        f"{capacity / 1e9:.2f} GB/s shared by concurrent messages (32 MiB messages: "
+        + ", ".join(f"{name} {ms:.1f} ms" for name, ms in host["ms"].items())
+        + "). The profiles carry each layer's optimizer step and the runtime's cost per action. "
+        "Measured = the same steady-state time per minibatch as "
         f"above, from the traces. Within 10% in {within} of {len(rows)} cases.",
         "",
         "| case | measured ms | simulated ms | error | target (within 10%) |",
