@@ -1,24 +1,49 @@
 """Point-to-point transport between stages: asynchronous isend/irecv with a small header.
 
-Every message is a header (number of tensors, weight version, and the dtype and shape of each
-tensor) followed by the tensors, so activations of any shape and dtype work and the version tag
-travels with them (vertical sync needs it). Each message part has its own tag, derived from the
-microbatch, the kind of message and the part number.
+Every message is a header (number of tensors, weight version, flags, and the dtype and shape of
+each tensor) followed by the tensors, so activations of any shape and dtype work and the version
+tag travels with them (vertical sync needs it). Each part of a message has its own tag, derived
+from the microbatch, the kind of message and the part number (:func:`message_tag`): part 0 is
+the header, parts 1-31 the *slow* payload tags, parts 32-63 the *fast* ones (so a message
+carries at most 31 tensors; the header, 64 integers, is the tighter bound: 30 0-d tensors).
 
-Receives are posted ahead: on gloo, the headers of the next receives in the table are posted
-early and the payload receive is posted as soon as a header is known to have arrived
-(:meth:`P2P.poll`; gloo often reports completion only on ``wait``, so in practice the payload is
-posted when its receive action runs). NCCL
-matches point-to-point operations between two ranks in issue order and ignores tags, so there a
-message is received header-then-payload at its turn. Sends are never waited on until their
-buffers must be reclaimed (``poll`` keeps at most ``MAX_SENDS_IN_FLIGHT``) or the run ends
-(``drain``).
+Receiving the payload early. A payload receive needs its buffer, hence its dtype and shape, and
+gloo cannot tell that a header has arrived before it is waited on (``Work.is_completed()`` stays
+False until ``wait()``), so a receive that waited for the header would start the transfer of the
+payload only when its receive action runs: a large activation then lies entirely on the critical
+path. Receives are therefore posted *speculatively* with the shape of a *reference* message. But
+gloo cannot cancel a posted receive (``Work`` has no abort), so a guess must never be left
+dangling: the sender makes sure that every speculative receive gets a matching send. Per
+channel (kind and peer, one direction) both sides keep a reference: the specs (dtypes and
+shapes) of the first message on the channel in this :class:`P2P`'s lifetime (a channel's
+messages are sent and received in the same order: the tables are built consistently). The
+header's flags say how the payload travels:
+
+- ``DEFINES_REFERENCE``: the sender's first message on the channel; payload on the slow tags.
+  The receiver has no reference yet, so it posted nothing speculatively.
+- ``FAST``: the payload's specs equal the reference; payload on the fast tags, where the
+  receiver may already have posted reference-shaped receives (:meth:`P2P.post_recv`).
+- ``PLACEHOLDER``: the specs differ from the reference; the real payload goes on the slow tags,
+  and a zero-filled placeholder of the reference's specs also goes on the fast tags, so that
+  speculative receives always complete; the receiver takes the placeholder and drops it.
+
+So every fast-tag send is matched by exactly one fast-tag receive (speculative, or posted after
+the header), and every slow-tag send by a receive posted after the header. On gloo
+(``post_early``) the header receive is posted ahead of the receive action, and so are the fast
+payload receives once the channel's reference is known (for the messages already posted when it
+becomes known, at that moment). Only the slow payload of a message whose specs differ from the
+reference waits for its header. NCCL matches point-to-point operations between two ranks in
+issue order and ignores tags, so there nothing is posted ahead and a message is received in the
+order it is sent: header, payload, placeholder. Sends are never waited on until their buffers
+must be reclaimed (:meth:`P2P.poll` keeps at most ``MAX_SENDS_IN_FLIGHT``) or the run ends
+(:meth:`P2P.drain`).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -28,11 +53,43 @@ from torch import Tensor
 
 from pipedream.errors import RunFailure
 
-__all__ = ["HEADER_LEN", "P2P", "PeerTimeoutError", "decode_header", "encode_header", "message_tag"]
+__all__ = [
+    "DEFINES_REFERENCE",
+    "FAST",
+    "HEADER_LEN",
+    "MAX_TENSORS",
+    "P2P",
+    "PLACEHOLDER",
+    "Header",
+    "PeerTimeoutError",
+    "Spec",
+    "decode_header",
+    "encode_header",
+    "message_tag",
+    "payload_tags",
+    "specs_of",
+]
 
 HEADER_LEN = 64
 MAX_SENDS_IN_FLIGHT = 16
 """Message parts (headers and tensors) sent but not yet waited on, at most."""
+MAX_TENSORS = 31
+"""Tensors in one message, at most (the slow and the fast payload tags each have 31 parts)."""
+PARTS = 64
+"""Part numbers per message: 0 the header, then the slow and the fast payload parts."""
+_SLOW = 1
+"""Part number of the first tensor on the slow tags."""
+_FAST = _SLOW + MAX_TENSORS
+"""Part number of the first tensor on the fast tags."""
+
+DEFINES_REFERENCE = 1
+"""Header flag: the sender's first message on its channel; payload on the slow tags."""
+FAST = 2
+"""Header flag: the payload has the channel's reference specs; payload on the fast tags."""
+PLACEHOLDER = 4
+"""Header flag: payload on the slow tags, plus a placeholder of the reference on the fast tags."""
+_FLAGS = (DEFINES_REFERENCE, FAST, PLACEHOLDER)
+
 _MAGIC = 0x5044  # "PD"
 _DTYPES = [
     torch.float32,
@@ -48,50 +105,96 @@ _DTYPES = [
 ]
 _KINDS = {"act": 0, "grad": 1}
 
+Spec = tuple[torch.dtype, tuple[int, ...]]
+"""The dtype and shape of one tensor of a message."""
+
 
 class PeerTimeoutError(RunFailure):
     """A peer failed or did not answer in time (it probably died); names who waited for what."""
 
 
+# -- tags and headers ------------------------------------------------------------------------
 def message_tag(kind: str, microbatch: int, part: int) -> int:
-    """A tag unique among the messages that can be in flight between two ranks."""
-    assert 0 <= part < 16
-    return ((microbatch % (1 << 20)) * 4 + _KINDS[kind]) * 16 + part
+    """A tag unique among the messages that can be in flight between two ranks (< 2**28)."""
+    assert 0 <= part < PARTS, f"part {part} out of range"
+    return ((microbatch % (1 << 20)) * 4 + _KINDS[kind]) * PARTS + part
 
 
-def encode_header(tensors: list[Tensor], version: int) -> Tensor:
-    values = [_MAGIC, len(tensors), version]
-    for tensor in tensors:
-        values += [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
+def payload_tags(kind: str, microbatch: int, count: int, *, fast: bool) -> list[int]:
+    """The tags of a message's ``count`` tensors, on the fast or the slow tags."""
+    _check_count(count)
+    first = _FAST if fast else _SLOW
+    return [message_tag(kind, microbatch, first + index) for index in range(count)]
+
+
+def _check_count(count: int) -> None:
+    if count > MAX_TENSORS:
+        raise ValueError(f"a message carries at most {MAX_TENSORS} tensors, not {count}")
+
+
+def specs_of(tensors: Sequence[Tensor]) -> list[Spec]:
+    return [(tensor.dtype, tuple(tensor.shape)) for tensor in tensors]
+
+
+@dataclass(frozen=True)
+class Header:
+    """A decoded message header."""
+
+    version: int
+    """The weight version tag of the message."""
+    flags: int
+    """How the payload travels: ``DEFINES_REFERENCE``, ``FAST`` or ``PLACEHOLDER``."""
+    specs: list[Spec]
+    """The dtype and shape of each tensor of the payload."""
+
+
+def encode_header(specs: Sequence[Spec], version: int, flags: int) -> Tensor:
+    """The header of a message of tensors ``specs`` (ValueError if it does not fit)."""
+    assert flags in _FLAGS, f"bad header flags {flags}"
+    _check_count(len(specs))
+    values = [_MAGIC, len(specs), version, flags]
+    for dtype, shape in specs:
+        values += [_DTYPES.index(dtype), len(shape), *shape]
     if len(values) > HEADER_LEN:
         raise ValueError(f"too many tensors or dimensions to send in one message: {values}")
     return torch.tensor(values + [0] * (HEADER_LEN - len(values)), dtype=torch.int64)
 
 
-def decode_header(header: Tensor) -> tuple[int, list[tuple[torch.dtype, tuple[int, ...]]]]:
+def decode_header(header: Tensor) -> Header:
     values = header.tolist()
     assert values[0] == _MAGIC, f"corrupt message header {values[:8]}"
-    count, version = values[1], values[2]
+    count, version, flags = values[1], values[2], values[3]
+    assert flags in _FLAGS, f"corrupt message header flags {values[:8]}"
     specs = []
-    position = 3
+    position = 4
     for _ in range(count):
         dtype, ndim = _DTYPES[values[position]], values[position + 1]
         shape = tuple(values[position + 2 : position + 2 + ndim])
         specs.append((dtype, shape))
         position += 2 + ndim
-    return version, specs
+    return Header(version, flags, specs)
+
+
+# -- the transport ---------------------------------------------------------------------------
+@dataclass
+class _Receives:
+    """Receives posted for the tensors of one message (on its fast or its slow tags)."""
+
+    buffers: list[Tensor]
+    works: list[Any]
 
 
 @dataclass
 class _Incoming:
+    """A message whose header receive is posted, with its speculative payload receives, if any."""
+
     peer: int
     kind: str
     microbatch: int
     header: Tensor
     header_work: Any
-    payload: list[Tensor] = field(default_factory=list)
-    payload_works: list[Any] = field(default_factory=list)
-    version: int = -1
+    speculative: _Receives | None = None
+    """Fast-tag receives of the channel's reference specs, posted before the header arrived."""
 
 
 class P2P:
@@ -104,38 +207,51 @@ class P2P:
         self.post_early = post_early
         self._incoming: dict[tuple[str, int, int], _Incoming] = {}
         self._outgoing: list[tuple[Any, list[Tensor]]] = []
+        # (kind, peer) -> the specs of the first message sent to / received from the peer
+        self._sent_reference: dict[tuple[str, int], list[Spec]] = {}
+        self._received_reference: dict[tuple[str, int], list[Spec]] = {}
 
     # -- receiving -------------------------------------------------------------------------
     def post_recv(self, kind: str, microbatch: int, peer: int) -> None:
-        """Post the receive of a message's header ahead of time (gloo only)."""
+        """Post a message's receives ahead of time (gloo only): its header and, once the
+        channel has a reference, its payload on the fast tags, speculatively."""
         key = (kind, microbatch, peer)
         if not self.post_early or key in self._incoming:
             return
-        self._incoming[key] = self._start(kind, microbatch, peer)
+        incoming = self._start(kind, microbatch, peer)
+        reference = self._received_reference.get((kind, peer))
+        if reference is not None:
+            self._speculate(incoming, reference)
+        self._incoming[key] = incoming
+
+    def _speculate(self, incoming: _Incoming, reference: list[Spec]) -> None:
+        """Post the fast-tag receives of a message not yet received, of the reference specs."""
+        assert incoming.speculative is None
+        incoming.speculative = self._irecv(
+            incoming.kind, incoming.microbatch, incoming.peer, reference, fast=True
+        )
 
     def _start(self, kind: str, microbatch: int, peer: int) -> _Incoming:
         header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
         work = dist.irecv(header, src=peer, tag=message_tag(kind, microbatch, 0))
         return _Incoming(peer, kind, microbatch, header, work)
 
-    def _post_payload(self, incoming: _Incoming) -> None:
-        version, specs = decode_header(incoming.header.cpu())
-        incoming.version = version
-        for part, (dtype, shape) in enumerate(specs, start=1):
-            buffer = torch.empty(shape, dtype=dtype, device=self.device)
-            tag = message_tag(incoming.kind, incoming.microbatch, part)
-            incoming.payload.append(buffer)
-            incoming.payload_works.append(dist.irecv(buffer, src=incoming.peer, tag=tag))
+    def _irecv(
+        self, kind: str, microbatch: int, peer: int, specs: Sequence[Spec], *, fast: bool
+    ) -> _Receives:
+        buffers = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in specs]
+        tags = payload_tags(kind, microbatch, len(specs), fast=fast)
+        works = [dist.irecv(buffer, src=peer, tag=tag) for buffer, tag in zip(buffers, tags)]
+        return _Receives(buffers, works)
 
     def poll(self) -> None:
-        """Post payload receives for headers that arrived; reclaim completed sends."""
-        for incoming in self._incoming.values():
-            if not incoming.payload_works and incoming.version < 0:
-                if incoming.header_work.is_completed():
-                    incoming.header_work.wait()
-                    self._post_payload(incoming)
-        # gloo reports a send complete only once it is waited on, so bound the sends in flight
-        # by waiting on the oldest: otherwise every sent activation stays alive until the end
+        """Reclaim the oldest sends beyond ``MAX_SENDS_IN_FLIGHT``.
+
+        gloo reports a send complete only once it is waited on, so sends are bounded by waiting
+        on the oldest: otherwise every sent activation would stay alive until the end. (Nothing
+        is learnt from polling receives: gloo's ``is_completed`` stays False until ``wait``, and
+        on NCCL nothing is posted ahead.)
+        """
         while len(self._outgoing) > MAX_SENDS_IN_FLIGHT:
             work, _ = self._outgoing.pop(0)
             self._wait(work, "an earlier send")
@@ -144,12 +260,37 @@ class P2P:
         """Wait for a message; returns its tensors and version tag."""
         key = (kind, microbatch, peer)
         incoming = self._incoming.pop(key, None) or self._start(kind, microbatch, peer)
-        if incoming.version < 0:
-            self._wait(incoming.header_work, what)
-            self._post_payload(incoming)
-        for work in incoming.payload_works:
+        self._wait(incoming.header_work, what)
+        header = decode_header(incoming.header.cpu())
+        channel = (kind, peer)
+        reference = self._received_reference.get(channel)
+        if header.flags == DEFINES_REFERENCE:
+            assert reference is None and incoming.speculative is None, f"{channel}: 2nd reference"
+            self._received_reference[channel] = header.specs
+            payload = self._irecv(kind, microbatch, peer, header.specs, fast=False)
+            # the messages already posted on the channel come after the first: speculate now
+            for other in self._incoming.values():
+                if (other.kind, other.peer) == channel:
+                    self._speculate(other, header.specs)
+        elif header.flags == FAST:
+            assert reference == header.specs, f"{channel}: fast message {header} not {reference}"
+            payload = self._fast_receives(incoming, header.specs)
+        else:
+            assert reference is not None and reference != header.specs, f"{channel}: {header}"
+            payload = self._irecv(kind, microbatch, peer, header.specs, fast=False)
+            self._wait_all(self._fast_receives(incoming, reference), what)  # then dropped
+        self._wait_all(payload, what)
+        return payload.buffers, header.version
+
+    def _fast_receives(self, incoming: _Incoming, specs: list[Spec]) -> _Receives:
+        """The message's fast-tag receives: those posted speculatively, else posted now."""
+        if incoming.speculative is not None:
+            return incoming.speculative
+        return self._irecv(incoming.kind, incoming.microbatch, incoming.peer, specs, fast=True)
+
+    def _wait_all(self, receives: _Receives, what: str) -> None:
+        for work in receives.works:
             self._wait(work, what)
-        return incoming.payload, incoming.version
 
     # -- sending ---------------------------------------------------------------------------
     def send(
@@ -157,11 +298,31 @@ class P2P:
     ) -> None:
         """Start sending ``tensors``; buffers are kept alive until the send completes."""
         tensors = [t.detach().contiguous() for t in tensors]
-        header = encode_header(tensors, version).to(self.device)
-        parts = [header, *tensors]
-        for part, tensor in enumerate(parts):
-            work = dist.isend(tensor, dst=peer, tag=message_tag(kind, microbatch, part))
-            self._outgoing.append((work, [tensor]))
+        specs = specs_of(tensors)
+        channel = (kind, peer)
+        reference = self._sent_reference.get(channel)
+        if reference is None:
+            flags = DEFINES_REFERENCE
+        else:
+            flags = FAST if specs == reference else PLACEHOLDER
+        header = encode_header(specs, version, flags).to(self.device)  # raises before any send
+        self._sent_reference.setdefault(channel, specs)
+        self._isend(header, peer, message_tag(kind, microbatch, 0))
+        tags = payload_tags(kind, microbatch, len(specs), fast=flags == FAST)
+        for tensor, tag in zip(tensors, tags):
+            self._isend(tensor, peer, tag)
+        if flags == PLACEHOLDER:
+            assert reference is not None
+            self._send_placeholder(kind, microbatch, peer, reference)
+
+    def _send_placeholder(self, kind: str, microbatch: int, peer: int, specs: list[Spec]) -> None:
+        """Zeros of the reference ``specs`` on the fast tags, for the receiver's speculation."""
+        tags = payload_tags(kind, microbatch, len(specs), fast=True)
+        for (dtype, shape), tag in zip(specs, tags):
+            self._isend(torch.zeros(shape, dtype=dtype, device=self.device), peer, tag)
+
+    def _isend(self, tensor: Tensor, peer: int, tag: int) -> None:
+        self._outgoing.append((dist.isend(tensor, dst=peer, tag=tag), [tensor]))
 
     def drain(self, *, what: str) -> None:
         """Wait for every outstanding send (end of run, checkpoints)."""

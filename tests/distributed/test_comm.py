@@ -1,5 +1,6 @@
-"""The p2p transport on 2 gloo processes: headers carry shape, dtype and version; receives posted
-ahead (gloo) and in order (the NCCL discipline) both deliver every message intact."""
+"""The p2p transport on 2 gloo processes: headers carry shape, dtype, version and how the payload
+travels; receives posted ahead (gloo, speculative once a channel's reference is known) and in
+order (the NCCL discipline) both deliver every message intact and leave nothing outstanding."""
 
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pipedream.runtime.comm import P2P, decode_header, encode_header, message_tag
+from pipedream.runtime import comm
+from pipedream.runtime.comm import DEFINES_REFERENCE as D
+from pipedream.runtime.comm import FAST as F
+from pipedream.runtime.comm import P2P
+from pipedream.runtime.comm import PLACEHOLDER as P
 
 
 def _free_port() -> int:
@@ -20,43 +25,135 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _messages() -> list[tuple[str, int, list[torch.Tensor], int]]:
-    gen = torch.Generator().manual_seed(0)
-    return [
-        ("act", 0, [torch.randn(3, 4, generator=gen)], 0),
-        ("act", 1, [torch.randn(2, 5, 7, generator=gen), torch.arange(6).view(2, 3)], 1),
-        ("grad", 0, [torch.randn(3, 4, generator=gen).to(torch.bfloat16)], 0),
-        ("act", 2, [torch.tensor(True).reshape(())], 7),
-        ("grad", 1, [torch.randn(1, generator=gen).double()], 2),
-    ]
+Message = tuple[str, int, list[torch.Tensor], int]
+
+FLAGS = {"act": [D, F, F, P, F, P, F, P, P, F], "grad": [D, F, P, P, F]}
+"""The header flags each channel's messages must arrive with (the sender's choice)."""
+
+
+def _messages(seed: int) -> list[Message]:
+    """Two channels from rank 0 to rank 1, interleaved. act: shapes A, A, A, B, A, B', A, then
+    A as float64 (a dtype change), a 0-d bool, A; grad: C, C, a float64 (1,), an empty
+    message, C. Versions are distinct."""
+    gen = torch.Generator().manual_seed(seed)
+    a = [torch.randn(3, 4, generator=gen), torch.arange(6).view(2, 3)]
+    b = [torch.randn(2, 5, 7, generator=gen)]
+    b2 = [torch.randn(3, 4, generator=gen), torch.arange(6).view(3, 2)]
+    c = [torch.randn(3, 4, generator=gen).to(torch.bfloat16)]
+    acts = [a, [t + 1 for t in a], [t + 2 for t in a], b, [t * 3 for t in a], b2]
+    acts += [[t - 1 for t in a], [a[0].double(), a[1]], [torch.tensor(True)], [t - 2 for t in a]]
+    grads = [c, [c[0] + 1], [torch.randn(1, generator=gen).double()], [], [c[0] * 2]]
+    out: list[Message] = []
+    for mb, tensors in enumerate(acts):
+        out.append(("act", mb, tensors, 10 + mb))
+        if mb < len(grads):
+            out.append(("grad", mb, grads[mb], 100 + mb))
+    return out
+
+
+def _again(seed: int) -> list[Message]:
+    """The same microbatches (so the same tags) again, every message of its channel's
+    reference specs, with new values: all FAST, speculative where posted ahead."""
+    gen = torch.Generator().manual_seed(seed)
+    first = _messages(0)
+    references = {kind: next(t for k, _, t, _ in first if k == kind) for kind in FLAGS}
+    out: list[Message] = []
+    for kind, mb, _, version in first:
+        fresh = [torch.randint(-9, 9, t.shape, generator=gen).to(t.dtype) for t in references[kind]]
+        out.append((kind, mb, fresh, version + 1000))
+    return out
+
+
+def _receive_order(messages: list[Message], post_early: bool) -> list[Message]:
+    """Each channel in its send order (the protocol needs it); posted ahead, the grad channel
+    goes first (tags keep channels apart); in order (NCCL's discipline), as sent."""
+    if not post_early:
+        return messages
+    return [m for m in messages if m[0] == "grad"] + [m for m in messages if m[0] == "act"]
+
+
+WINDOW = 3
+"""Messages the receiver posts ahead of the one it receives (like the executor's lookahead)."""
+
+
+def _receive(p2p: P2P, messages: list[Message], known: set[str]) -> tuple[list[int], list[str]]:
+    """Receive ``messages`` posting ``WINDOW`` ahead, checking each; ``known``: the channels
+    whose reference this receiver has (updated). Returns the header flags and the problems."""
+    flags: list[int] = []
+    decode = comm.decode_header
+
+    def recording(header: torch.Tensor) -> comm.Header:
+        decoded = decode(header)
+        flags.append(decoded.flags)
+        return decoded
+
+    comm.decode_header = recording  # this child process only
+    problems = []
+    for i, (kind, mb, tensors, version) in enumerate(messages):
+        for ahead, ahead_mb, _, _ in messages[i : i + WINDOW + 1]:
+            p2p.post_recv(ahead, ahead_mb, 0)
+        incoming = p2p._incoming.get((kind, mb, 0))
+        speculative = None if incoming is None else incoming.speculative
+        # posted ahead: speculative receives for every message after its channel's first
+        if (speculative is not None) != (p2p.post_early and kind in known):
+            problems.append(f"{kind} {mb}: speculative receives: {speculative}")
+        reference = p2p._received_reference.get((kind, 0))
+        if speculative is not None and comm.specs_of(speculative.buffers) != reference:
+            problems.append(f"{kind} {mb}: speculative buffers not of the reference {reference}")
+        got, got_version = p2p.recv(kind, mb, 0, what="test")
+        known.add(kind)
+        same = len(got) == len(tensors) and all(
+            g.dtype == t.dtype and g.shape == t.shape and torch.equal(g, t)
+            for g, t in zip(got, tensors)
+        )
+        if got_version != version or not same:
+            problems.append(f"{kind} {mb}: got version {got_version}, tensors {got}")
+    comm.decode_header = decode
+    return flags, problems
+
+
+def _flags_by_channel(messages: list[Message], flags: list[int]) -> dict[str, list[int]]:
+    return {k: [f for (kind, *_), f in zip(messages, flags) if kind == k] for k in FLAGS}
 
 
 def _worker(rank: int, port: int, post_early: bool, queue) -> None:  # pragma: no cover - child
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-    p2p = P2P(rank=rank, device=torch.device("cpu"), timeout=30, post_early=post_early)
-    messages = _messages()
+    p2p = P2P(rank=rank, device=torch.device("cpu"), timeout=20, post_early=post_early)
+    rounds = [_messages(0), _again(1)]
     try:
         if rank == 0:
-            for kind, mb, tensors, version in messages:
-                p2p.send(kind, mb, 1, tensors, version)
-            p2p.drain(what="sends")
+            for messages in rounds:
+                for kind, mb, tensors, version in messages:
+                    p2p.send(kind, mb, 1, tensors, version)
+                p2p.drain(what="sends")
+                dist.barrier()  # the receiver checks for leftovers after each round
+            queue.put(("sender", ["sends left after drain"] if p2p._outgoing else []))
         else:
-            for kind, mb, _, _ in messages:
-                p2p.post_recv(kind, mb, 0)
-            p2p.poll()
-            ok = True
-            for kind, mb, tensors, version in reversed(messages) if post_early else messages:
-                got, got_version = p2p.recv(kind, mb, 0, what="test")
-                ok &= got_version == version and len(got) == len(tensors)
-                ok &= all(g.dtype == t.dtype and torch.equal(g, t) for g, t in zip(got, tensors))
-            queue.put(ok)
+            known: set[str] = set()
+            first, second = (_receive_order(messages, post_early) for messages in rounds)
+            flags, problems = _receive(p2p, first, known)
+            if _flags_by_channel(first, flags) != FLAGS:
+                problems.append(f"header flags {_flags_by_channel(first, flags)}, not {FLAGS}")
+            if p2p._incoming:
+                problems.append(f"receives left after the first round: {list(p2p._incoming)}")
+            dist.barrier()
+            flags, more = _receive(p2p, second, known)
+            problems += more
+            if flags != [F] * len(second) or p2p._incoming:
+                problems.append(f"second round: flags {flags}, left {list(p2p._incoming)}")
+            dist.barrier()
+            queue.put(("receiver", problems))
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("post_early", [True, False])
 def test_messages_round_trip(post_early: bool) -> None:
+    """Shape, count and dtype changes on a channel round-trip bit-exactly with their versions,
+    each with the header flag the protocol prescribes; receives are speculative once a
+    channel's reference is known; afterwards nothing is outstanding: the same tags carry a
+    second round of messages intact (a dangling receive or placeholder would take one)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
@@ -64,22 +161,14 @@ def test_messages_round_trip(post_early: bool) -> None:
     for proc in procs:
         proc.start()
     try:
-        assert queue.get(timeout=60) is True
+        results = dict(queue.get(timeout=90) for _ in procs)
     finally:
         for proc in procs:
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
+    assert results == {"sender": [], "receiver": []}
     assert all(proc.exitcode == 0 for proc in procs)
-
-
-def test_header_round_trip_and_tags() -> None:
-    tensors = [torch.zeros(2, 3, 4), torch.zeros(5, dtype=torch.int64)]
-    version, specs = decode_header(encode_header(tensors, 42))
-    assert version == 42
-    assert specs == [(torch.float32, (2, 3, 4)), (torch.int64, (5,))]
-    tags = {message_tag(k, mb, p) for k in ("act", "grad") for mb in range(64) for p in range(16)}
-    assert len(tags) == 2 * 64 * 16  # all distinct
 
 
 def _dying_peer(rank: int, port: int, queue) -> None:  # pragma: no cover - child process
