@@ -18,7 +18,12 @@ from pipedream.formats.profile import LayerProfile
 from pipedream.graph import LayerGraph, trace_model
 from pipedream.graph.stages import build_stage_module, stage_ios
 from pipedream.profiler.chain import ChainLayer, time_chain
-from pipedream.profiler.measure import OptimizerFactory, check_repetitions, describe_layer
+from pipedream.profiler.measure import (
+    OptimizerFactory,
+    check_repetitions,
+    describe_layer,
+    update_times,
+)
 
 __all__ = ["layer_graph", "measure_graph"]
 
@@ -71,7 +76,7 @@ def measure_graph(
     count = len(graph.layers)
     ios = stage_ios(graph, [(i, i) for i in range(count)])
     values: dict[str, Tensor] = {graph.input_name: example_input}
-    profiles, chain = [], []
+    profiles, chain, modules = [], [], []
     for index, io in enumerate(ios):
         module = build_stage_module(graph, model, index, index, io)
         inputs = tuple(values[name] for name in io.inputs)
@@ -90,6 +95,7 @@ def measure_graph(
         operations = sum(1 for n in graph.nodes if graph.layer_of[n.name] == index)
         profiles.append(dataclasses.replace(described, type=f"{operations} ops -> {shapes}"))
         chain.append(ChainLayer(module, tuple(io.inputs), tuple(io.outputs)))
+        modules.append(module)
     times = time_chain(
         chain,
         {graph.input_name: example_input},
@@ -98,7 +104,10 @@ def measure_graph(
         warmup=warmup,
         repeats=repeats,
     )
+    updates: list[float | None] = [None] * count
+    if optimizer is not None:
+        updates = list(update_times(modules, optimizer, warmup=warmup, repeats=repeats))
     return [
-        dataclasses.replace(profile, forward_ms=forward, backward_ms=backward)
-        for profile, (forward, backward) in zip(profiles, times)
+        dataclasses.replace(profile, forward_ms=forward, backward_ms=backward, update_ms=update)
+        for profile, (forward, backward), update in zip(profiles, times, updates)
     ]

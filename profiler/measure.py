@@ -16,9 +16,10 @@ keys).
   layer's parameters/buffers (counted in ``parameter_bytes``) and the layer's input (it is the
   previous layer's output, counted there or stashed by the stage). So the activation memory of a
   stage for one microbatch is about its input bytes plus the sum of its layers' ``saved_bytes``.
-- ``optimizer_state_bytes`` and ``update_ms``: state tensors the workload's optimizer creates,
-  and the median time of its step, over copies of the layer's parameters (0 bytes for plain
-  SGD, 2x parameters for Adam, ...).
+- ``optimizer_state_bytes``: state tensors the workload's optimizer creates over copies of the
+  layer's parameters (0 bytes for plain SGD, 2x parameters for Adam, ...);
+- ``update_ms``: the layer's share of the median time of one step of that optimizer over
+  copies of the whole model's parameters (:func:`update_times`).
 
 Times on CUDA use CUDA events (GPU time of the work); on CPU ``time.perf_counter``. The number of
 CPU threads is torch's setting; this module leaves it alone.
@@ -29,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -131,36 +132,60 @@ def _saved_bytes(layer: nn.Module, x: Any) -> int:
     return sum(seen.values())
 
 
-def _optimizer_costs(
-    layer: nn.Module, optimizer: OptimizerFactory, *, warmup: int, repeats: int
-) -> tuple[int, float]:
-    """Bytes of optimizer state and median step time (ms) over copies of the layer's
-    parameters with zero gradients (the layer itself is not touched)."""
+def _optimizer_state_bytes(layer: nn.Module, optimizer: OptimizerFactory) -> int:
+    """Bytes of state the optimizer creates in one step over copies of the layer's parameters
+    (the layer itself is not touched)."""
     params = [p for p in layer.parameters() if p.requires_grad]
     if not params:
-        return 0, 0.0
+        return 0
     copies = [nn.Parameter(torch.zeros_like(p)) for p in params]
     for clone in copies:
         clone.grad = torch.zeros_like(clone)
     opt = optimizer(copies)
-    cuda = copies[0].device.type == "cuda"
-    times = []
-    for step in range(max(1, warmup) + repeats):  # the first step creates the state
-        if cuda:
-            torch.cuda.synchronize(copies[0].device)
-        begin = time.perf_counter()
-        opt.step()
-        if cuda:
-            torch.cuda.synchronize(copies[0].device)
-        if step >= max(1, warmup):
-            times.append((time.perf_counter() - begin) * 1000.0)
-    state_bytes = sum(
+    opt.step()
+    return sum(
         _nbytes([value])
         for state in opt.state.values()
         for value in state.values()
         if isinstance(value, Tensor)
     )
-    return state_bytes, statistics.median(times)
+
+
+def update_times(
+    layers: Sequence[nn.Module], optimizer: OptimizerFactory, *, warmup: int, repeats: int
+) -> list[float]:
+    """Each layer's share of one optimizer step over the whole model, in ms.
+
+    The step runs over copies of *all* the layers' parameters at once (zero gradients, the
+    model is not touched), as a stage's update runs over all of its parameters: timed layer by
+    layer, a small layer's parameters stay in the caches between repeats and its step looks
+    several times faster than in training. The median step time is split among the layers in
+    proportion to their trainable parameter bytes.
+    """
+    owned = [[p for p in layer.parameters() if p.requires_grad] for layer in layers]
+    sizes = [float(_nbytes(params)) for params in owned]
+    copies = [nn.Parameter(torch.zeros_like(p)) for params in owned for p in params]
+    if not copies:
+        return [0.0] * len(layers)
+    for clone in copies:
+        clone.grad = torch.zeros_like(clone)
+    opt = optimizer(copies)
+    device = copies[0].device
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    times = []
+    for step in range(max(1, warmup) + repeats):  # the first step creates the state
+        sync()
+        begin = time.perf_counter()
+        opt.step()
+        sync()
+        if step >= max(1, warmup):
+            times.append((time.perf_counter() - begin) * 1000.0)
+    total = statistics.median(times)
+    return [total * size / sum(sizes) for size in sizes]
 
 
 def check_repetitions(warmup: int, repeats: int) -> None:
@@ -186,9 +211,7 @@ def describe_layer(
     with torch.enable_grad():
         output = tensors_in(layer(_fresh_input(x)))
         saved = _saved_bytes(layer, x)
-    state_bytes, update_ms = None, None
-    if optimizer is not None:
-        state_bytes, update_ms = _optimizer_costs(layer, optimizer, warmup=warmup, repeats=repeats)
+    state_bytes = None if optimizer is None else _optimizer_state_bytes(layer, optimizer)
     return LayerProfile(
         name=name,
         type=_describe(layer, output),
@@ -198,7 +221,6 @@ def describe_layer(
         parameter_bytes=_nbytes([*layer.parameters(), *layer.buffers()]),
         saved_bytes=saved,
         optimizer_state_bytes=state_bytes,
-        update_ms=update_ms,
     )
 
 
@@ -248,9 +270,12 @@ def measure_sequential(
         warmup=warmup,
         repeats=repeats,
     )
+    updates: list[float | None] = [None] * len(profiles)
+    if optimizer is not None:
+        updates = list(update_times(list(model), optimizer, warmup=warmup, repeats=repeats))
     return [
-        dataclasses.replace(profile, forward_ms=forward, backward_ms=backward)
-        for profile, (forward, backward) in zip(profiles, times)
+        dataclasses.replace(profile, forward_ms=forward, backward_ms=backward, update_ms=update)
+        for profile, (forward, backward), update in zip(profiles, times, updates)
     ]
 
 

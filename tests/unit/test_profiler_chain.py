@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pipedream.profiler.chain import ChainLayer, _backward_ms, time_chain
-from pipedream.profiler.measure import measure_sequential
+from pipedream.profiler.measure import measure_sequential, update_times
 from pipedream.profiler.overhead import measure_overhead
 from pipedream.workloads.sleep import SleepLayer
 
@@ -81,6 +81,14 @@ def test_update_time_is_measured_with_the_optimizer() -> None:
     assert with_optimizer[0].update_ms is not None and with_optimizer[0].update_ms > 0
     assert with_optimizer[1].update_ms == 0.0  # no parameters
     assert measure_sequential(model, torch.randn(4, 64))[0].update_ms is None
+
+
+def test_one_step_over_the_whole_model_is_split_by_parameter_bytes() -> None:
+    layers = [nn.Linear(9, 10), nn.ReLU(), nn.Linear(10, 27, bias=False)]  # 100 and 270 floats
+    times = update_times(layers, lambda p: torch.optim.SGD(p, lr=0.1), warmup=0, repeats=3)
+    assert times[1] == 0.0
+    assert times[2] == pytest.approx(2.7 * times[0])
+    assert all(p.grad is None for layer in layers for p in layer.parameters())
 
 
 def test_runtime_overhead_is_measured_per_action() -> None:
