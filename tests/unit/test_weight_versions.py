@@ -4,6 +4,11 @@ reference executor's numerics, in one process."""
 from __future__ import annotations
 
 import pytest
+import torch
+from torch import nn
+
+from pipedream.runtime.schedule import PipelineSpec, build_tables
+from pipedream.runtime.weights import WeightVersions
 
 from reference_run import reference_weights
 
@@ -47,3 +52,27 @@ def test_flushing_schedules_hold_one_version_and_copy_nothing(schedule: str) -> 
     assert [(v, c) for v, c, _ in held] == [(1, 0)] * 4
     in_flight = [f for _, _, f in held]
     assert in_flight == ([3, 3, 2, 1] if schedule == "1f1b" else [3, 3, 3, 3])
+
+
+def test_released_copies_are_reused_with_the_live_values() -> None:
+    # stage 0 of a 2-stage PipeDream pipeline holds 2 versions: one copy at a time
+    spec = PipelineSpec("pipedream", ((0,), (1,)), microbatches=1, num_minibatches=6)
+    table = build_tables(spec, only_ranks={0})[0]
+    layer = nn.Linear(3, 2)
+    versions = WeightVersions(layer, table, initial_version=0)
+    storages = []
+    for position, action in enumerate(table):
+        if action.op.value != "U":
+            continue
+        versions.release_before(position)
+        with torch.no_grad():
+            for param in layer.parameters():
+                param.add_(1.0)  # the "optimizer step"
+        versions.updated()
+        held = versions._versions.get(versions.live_version)
+        if held is not None and versions.live_version in versions._copied:
+            assert torch.equal(held["weight"], layer.weight)  # the copy has the new values
+            assert held["weight"].data_ptr() != layer.weight.data_ptr()
+            storages.append(held["weight"].data_ptr())
+    assert len(storages) >= 3
+    assert len(set(storages)) < len(storages)  # a released copy's memory came back
