@@ -4,7 +4,9 @@ It runs the very tables the runtime executes (:func:`pipedream.runtime.schedule.
 with profiled costs instead of tensors:
 
 * ``F``/``B``: the stage's summed forward/backward time of one microbatch; ``U``: the optimizer
-  step over the stage's parameters (the layers' ``update_ms``, 0 where the profile has none);
+  step over the stage's parameters (the layers' ``update_ms``, 0 where the profile has none),
+  plus a copy of the stage's weights when the version it creates is stashed (weight stashing,
+  :mod:`~pipedream.runtime.versions`);
   each plus the runtime's own cost per action where the profile measured it (``overhead_ms``);
 * a send is posted when the rank reaches it and does not block the rank; it occupies the link
   between the two ranks (one link per pair, shared by activations and gradients, as PipeDream's
@@ -37,6 +39,7 @@ from pipedream.formats.topology import Topology
 from pipedream.optimizer.transfers import Transfer, TransferPool
 from pipedream.runtime.actions import Action, Op
 from pipedream.runtime.schedule import PipelineSpec, build_tables
+from pipedream.runtime.versions import version_use
 
 __all__ = ["Event", "Network", "StageWork", "Timeline", "default_steps", "simulate", "stage_work"]
 
@@ -55,6 +58,8 @@ class StageWork:
     """Activation bytes sent to the next stage (and gradient bytes received back)."""
     update_ms: float = 0.0
     """Optimizer step over the stage's parameters."""
+    copy_ms: float = 0.0
+    """Copying the stage's parameters once (added to an update that creates a stashed version)."""
 
 
 @dataclass(frozen=True)
@@ -177,13 +182,15 @@ def stage_work(plan: Plan, profile: Profile) -> list[StageWork]:
                 )
         first, last = index[stage.first_layer], index[stage.last_layer]
         layers = profile.layers[first : last + 1]
+        params = float(sum(layer.parameter_bytes for layer in layers))
         work.append(
             StageWork(
                 forward_ms=sum(layer.forward_ms for layer in layers) + overhead.forward_ms,
                 backward_ms=sum(layer.backward_ms for layer in layers) + overhead.backward_ms,
-                parameter_bytes=float(sum(layer.parameter_bytes for layer in layers)),
+                parameter_bytes=params,
                 output_bytes=float(profile.boundary_bytes(last)) if last < len(index) - 1 else 0,
                 update_ms=sum(layer.update_ms or 0.0 for layer in layers) + overhead.update_ms,
+                copy_ms=params / 2**20 * overhead.copy_ms_per_mib,
             )
         )
     return work
@@ -263,6 +270,8 @@ class _Run:
         capacity = network.unit_capacity
         self.pool = None if capacity is None else TransferPool(capacity / 1e3)
         self.pool_version = 0  # heap entries (t, -1 - version) are the pool's completions
+        self.uses = {rank: version_use(table, initial_version=0) for rank, table in tables.items()}
+        self.updates_done = {rank: 0 for rank in tables}
 
     def execute(self) -> None:
         while self.heap:
@@ -357,6 +366,10 @@ class _Run:
                 Op.BACKWARD: self.work[stage].backward_ms,
                 Op.UPDATE: self.work[stage].update_ms,
             }[op]
+            if op is Op.UPDATE:
+                self.updates_done[rank] += 1  # this update creates version updates_done
+                if self.uses[rank].needs_copy(self.updates_done[rank]):
+                    duration += self.work[stage].copy_ms
             self.events.append(Event(rank, stage, op.value, action.index, now, now + duration))
             now += duration
             if op is Op.BACKWARD:

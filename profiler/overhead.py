@@ -9,7 +9,8 @@ is about 0.2 ms per action on a CPU core, small next to real layers but not next
 It is measured here on a stage with a single scalar weight (a middle stage of a 3-stage
 ``pipedream`` pipeline, so weight versions are stashed), as the time of each worker action
 minus the same plain computation (the module call, its backward, the optimizer step), median
-over repeats, never below 0.
+over repeats, never below 0. Stashing a version copies the stage's weights (into the memory of
+a released copy); its cost per MiB is measured on a 16 MiB tensor.
 """
 
 from __future__ import annotations
@@ -107,4 +108,17 @@ def measure_overhead(
         forward_ms=statistics.median(extra[Op.FORWARD]),
         backward_ms=statistics.median(extra[Op.BACKWARD]),
         update_ms=statistics.median(extra[Op.UPDATE]),
+        copy_ms_per_mib=_copy_ms_per_mib(device, sync, warmup=warmup, repeats=repeats),
     )
+
+
+def _copy_ms_per_mib(
+    device: torch.device, sync: Callable[[], None], *, warmup: int, repeats: int
+) -> float:
+    """Milliseconds per MiB of ``copy_`` between two existing 16 MiB tensors (what stashing a
+    weight version costs, see ``runtime/weights.py``)."""
+    mib = 16
+    source = torch.ones(mib * 2**18, device=device)  # float32: 2**18 per MiB
+    target = torch.empty_like(source)
+    times = [_ms(lambda: target.copy_(source), sync) for _ in range(warmup + max(repeats, 5))]
+    return statistics.median(times[warmup:]) / mib

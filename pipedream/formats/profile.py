@@ -97,13 +97,19 @@ class ActionOverhead:
     """Per backward action."""
     update_ms: float
     """Per optimizer update."""
+    copy_ms_per_mib: float = 0.0
+    """Copying weights for weight stashing, per MiB of parameters (charged to the update that
+    creates a stashed version); optional."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "forward_ms": round(self.forward_ms, 6),
             "backward_ms": round(self.backward_ms, 6),
             "update_ms": round(self.update_ms, 6),
         }
+        if self.copy_ms_per_mib:
+            out["copy_ms_per_mib"] = round(self.copy_ms_per_mib, 6)
+        return out
 
     @classmethod
     def from_reader(cls, reader: MappingReader) -> ActionOverhead:
@@ -111,6 +117,7 @@ class ActionOverhead:
             forward_ms=reader.number("forward_ms"),
             backward_ms=reader.number("backward_ms"),
             update_ms=reader.number("update_ms"),
+            copy_ms_per_mib=reader.number("copy_ms_per_mib", 0.0),
         )
         reader.finish()
         return overhead

@@ -77,7 +77,12 @@ PROFILE: dict[str, Any] = {
         },
     ],
     "cut_bytes": [1024, 2048],
-    "overhead_ms": {"forward_ms": 0.25, "backward_ms": 0.125, "update_ms": 0.5},
+    "overhead_ms": {
+        "forward_ms": 0.25,
+        "backward_ms": 0.125,
+        "update_ms": 0.5,
+        "copy_ms_per_mib": 0.0625,
+    },
 }
 
 TOPOLOGY: dict[str, Any] = {
@@ -155,7 +160,9 @@ def test_profile_from_literal_dict() -> None:
     assert profile.layers[1].saved_bytes is None
     assert profile.layers[0].update_ms == 0.0625
     assert profile.layers[1].update_ms is None
-    assert profile.overhead == ActionOverhead(forward_ms=0.25, backward_ms=0.125, update_ms=0.5)
+    assert profile.overhead == ActionOverhead(
+        forward_ms=0.25, backward_ms=0.125, update_ms=0.5, copy_ms_per_mib=0.0625
+    )
     assert profile.cut_bytes == (1024, 2048)
     assert [profile.boundary_bytes(i) for i in range(2)] == [1024, 2048]
     assert profile.index_of("2") == 2

@@ -150,6 +150,23 @@ def test_stage_work_adds_update_times_and_the_runtime_cost_per_action() -> None:
     assert timeline.time_per_minibatch_ms == pytest.approx(2.25 + 4.125 + 1.5625)
 
 
+@pytest.mark.parametrize(
+    ("schedule", "m", "expected"),
+    [
+        # stage 0 of PipeDream holds 2 versions: every update copies its weights; the last
+        # stage aliases them (no copy), so stage 0 sets the pace with F + B + U + copy
+        ("pipedream", 1, 1.0 + 2.0 + 0.5 + 0.25),
+        # flushing schedules never stash: (m + S - 1) slots of F + B, and one update
+        ("1f1b", 2, 3 * 3.0 + 0.5),
+    ],
+)
+def test_updates_that_stash_a_version_pay_the_copy(schedule: str, m: int, expected: float) -> None:
+    work = [StageWork(1.0, 2.0, 0.0, 0.0, update_ms=0.5, copy_ms=0.25)] * 2
+    plan = plan_of(schedule, [1, 1], m)
+    timeline = simulate(plan, work, FAST, num_minibatches=default_steps(plan))
+    assert timeline.time_per_minibatch_ms == pytest.approx(expected)
+
+
 def test_default_steps_cover_fill_drain_and_two_periods() -> None:
     assert default_steps(plan_of("pipedream", [1, 1, 1, 1])) == 11
     assert default_steps(plan_of("pipedream", [2, 3])) == 18
