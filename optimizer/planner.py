@@ -130,9 +130,12 @@ def plan_profile(profile: Profile, *, topology: Topology, options: PlanOptions) 
         memory_limit=options.memory if options.memory is not None else topology.memory,
     )
     candidates: tuple[Outcome, ...] = ()
+    simulated_auto = False
     if options.schedule == AUTO:
         found = solve_auto(request, microbatches=options.microbatches)
-        candidates = tuple(rank_outcomes([_checked(o, profile, topology) for o in found]))
+        checked = _simulated_outcomes(found, profile, topology)
+        simulated_auto = checked is not found
+        candidates = tuple(rank_outcomes(checked))
         outcome = candidates[0]
     else:
         outcome = solve_schedule(
@@ -144,10 +147,20 @@ def plan_profile(profile: Profile, *, topology: Topology, options: PlanOptions) 
         profile, tree=outcome.tree, cluster=outcome.cluster, schedule=outcome.schedule
     )
     tree = outcome.tree
-    if needs_simulation(plan):
-        checked = _fastest_simulated(profile, topology, request, outcome)
-        if checked is not None:
-            plan, evaluation, tree = checked
+    if simulated_auto and not needs_simulation(plan):  # chosen by its simulated time
+        assert plan.prediction is not None
+        time_ms = outcome.time_per_minibatch_ms
+        prediction = replace(
+            plan.prediction,
+            time_per_minibatch_ms=time_ms,
+            throughput_samples_per_s=profile.microbatch_size * plan.microbatches * 1e3 / time_ms,
+            method="simulated",
+        )
+        plan = replace(plan, prediction=prediction)
+    elif needs_simulation(plan):
+        best = _fastest_simulated(profile, topology, request, outcome)
+        if best is not None:
+            plan, evaluation, tree = best
             assert plan.prediction is not None
             if candidates:  # the chosen row shows what was chosen
                 chosen = replace(
@@ -157,25 +170,39 @@ def plan_profile(profile: Profile, *, topology: Topology, options: PlanOptions) 
     return PlanResult(plan, tree, outcome.cluster, evaluation, candidates)
 
 
-def _checked(outcome: Outcome, profile: Profile, topology: Topology) -> Outcome:
-    """``outcome`` with its simulated time where the formula is not exact (``verify``)."""
-    if outcome.tree is None:
-        return outcome
-    plan, _ = build_plan(
-        profile, tree=outcome.tree, cluster=outcome.cluster, schedule=outcome.schedule
-    )
-    if not needs_simulation(plan):
-        return outcome
-    simulated = simulated_ms(plan, profile, topology)
-    return outcome if simulated is None else replace(outcome, time_per_minibatch_ms=simulated)
+def _simulated_outcomes(
+    outcomes: list[Outcome], profile: Profile, topology: Topology
+) -> list[Outcome]:
+    """``--schedule auto``'s candidates, all with simulated times when one of them needs
+    simulation (so that every candidate is charged the same costs: updates, the runtime's cost
+    per action, weight copies), else as they are; also as they are when one is too big."""
+    plans = {
+        id(outcome): build_plan(
+            profile, tree=outcome.tree, cluster=outcome.cluster, schedule=outcome.schedule
+        )[0]
+        for outcome in outcomes
+        if outcome.tree is not None
+    }
+    if not any(needs_simulation(plan) for plan in plans.values()):
+        return outcomes
+    out = []
+    for outcome in outcomes:
+        if outcome.tree is None:
+            out.append(outcome)
+            continue
+        simulated = simulated_ms(plans[id(outcome)], profile, topology)
+        if simulated is None:
+            return outcomes
+        out.append(replace(outcome, time_per_minibatch_ms=simulated))
+    return out
 
 
 def _fastest_simulated(
     profile: Profile, topology: Topology, request: Request, outcome: Outcome
 ) -> tuple[Plan, TreeEvaluation, Tree] | None:
     """The fastest of the DP's plan, the best straight pipeline and data parallelism (same
-    schedule and ``m``), by simulation where the formula is not exact (``verify``); None when a
-    plan is too big to simulate (the formula stands)."""
+    schedule and ``m``), all simulated (``verify``); None when one is too big to simulate or
+    none fits (the formula stands)."""
     assert outcome.tree is not None
     trees = [outcome.tree]
     straight = solve_schedule(
@@ -186,7 +213,7 @@ def _fastest_simulated(
     if straight.tree is not None and straight.microbatches == outcome.microbatches:
         trees.append(straight.tree)
     trees.append(data_parallel_tree(outcome.cluster, len(profile.layers)))
-    found: list[tuple[float, str, Plan, TreeEvaluation, Tree]] = []
+    found: list[tuple[float, Plan, TreeEvaluation, Tree]] = []
     for tree in trees:
         plan, evaluation = build_plan(
             profile, tree=tree, cluster=outcome.cluster, schedule=outcome.schedule
@@ -194,25 +221,23 @@ def _fastest_simulated(
         limit = request.memory_limit
         if limit is not None and max(leaf.memory_bytes for leaf in evaluation.leaves) > limit:
             continue  # data parallelism may not fit
-        assert plan.prediction is not None
-        time_ms, method = plan.prediction.time_per_minibatch_ms, "closed-form"
-        if needs_simulation(plan):
-            simulated = simulated_ms(plan, profile, topology)
-            if simulated is None:
-                return None
-            time_ms, method = simulated, "simulated"
-        found.append((time_ms, method, plan, evaluation, tree))
-    time_ms, method, plan, evaluation, tree = min(found, key=lambda item: item[0])
+        simulated = simulated_ms(plan, profile, topology)  # all alike: the same costs
+        if simulated is None:
+            return None
+        found.append((simulated, plan, evaluation, tree))
+    if not found:
+        return None
+    time_ms, plan, evaluation, tree = min(found, key=lambda item: item[0])
     assert plan.prediction is not None
     data_parallel_ms = plan.prediction.data_parallel_time_per_minibatch_ms
-    if found[-1][4] is trees[-1]:  # data parallelism fits: its time by the same method
+    if found[-1][3] is trees[-1]:  # data parallelism fits: its simulated time
         data_parallel_ms = found[-1][0]
     prediction = replace(
         plan.prediction,
         time_per_minibatch_ms=time_ms,
         throughput_samples_per_s=profile.microbatch_size * plan.microbatches * 1e3 / time_ms,
         data_parallel_time_per_minibatch_ms=data_parallel_ms,
-        method=method,
+        method="simulated",
     )
     return replace(plan, prediction=prediction), evaluation, tree
 

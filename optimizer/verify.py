@@ -2,19 +2,22 @@
 
 The formula (:func:`~pipedream.optimizer.cost_model.minibatch_ms`: ``m`` or ``m + S - 1``
 slots of the slowest stage, a stage on ``r`` replicas counting ``1/r`` of its compute) is exact
-for straight pipelines and for PipeDream's one-microbatch schedules. It is not when a replicated
-stage meets several microbatches per minibatch: the runtime gives minibatch ``t`` with *all* its
-``m`` microbatches to replica ``t mod r``, so a replica does not take ``1/r`` of every
-minibatch, and under a flush the unreplicated stages still see each minibatch alone. On the
-original VGG-16 profile, 4 workers, 1f1b with ``m = 4``, the formula says 1027.6 ms per
-minibatch for a 3-1 split; the simulation of the very tables the runtime runs says 1801.8 ms,
-slower than data parallelism.
+in its own terms (compute, transfers, allreduces) for straight pipelines and for PipeDream's
+one-microbatch schedules. It is not when a replicated stage meets several microbatches per
+minibatch: the runtime gives minibatch ``t`` with *all* its ``m`` microbatches to replica
+``t mod r``, so a replica does not take ``1/r`` of every minibatch, and under a flush the
+unreplicated stages still see each minibatch alone. On the original VGG-16 profile, 4 workers,
+1f1b with ``m = 4``, the formula says 1027.6 ms per minibatch for a 3-1 split; the simulation of
+the very tables the runtime runs says 1801.8 ms, slower than data parallelism.
 
 So for such plans the planner simulates (:mod:`~pipedream.optimizer.simulator`, profiled costs,
 the topology's bandwidths, no latency) the dynamic program's plan, the best straight pipeline
 and data parallelism under the same schedule and ``m``, keeps the fastest and records
-``method: simulated`` in its prediction. Simulation is skipped (the formula stands) above
-:data:`MAX_SIMULATED_ACTIONS` actions, where it would cost more than the planning itself.
+``method: simulated`` in its prediction; with ``--schedule auto``, every candidate is simulated
+as soon as one needs it. The simulation also charges what the formula leaves out (each
+layer's ``update_ms``, the runtime's cost per action, weight copies), so simulated plans are
+only ever compared with simulated plans. Simulation is skipped (the formula stands for all)
+above :data:`MAX_SIMULATED_ACTIONS` actions, where it would cost more than the planning itself.
 """
 
 from __future__ import annotations

@@ -77,12 +77,13 @@ class _Clock:
             last.synchronize()
 
 
-def _first_nodes(outputs: list[list[Tensor]]) -> list[Any]:
-    """Per layer, the autograd node its backward starts with (None: the layer creates none)."""
+def _first_nodes(outputs: list[list[Any]]) -> list[Any]:
+    """Per layer, the autograd node its backward starts with (None: the layer creates none),
+    from the ``grad_fn`` of each layer's outputs as they were right after the layer ran (an
+    in-place layer later replaces its input's ``grad_fn``, e.g. ``nn.ReLU(inplace=True)``)."""
     nodes: list[Any] = []
     highest = -1
-    for tensors in outputs:
-        candidates = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    for candidates in outputs:
         node = max(candidates, key=lambda n: n._sequence_nr(), default=None)
         if node is not None and node._sequence_nr() > highest:
             highest = node._sequence_nr()
@@ -97,13 +98,15 @@ def _one_pass(
 ) -> tuple[list[float], list[float]]:
     values = dict(inputs)
     forward_marks = [clock.mark()]
-    produced: list[list[Tensor]] = []
+    produced: list[list[Any]] = []  # the grad_fn of each layer's outputs, right after it ran
+    last: list[Tensor] = []
     for layer in layers:
         outputs = layer.module(*(values[name] for name in layer.inputs))
         forward_marks.append(clock.mark())
         values.update(zip(layer.outputs, outputs))
-        produced.append([t for value in outputs for t in _tensors(value)])
-    roots = [t for t in produced[-1] if t.requires_grad]
+        last = [t for value in outputs for t in _tensors(value)]
+        produced.append([t.grad_fn for t in last if t.grad_fn is not None])
+    roots = [t for t in last if t.requires_grad]
     starts: dict[int, Any] = {}
     handles = []
     for index, node in enumerate(_first_nodes(produced)):

@@ -162,10 +162,15 @@ def update_times(
     several times faster than in training. The median step time is split among the layers in
     proportion to their trainable parameter bytes.
     """
-    owned = [[p for p in layer.parameters() if p.requires_grad] for layer in layers]
+    seen: set[int] = set()  # a parameter shared by several layers counts for the first
+    owned: list[list[nn.Parameter]] = []
+    for layer in layers:
+        params = [p for p in layer.parameters() if p.requires_grad and id(p) not in seen]
+        seen.update(id(p) for p in params)
+        owned.append(params)
     sizes = [float(_nbytes(params)) for params in owned]
     copies = [nn.Parameter(torch.zeros_like(p)) for params in owned for p in params]
-    if not copies:
+    if not copies or sum(sizes) == 0:
         return [0.0] * len(layers)
     for clone in copies:
         clone.grad = torch.zeros_like(clone)

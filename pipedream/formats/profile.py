@@ -42,7 +42,8 @@ class LayerProfile:
     optimizer_state_bytes: int | None = None
     """Bytes of optimizer state for the layer's parameters (e.g. 2x params for Adam); optional."""
     update_ms: float | None = None
-    """Median time of the workload's optimizer step over the layer's parameters; optional."""
+    """The layer's share (by parameter bytes) of the median time of one step of the workload's
+    optimizer over the whole model; optional."""
 
     @property
     def compute_ms(self) -> float:

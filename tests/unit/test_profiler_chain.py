@@ -4,6 +4,7 @@ action (pipedream.profiler.overhead)."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -63,6 +64,42 @@ def test_sleeping_layers_get_their_own_times() -> None:
     assert all(p.grad is None for p in params)
 
 
+class _SleepInPlace(torch.autograd.Function):
+    """Sleeps 10 ms in forward and 20 ms in backward, modifying its input in place."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        time.sleep(0.010)
+        ctx.mark_dirty(x)
+        return x.mul_(1.0)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        time.sleep(0.020)
+        return grad
+
+
+def test_an_in_place_layer_keeps_its_own_backward() -> None:
+    # the in-place layer replaces the grad_fn of the previous layer's output: its backward
+    # must still be charged to itself, not to the layer before it
+    linear = nn.Linear(4, 4)
+    chain = [
+        ChainLayer(lambda x: (linear(x),), ("0",), ("1",)),
+        ChainLayer(lambda x: (_SleepInPlace.apply(x),), ("1",), ("2",)),
+    ]
+    times = time_chain(
+        chain,
+        {"0": torch.zeros(2, 4)},
+        linear.parameters(),
+        device=torch.device("cpu"),
+        warmup=1,
+        repeats=3,
+    )
+    (linear_f, linear_b), (sleep_f, sleep_b) = times
+    assert 10.0 <= sleep_f < 13.0 and 20.0 <= sleep_b < 23.0
+    assert linear_f < 3.0 and linear_b < 3.0
+
+
 def test_every_computing_layer_gets_positive_times() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.Linear(256, 8))
@@ -97,3 +134,6 @@ def test_runtime_overhead_is_measured_per_action() -> None:
     )
     for value in (overhead.forward_ms, overhead.backward_ms, overhead.update_ms):
         assert 0.0 <= value < 50.0
+    # copying 1 MiB of weights takes real time, but far less than a millisecond per MiB
+    # would suggest it was allocated or page-faulted each time
+    assert 0.0 < overhead.copy_ms_per_mib < 5.0

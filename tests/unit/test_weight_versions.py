@@ -69,6 +69,8 @@ def test_released_copies_are_reused_with_the_live_values() -> None:
             for param in layer.parameters():
                 param.add_(1.0)  # the "optimizer step"
         versions.updated()
+        copies = [versions._versions[v]["weight"].data_ptr() for v in versions._copied]
+        assert len(set(copies)) == len(copies)  # no two held versions share memory
         held = versions._versions.get(versions.live_version)
         if held is not None and versions.live_version in versions._copied:
             assert torch.equal(held["weight"], layer.weight)  # the copy has the new values
