@@ -6,7 +6,8 @@ with profiled costs instead of tensors:
 * ``F``/``B``: the stage's summed forward/backward time of one microbatch; ``U``: the optimizer
   step over the stage's parameters (the layers' ``update_ms``, 0 where the profile has none),
   plus a copy of the stage's weights when the version it creates is stashed (weight stashing,
-  :mod:`~pipedream.runtime.versions`);
+  :mod:`~pipedream.runtime.versions`); every backward of a minibatch but its first also adds
+  its gradients into ``.grad`` (``accumulate_ms``);
   each plus the runtime's own cost per action where the profile measured it (``overhead_ms``);
 * a send is posted when the rank reaches it and does not block the rank; it occupies the link
   between the two ranks (one link per pair, shared by activations and gradients, as PipeDream's
@@ -60,6 +61,9 @@ class StageWork:
     """Optimizer step over the stage's parameters."""
     copy_ms: float = 0.0
     """Copying the stage's parameters once (added to an update that creates a stashed version)."""
+    accumulate_ms: float = 0.0
+    """Adding one microbatch's gradients into ``.grad`` (every backward of a minibatch but its
+    first)."""
 
 
 @dataclass(frozen=True)
@@ -191,6 +195,7 @@ def stage_work(plan: Plan, profile: Profile) -> list[StageWork]:
                 output_bytes=float(profile.boundary_bytes(last)) if last < len(index) - 1 else 0,
                 update_ms=sum(layer.update_ms or 0.0 for layer in layers) + overhead.update_ms,
                 copy_ms=params / 2**20 * overhead.copy_ms_per_mib,
+                accumulate_ms=params / 2**20 * overhead.accumulate_ms_per_mib,
             )
         )
     return work
@@ -366,6 +371,8 @@ class _Run:
                 Op.BACKWARD: self.work[stage].backward_ms,
                 Op.UPDATE: self.work[stage].update_ms,
             }[op]
+            if op is Op.BACKWARD and action.index % self.spec.microbatches:
+                duration += self.work[stage].accumulate_ms  # .grad holds the earlier ones
             if op is Op.UPDATE:
                 self.updates_done[rank] += 1  # this update creates version updates_done
                 if self.uses[rank].needs_copy(self.updates_done[rank]):

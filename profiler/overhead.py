@@ -10,7 +10,8 @@ It is measured here on a stage with a single scalar weight (a middle stage of a 
 ``pipedream`` pipeline, so weight versions are stashed), as the time of each worker action
 minus the same plain computation (the module call, its backward, the optimizer step), median
 over repeats, never below 0. Stashing a version copies the stage's weights (into the memory of
-a released copy); its cost per MiB is measured on a 16 MiB tensor.
+a released copy), and a minibatch of several microbatches adds each gradient into ``.grad``;
+both costs per MiB are measured on 16 MiB tensors.
 """
 
 from __future__ import annotations
@@ -68,9 +69,9 @@ def measure_overhead(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    copy = _copy_ms_per_mib(device, sync, warmup=warmup, repeats=repeats)
+    copy, accumulate = _per_mib(device, sync, warmup=warmup, repeats=repeats)
     if device.type == "cuda":
-        return ActionOverhead(0.0, 0.0, 0.0, copy_ms_per_mib=copy)
+        return ActionOverhead(0.0, 0.0, 0.0, copy_ms_per_mib=copy, accumulate_ms_per_mib=accumulate)
     count = warmup + max(repeats, 5)
     spec = PipelineSpec(
         schedule="pipedream",
@@ -118,16 +119,19 @@ def measure_overhead(
         backward_ms=statistics.median(extra[Op.BACKWARD]),
         update_ms=statistics.median(extra[Op.UPDATE]),
         copy_ms_per_mib=copy,
+        accumulate_ms_per_mib=accumulate,
     )
 
 
-def _copy_ms_per_mib(
+def _per_mib(
     device: torch.device, sync: Callable[[], None], *, warmup: int, repeats: int
-) -> float:
-    """Milliseconds per MiB of ``copy_`` between two existing 16 MiB tensors (what stashing a
-    weight version costs, see ``runtime/weights.py``)."""
+) -> tuple[float, float]:
+    """Milliseconds per MiB of ``copy_`` and of ``add_`` between existing 16 MiB tensors (a
+    stashed weight version, see ``runtime/weights.py``; a gradient accumulated into ``.grad``)."""
     mib = 16
     source = torch.ones(mib * 2**18, device=device)  # float32: 2**18 per MiB
-    target = torch.empty_like(source)
-    times = [_ms(lambda: target.copy_(source), sync) for _ in range(warmup + max(repeats, 5))]
-    return statistics.median(times[warmup:]) / mib
+    target = torch.zeros_like(source)
+    count = warmup + max(repeats, 5)
+    copies = [_ms(lambda: target.copy_(source), sync) for _ in range(count)]
+    adds = [_ms(lambda: target.add_(source), sync) for _ in range(count)]
+    return statistics.median(copies[warmup:]) / mib, statistics.median(adds[warmup:]) / mib

@@ -101,6 +101,9 @@ class ActionOverhead:
     copy_ms_per_mib: float = 0.0
     """Copying weights for weight stashing, per MiB of parameters (charged to the update that
     creates a stashed version); optional."""
+    accumulate_ms_per_mib: float = 0.0
+    """Adding a microbatch's gradient into ``.grad``, per MiB of parameters (every backward of
+    a minibatch but its first, when it has several microbatches); optional."""
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -110,6 +113,8 @@ class ActionOverhead:
         }
         if self.copy_ms_per_mib:
             out["copy_ms_per_mib"] = round(self.copy_ms_per_mib, 6)
+        if self.accumulate_ms_per_mib:
+            out["accumulate_ms_per_mib"] = round(self.accumulate_ms_per_mib, 6)
         return out
 
     @classmethod
@@ -119,6 +124,7 @@ class ActionOverhead:
             backward_ms=reader.number("backward_ms"),
             update_ms=reader.number("update_ms"),
             copy_ms_per_mib=reader.number("copy_ms_per_mib", 0.0),
+            accumulate_ms_per_mib=reader.number("accumulate_ms_per_mib", 0.0),
         )
         reader.finish()
         return overhead

@@ -82,6 +82,7 @@ PROFILE: dict[str, Any] = {
         "backward_ms": 0.125,
         "update_ms": 0.5,
         "copy_ms_per_mib": 0.0625,
+        "accumulate_ms_per_mib": 0.09375,
     },
 }
 
@@ -161,7 +162,11 @@ def test_profile_from_literal_dict() -> None:
     assert profile.layers[0].update_ms == 0.0625
     assert profile.layers[1].update_ms is None
     assert profile.overhead == ActionOverhead(
-        forward_ms=0.25, backward_ms=0.125, update_ms=0.5, copy_ms_per_mib=0.0625
+        forward_ms=0.25,
+        backward_ms=0.125,
+        update_ms=0.5,
+        copy_ms_per_mib=0.0625,
+        accumulate_ms_per_mib=0.09375,
     )
     assert profile.cut_bytes == (1024, 2048)
     assert [profile.boundary_bytes(i) for i in range(2)] == [1024, 2048]
@@ -490,7 +495,7 @@ CASES: list[tuple[str, str, Edit, str, str, str]] = [
     ("profile-overhead-missing", "profile", _delete("overhead_ms", "update_ms"),
      "overhead_ms.update_ms", "required field is missing", "add 'update_ms: ...'"),
     ("profile-overhead-unknown", "profile", _set("overhead_ms", "fwd_ms", value=1.0),
-     "overhead_ms.fwd_ms", "unknown key", "remove it or use one of: backward_ms"),
+     "overhead_ms.fwd_ms", "unknown key", "remove it or use one of: accumulate_ms_per_mib"),
     ("profile-overhead-type", "profile", _set("overhead_ms", value=[1, 2]),
      "overhead_ms", "expected a mapping, got list", "write it as 'key: value' lines"),
     ("profile-cut-bytes-length", "profile", _set("cut_bytes", value=[1024]), "cut_bytes",

@@ -167,6 +167,18 @@ def test_updates_that_stash_a_version_pay_the_copy(schedule: str, m: int, expect
     assert timeline.time_per_minibatch_ms == pytest.approx(expected)
 
 
+def test_later_microbatches_of_a_minibatch_accumulate_their_gradients() -> None:
+    # 1f1b, S = 2, m = 2, F = 1, B = 2 (+ 0.125 for microbatch 1, whose gradients are added to
+    # those of microbatch 0): stage 1 runs B1 from 5 to 7.125, stage 0 its B1 from 7.125 to
+    # 9.25, then the update (0.5): 9.75 per minibatch instead of 9.5
+    work = [StageWork(1.0, 2.0, 0.0, 0.0, update_ms=0.5, accumulate_ms=0.125)] * 2
+    plan = plan_of("1f1b", [1, 1], 2)
+    timeline = simulate(plan, work, FAST, num_minibatches=default_steps(plan))
+    assert timeline.time_per_minibatch_ms == pytest.approx(9.75)
+    single = simulate(plan_of("pipedream", [1, 1]), work, FAST, num_minibatches=8)
+    assert single.time_per_minibatch_ms == pytest.approx(3.5)  # m = 1: nothing to accumulate
+
+
 def test_default_steps_cover_fill_drain_and_two_periods() -> None:
     assert default_steps(plan_of("pipedream", [1, 1, 1, 1])) == 11
     assert default_steps(plan_of("pipedream", [2, 3])) == 18

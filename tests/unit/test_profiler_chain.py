@@ -137,3 +137,4 @@ def test_runtime_overhead_is_measured_per_action() -> None:
     # copying 1 MiB of weights takes real time, but far less than a millisecond per MiB
     # would suggest it was allocated or page-faulted each time
     assert 0.0 < overhead.copy_ms_per_mib < 5.0
+    assert 0.0 < overhead.accumulate_ms_per_mib < 5.0
