@@ -60,12 +60,7 @@ def _topology(args: argparse.Namespace, plan: Plan) -> Topology:
     if args.topology is not None:
         topology = load_topology(args.topology)
     elif args.bandwidth is not None:
-        try:
-            value = parse_bandwidth(args.bandwidth)
-        except ValueError as exc:
-            raise PlanningError(f"--bandwidth: {exc}") from None
-        if value <= 0:
-            raise PlanningError(f"--bandwidth {args.bandwidth!r}: must be positive, e.g. 1e9")
+        value = _positive_bandwidth("--bandwidth", args.bandwidth, "1e9")
         topology = Topology.single_level(plan.world_size, value)
     else:
         topology = plan.topology or Topology.single_level(plan.world_size, DEFAULT_BANDWIDTH)
@@ -77,17 +72,20 @@ def _topology(args: argparse.Namespace, plan: Plan) -> Topology:
     return topology
 
 
-def _host_bandwidth(args: argparse.Namespace) -> float | None:
-    text = getattr(args, "host_bandwidth", None)
-    if text is None:
-        return None
+def _positive_bandwidth(option: str, text: str, example: str) -> float:
+    """``text`` as bytes/s (units allowed); one clear error naming ``option`` otherwise."""
     try:
         value = parse_bandwidth(text)
     except ValueError as exc:
-        raise PlanningError(f"--host-bandwidth: {exc}") from None
+        raise PlanningError(f"{option}: {exc}") from None
     if value <= 0:
-        raise PlanningError(f"--host-bandwidth {text!r}: must be positive, e.g. 2e9")
+        raise PlanningError(f"{option} {text!r}: must be positive, e.g. {example}")
     return value
+
+
+def _host_bandwidth(args: argparse.Namespace) -> float | None:
+    text = getattr(args, "host_bandwidth", None)
+    return None if text is None else _positive_bandwidth("--host-bandwidth", text, "2e9")
 
 
 def _steps(args: argparse.Namespace, plan: Plan) -> int:
