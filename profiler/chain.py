@@ -156,10 +156,13 @@ def time_chain(
     device: torch.device,
     warmup: int,
     repeats: int,
+    after_backward: Callable[[], None] | None = None,
 ) -> list[tuple[float, float]]:
     """Median forward and backward milliseconds of every layer over ``repeats`` whole passes
     (after ``warmup`` untimed ones). Gradients are reset to None before each pass, as after
-    ``optimizer.zero_grad()``, and left None at the end."""
+    ``optimizer.zero_grad()``, and left None at the end. ``after_backward`` is called after every
+    pass's backward, with the gradients in place (to time the optimizer step where training
+    runs it)."""
     params = list(parameters)
     clock = _Clock(device)
     forward: list[list[float]] = [[] for _ in layers]
@@ -169,6 +172,8 @@ def time_chain(
             for param in params:
                 param.grad = None
             f, b = _one_pass(layers, inputs, clock)
+            if after_backward is not None:
+                after_backward()
             if iteration >= warmup:
                 for index in range(len(layers)):
                     forward[index].append(f[index])

@@ -20,9 +20,9 @@ from pipedream.graph.stages import build_stage_module, stage_ios
 from pipedream.profiler.chain import ChainLayer, time_chain
 from pipedream.profiler.measure import (
     OptimizerFactory,
+    UpdateTimer,
     check_repetitions,
     describe_layer,
-    update_times,
 )
 
 __all__ = ["layer_graph", "measure_graph"]
@@ -96,6 +96,7 @@ def measure_graph(
         profiles.append(dataclasses.replace(described, type=f"{operations} ops -> {shapes}"))
         chain.append(ChainLayer(module, tuple(io.inputs), tuple(io.outputs)))
         modules.append(module)
+    timer = UpdateTimer(modules, optimizer) if optimizer is not None else None
     times = time_chain(
         chain,
         {graph.input_name: example_input},
@@ -103,10 +104,11 @@ def measure_graph(
         device=example_input.device,
         warmup=warmup,
         repeats=repeats,
+        after_backward=timer,
     )
     updates: list[float | None] = [None] * count
-    if optimizer is not None:
-        updates = list(update_times(modules, optimizer, warmup=warmup, repeats=repeats))
+    if timer is not None:
+        updates = list(timer.shares(skip=warmup))
     return [
         dataclasses.replace(profile, forward_ms=forward, backward_ms=backward, update_ms=update)
         for profile, (forward, backward), update in zip(profiles, times, updates)

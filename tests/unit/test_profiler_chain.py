@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 from pipedream.profiler.chain import ChainLayer, _backward_ms, time_chain
-from pipedream.profiler.measure import measure_sequential, update_times
+from pipedream.profiler.measure import UpdateTimer, measure_sequential
 from pipedream.profiler.overhead import measure_overhead
 from pipedream.workloads.sleep import SleepLayer
 
@@ -120,12 +121,38 @@ def test_update_time_is_measured_with_the_optimizer() -> None:
     assert measure_sequential(model, torch.randn(4, 64))[0].update_ms is None
 
 
-def test_one_step_over_the_whole_model_is_split_by_parameter_bytes() -> None:
-    layers = [nn.Linear(9, 10), nn.ReLU(), nn.Linear(10, 27, bias=False)]  # 100 and 270 floats
-    times = update_times(layers, lambda p: torch.optim.SGD(p, lr=0.1), warmup=0, repeats=3)
-    assert times[1] == 0.0
+def test_one_step_over_the_whole_model_is_split_by_parameter_bytes_and_undone() -> None:
+    model = nn.Sequential(nn.Linear(9, 10), nn.ReLU(), nn.Linear(10, 27, bias=False))
+    before = [p.detach().clone() for p in model.parameters()]  # 100 and 270 floats
+    timer = UpdateTimer(list(model), lambda p: torch.optim.SGD(p, lr=0.1))
+    assert timer.shares(skip=1) == [0.0, 0.0, 0.0]  # not called yet
+    for _ in range(3):
+        model(torch.randn(4, 9)).square().sum().backward()
+        timer()
+        # the step really ran on the live parameters (its time is the runtime's), and was undone
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    times = timer.shares(skip=1)
+    assert times[0] > 0 and times[1] == 0.0
     assert times[2] == pytest.approx(2.7 * times[0])
-    assert all(p.grad is None for layer in layers for p in layer.parameters())
+
+
+def test_the_update_is_timed_right_after_each_backward_pass() -> None:
+    """measure_sequential steps once per whole pass, with the pass's gradients in place."""
+    model = nn.Sequential(nn.Linear(8, 8))
+    seen: list[bool] = []
+
+    class Recording(torch.optim.SGD):
+        def step(self, closure: Any = None) -> Any:
+            if self.param_groups[0]["params"][0] is model[0].weight:  # not a copy's state step
+                seen.append(all(p.grad is not None for p in model.parameters()))
+            return super().step(closure)
+
+    layers = measure_sequential(
+        model, torch.randn(2, 8), warmup=2, repeats=3, optimizer=lambda p: Recording(p, lr=0.1)
+    )
+    assert seen == [True] * 5  # 2 warm-up passes and 3 timed ones
+    assert layers[0].update_ms is not None and layers[0].update_ms > 0
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_runtime_overhead_is_measured_per_action() -> None:
