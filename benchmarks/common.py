@@ -32,6 +32,7 @@ __all__ = [
     "Command",
     "machine_lines",
     "plan_dict",
+    "profile_workload",
     "run_command",
     "steady_period_ms",
     "write_plan",
@@ -125,6 +126,18 @@ def write_plan(plan: dict[str, Any], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(plan, sort_keys=False))
     return path
+
+
+def profile_workload(
+    workload: str, args: dict[str, Any], microbatch_size: int, out: Path
+) -> Command:
+    """``pipedream profile`` of a workload (``--warmup 1 --repeats 3``) into ``out``."""
+    argv = [sys.executable, "-m", "pipedream.cli", "profile", workload]
+    argv += ["--microbatch-size", str(microbatch_size)]
+    for name, value in args.items():
+        argv += ["--workload-arg", f"{name}={value}"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return run_command([*argv, "--warmup", "1", "--repeats", "3", "-o", str(out)], timeout=300)
 
 
 def steady_period_ms(traces: Sequence[RankTrace], *, skip: int) -> tuple[float, int]:

@@ -20,10 +20,19 @@ import time
 from typing import Any
 
 import torch
-from common import RUNS, machine_lines, plan_dict, run_command, steady_period_ms, write_plan
+from common import (
+    RUNS,
+    machine_lines,
+    plan_dict,
+    profile_workload,
+    run_command,
+    steady_period_ms,
+    write_plan,
+)
 from common import write_section as write_results_section
 
 from pipedream.data import MicrobatchStream
+from pipedream.host_memory import keep_freed_host_memory
 from pipedream.runtime.trace import load_traces
 from pipedream.workload import load_workload
 
@@ -39,15 +48,16 @@ M = 8
 # (schedule, microbatches, stages, steps, updates skipped)
 OURS = [
     ("pipedream", 1, SPLIT, 40, 8),
-    ("2bw", M, SPLIT, 6, 1),
-    ("1f1b", M, SPLIT, 5, 0),
-    ("gpipe", M, SPLIT, 5, 0),
+    ("2bw", M, SPLIT, 7, 2),
+    ("1f1b", M, SPLIT, 6, 1),
+    ("gpipe", M, SPLIT, 6, 1),
     ("pipedream", 1, [("0", "8")], 30, 5),
 ]
 
 
 def single_process_ms(repeats: int = 30, warmup: int = 5) -> float:
     """Plain one-thread training: mean time per microbatch (forward, backward, SGD step)."""
+    keep_freed_host_memory()  # as in every rank of ours (pipedream/host_memory.py)
     torch.set_num_threads(1)
     workload = load_workload("mlp", {k: str(v) for k, v in ARGS.items()}, microbatch_size=64)
     model, optimizer = workload.model, workload.optimizer(workload.model.parameters())
@@ -72,9 +82,15 @@ def run_ours(schedule: str, m: int, stages: list[tuple[str, str]], steps: int, s
         "mlp", ARGS, stages, schedule=schedule, microbatch_size=MICROBATCH_SIZE, microbatches=m
     )
     path = write_plan(plan, directory / "plan.yaml")
+    # for simulator_accuracy.py: the machine's speed drifts over minutes (it is shared), so the
+    # layers are profiled right before the run they are compared with
+    profiled = profile_workload("mlp", ARGS, MICROBATCH_SIZE, directory / "profile.yaml")
+    if profiled.returncode != 0:
+        print(f"  {name}: profile FAILED {profiled.output[-1000:]}", file=sys.stderr)
     argv = ["./launch.sh", str(path), "--steps", str(steps), "--run-dir", str(directory / "run")]
     command = run_command([*argv, "--trace", "--no-progress", "--timeout", "120"], timeout=300)
-    out: dict[str, Any] = {"name": name, "command": command.shell(), "m": m, "plan": str(path)}
+    commands = f"{profiled.shell()}\n{command.shell()}"
+    out: dict[str, Any] = {"name": name, "command": commands, "m": m, "plan": str(path)}
     if command.returncode != 0:
         print(f"  {name}: FAILED {command.output[-2000:]}", file=sys.stderr)
         return out
@@ -96,8 +112,8 @@ def run_torch() -> tuple[dict[str, float], str]:
             "schedule": schedule,
             "microbatches": M,
             "microbatch_size": MICROBATCH_SIZE,
-            "steps": 5,
-            "warmup": 1,
+            "steps": 6,
+            "warmup": 2,  # the window of ours
         }
         for schedule in ("gpipe", "1f1b")
     ]
@@ -165,7 +181,9 @@ def main() -> int:
         "",
         f"`mlp` with {ARGS} (8 Linear+ReLU blocks of width 1024 and a head), microbatches of "
         f"{MICROBATCH_SIZE} samples, SGD; split {SPLIT} (layer ranges per stage); "
-        "OMP_NUM_THREADS=1 and one process per stage. Speedup = time per microbatch of plain "
+        "OMP_NUM_THREADS=1 and one process per stage. All three (ours, torch's, the plain loop) "
+        "run with glibc malloc keeping freed memory, as `pipedream train` sets it "
+        "(`pipedream/host_memory.py`). Speedup = time per microbatch of plain "
         "one-thread training in one process / the pipeline's steady-state time per microbatch "
         "(ideal 2x on 2 cores).",
         "",

@@ -22,7 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from common import RUNS, machine_lines, run_command, steady_period_ms, write_section
+from common import (
+    RUNS,
+    machine_lines,
+    profile_workload,
+    run_command,
+    steady_period_ms,
+    write_section,
+)
 from real_compute import MICROBATCH_SIZE, OURS
 from sleep_pipeline import MICROBATCH_SIZE as SLEEP_MICROBATCH
 from sleep_pipeline import SIZES, cases
@@ -35,18 +42,20 @@ _SIMULATED = re.compile(r"simulated time per minibatch: ([0-9.]+) ms")
 PIPEDREAM = [sys.executable, "-m", "pipedream.cli"]
 
 
-def _profile(plan: dict[str, Any], microbatch_size: int, commands: list[str]) -> Path:
-    """Profile the plan's workload once per set of options (once per run of this script)."""
+def _profile(
+    directory: Path, plan: dict[str, Any], microbatch_size: int, commands: list[str]
+) -> Path:
+    """The profile taken right before the case's run, if its benchmark took one (real compute:
+    the shared machine's speed drifts over minutes); else one per set of workload options,
+    taken once per run of this script."""
+    adjacent = directory / "profile.yaml"
+    if adjacent.exists():
+        return adjacent
     args = plan["workload_args"]
     key = "-".join(f"{k}{v}" for k, v in sorted(args.items()))
     path = RUNS / "simulator" / f"profile-{plan['workload']}-{key}.yaml"
     if not path.exists():
-        argv = [*PIPEDREAM, "profile", plan["workload"], "--microbatch-size", str(microbatch_size)]
-        for name, value in args.items():
-            argv += ["--workload-arg", f"{name}={value}"]
-        command = run_command(
-            [*argv, "--warmup", "1", "--repeats", "3", "-o", str(path)], timeout=300
-        )
+        command = profile_workload(plan["workload"], args, microbatch_size, path)
         commands.append(command.shell())
         if command.returncode != 0:
             raise RuntimeError(command.output[-2000:])
@@ -113,7 +122,7 @@ def main() -> int:
         measured = _measured(directory / "run", skip)
         plan = yaml.safe_load(plan_path.read_text())
         simulated = _simulate(
-            plan_path, _profile(plan, microbatch_size, commands), network, commands
+            plan_path, _profile(directory, plan, microbatch_size, commands), network, commands
         )
         if measured is None or simulated is None:
             continue
@@ -129,7 +138,8 @@ def main() -> int:
         "- regenerate: `python benchmarks/simulator_accuracy.py` (after the two benchmarks above)",
         "",
         "Each plan run above, simulated by `pipedream simulate PLAN --profile PROFILE` with the "
-        "workload profiled by `pipedream profile` (`--warmup 1 --repeats 3`) and the network "
+        "workload profiled by `pipedream profile` (`--warmup 1 --repeats 3`; for the mlp cases, "
+        "right before each run, as the machine's speed drifts) and the network "
         f"calibrated on this machine: {bandwidth / 1e9:.2f} GB/s and {small_ms:.2f} ms latency "
         "per message (gloo, one way), and a host copy capacity of "
         f"{capacity / 1e9:.2f} GB/s shared by concurrent messages (32 MiB messages: "
