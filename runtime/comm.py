@@ -26,6 +26,8 @@ header's flags say how the payload travels:
 - ``PLACEHOLDER``: the specs differ from the reference; the real payload goes on the slow tags,
   and a zero-filled placeholder of the reference's specs also goes on the fast tags, so that
   speculative receives always complete; the receiver takes the placeholder and drops it.
+- ``CHANGED``: the same without a placeholder, where nothing is posted ahead (NCCL: both ends
+  of a channel use the same backend, so the sender knows).
 
 So every fast-tag send is matched by exactly one fast-tag receive (speculative, or posted after
 the header), and every slow-tag send by a receive posted after the header. On gloo
@@ -34,7 +36,7 @@ payload receives once the channel's reference is known (for the messages already
 becomes known, at that moment). Only the slow payload of a message whose specs differ from the
 reference waits for its header. NCCL matches point-to-point operations between two ranks in
 issue order and ignores tags, so there nothing is posted ahead and a message is received in the
-order it is sent: header, payload, placeholder. Sends are never waited on until their buffers
+order it is sent: header, then payload. Sends are never waited on until their buffers
 must be reclaimed (:meth:`P2P.poll` keeps at most ``MAX_SENDS_IN_FLIGHT``) or the run ends
 (:meth:`P2P.drain`).
 """
@@ -54,6 +56,7 @@ from torch import Tensor
 from pipedream.errors import RunFailure
 
 __all__ = [
+    "CHANGED",
     "DEFINES_REFERENCE",
     "FAST",
     "HEADER_LEN",
@@ -88,7 +91,9 @@ FAST = 2
 """Header flag: the payload has the channel's reference specs; payload on the fast tags."""
 PLACEHOLDER = 4
 """Header flag: payload on the slow tags, plus a placeholder of the reference on the fast tags."""
-_FLAGS = (DEFINES_REFERENCE, FAST, PLACEHOLDER)
+CHANGED = 8
+"""Header flag: payload on the slow tags, no placeholder (nothing was posted ahead)."""
+_FLAGS = (DEFINES_REFERENCE, FAST, PLACEHOLDER, CHANGED)
 
 _MAGIC = 0x5044  # "PD"
 _DTYPES = [
@@ -275,6 +280,9 @@ class P2P:
         elif header.flags == FAST:
             assert reference == header.specs, f"{channel}: fast message {header} not {reference}"
             payload = self._fast_receives(incoming, header.specs)
+        elif header.flags == CHANGED:
+            assert not self.post_early and reference != header.specs, f"{channel}: {header}"
+            payload = self._irecv(kind, microbatch, peer, header.specs, fast=False)
         else:
             assert reference is not None and reference != header.specs, f"{channel}: {header}"
             payload = self._irecv(kind, microbatch, peer, header.specs, fast=False)
@@ -303,8 +311,10 @@ class P2P:
         reference = self._sent_reference.get(channel)
         if reference is None:
             flags = DEFINES_REFERENCE
-        else:
-            flags = FAST if specs == reference else PLACEHOLDER
+        elif specs == reference:
+            flags = FAST
+        else:  # a placeholder only where the receiver may have posted reference-shaped receives
+            flags = PLACEHOLDER if self.post_early else CHANGED
         header = encode_header(specs, version, flags).to(self.device)  # raises before any send
         self._sent_reference.setdefault(channel, specs)
         self._isend(header, peer, message_tag(kind, microbatch, 0))
