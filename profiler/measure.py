@@ -183,12 +183,9 @@ class UpdateTimer:
         if self._optimizer is None:
             return
         device = self._params[0].device
-        with torch.no_grad():
-            if self._saved is None:  # allocated once: new memory per pass would change the
-                self._saved = [p.detach().clone() for p in self._params]  # backward's timing
-            else:
-                for param, value in zip(self._params, self._saved):
-                    value.copy_(param)
+        if self._saved is None:  # once: the values never change (every step is undone), and
+            with torch.no_grad():  # new memory on every pass would change the backward's timing
+                self._saved = [p.detach().clone() for p in self._params]
         _sync(device)
         begin = time.perf_counter()
         self._optimizer.step()
