@@ -138,7 +138,7 @@ def main() -> int:
         "- regenerate: `python benchmarks/simulator_accuracy.py` (after the two benchmarks above)",
         "",
         "Each plan run above, simulated by `pipedream simulate PLAN --profile PROFILE` with the "
-        "workload profiled by `pipedream profile` (`--warmup 1 --repeats 3`; for the mlp cases, "
+        "workload profiled by `pipedream profile` (default repetitions; for the mlp cases, "
         "right before each run, as the machine's speed drifts) and the network "
         f"calibrated on this machine: {bandwidth / 1e9:.2f} GB/s and {small_ms:.2f} ms latency "
         "per message (gloo, one way), and a host copy capacity of "
