@@ -280,13 +280,13 @@ class P2P:
         elif header.flags == FAST:
             assert reference == header.specs, f"{channel}: fast message {header} not {reference}"
             payload = self._fast_receives(incoming, header.specs)
-        elif header.flags == CHANGED:
-            assert not self.post_early and reference != header.specs, f"{channel}: {header}"
-            payload = self._irecv(kind, microbatch, peer, header.specs, fast=False)
-        else:
+        else:  # PLACEHOLDER or CHANGED: the specs changed
             assert reference is not None and reference != header.specs, f"{channel}: {header}"
             payload = self._irecv(kind, microbatch, peer, header.specs, fast=False)
-            self._wait_all(self._fast_receives(incoming, reference), what)  # then dropped
+            if header.flags == PLACEHOLDER:
+                self._wait_all(self._fast_receives(incoming, reference), what)  # then dropped
+            else:
+                assert not self.post_early, f"{channel}: {header} while receiving ahead"
         self._wait_all(payload, what)
         return payload.buffers, header.version
 
