@@ -161,8 +161,8 @@ class UpdateTimer:
     caches. (A step over fresh copies of the parameters, repeated back to back, took 2.9 ms for
     the 8.4 M-parameter mlp where the same step after a backward took 4.5 ms.) The step is then
     undone: the parameters get their values back, so profiling leaves the model as it was (the
-    optimizer is the timer's own; the saved values cost one more copy of the parameters). The median step is split among the layers in proportion to
-    their trainable parameter bytes.
+    optimizer is the timer's own; the saved values cost one more copy of the parameters). The
+    median step is split among the layers in proportion to their trainable parameter bytes.
     """
 
     def __init__(self, layers: Sequence[nn.Module], optimizer: OptimizerFactory) -> None:
