@@ -48,6 +48,7 @@ __all__ = [
     "describe_layer",
     "layer_inputs",
     "measure_sequential",
+    "sync_device",
     "tensors_in",
 ]
 
@@ -186,10 +187,10 @@ class UpdateTimer:
         if self._saved is None:  # once: the values never change (every step is undone), and
             with torch.no_grad():  # new memory on every pass would change the backward's timing
                 self._saved = [p.detach().clone() for p in self._params]
-        _sync(device)
+        sync_device(device)
         begin = time.perf_counter()
         self._optimizer.step()
-        _sync(device)
+        sync_device(device)
         self._times.append((time.perf_counter() - begin) * 1000.0)
         with torch.no_grad():
             for param, value in zip(self._params, self._saved):
@@ -206,7 +207,8 @@ class UpdateTimer:
         return [total * size / total_bytes for size in self._sizes]
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); nothing to wait for on the CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

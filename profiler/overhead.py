@@ -16,6 +16,7 @@ both costs per MiB are measured on 16 MiB tensors.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -24,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from pipedream.formats.profile import ActionOverhead
-from pipedream.profiler.measure import OptimizerFactory
+from pipedream.profiler.measure import OptimizerFactory, sync_device
 from pipedream.runtime.actions import Op
 from pipedream.runtime.schedule import PipelineSpec, build_tables
 from pipedream.runtime.worker import StageWorker, WorkerConfig
@@ -65,10 +66,7 @@ def measure_overhead(
     only the copy of stashed weights, device work, is measured there.
     """
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
+    sync = functools.partial(sync_device, device)
     copy, accumulate = _per_mib(device, sync, warmup=warmup, repeats=repeats)
     if device.type == "cuda":
         return ActionOverhead(0.0, 0.0, 0.0, copy_ms_per_mib=copy, accumulate_ms_per_mib=accumulate)
