@@ -26,7 +26,6 @@ from pipedream.formats.units import parse_bandwidth
 from pipedream.optimizer.simulator import (
     Network,
     Timeline,
-    default_steps,
     simulate,
     stage_work,
 )
@@ -88,9 +87,9 @@ def _host_bandwidth(args: argparse.Namespace) -> float | None:
     return None if text is None else _positive_bandwidth("--host-bandwidth", text, "2e9")
 
 
-def _steps(args: argparse.Namespace, plan: Plan) -> int:
+def _steps(args: argparse.Namespace, plan: Plan) -> int | None:
     if args.steps is None:
-        return default_steps(plan)
+        return None  # the simulator finds its steady state
     multiple = math.lcm(*(stage.replicas for stage in plan.stages))
     if args.steps < 1 or args.steps % multiple:
         fix = multiple * max(1, math.ceil(args.steps / multiple))
@@ -108,6 +107,11 @@ def format_report(timeline: Timeline, plan: Plan) -> str:
         f"simulated time per minibatch: {timeline.time_per_minibatch_ms:.3f} ms (steady state "
         f"between minibatches {first} and {last} of {timeline.num_minibatches})"
     ]
+    if not timeline.steady:
+        lines.append(
+            "no steady cycle showed (the average over the window above): simulate more "
+            "minibatches with --steps"
+        )
     if plan.prediction is not None:
         predicted = plan.prediction.time_per_minibatch_ms
         ratio = timeline.time_per_minibatch_ms / predicted
@@ -142,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"{plan.workload}: schedule {plan.schedule}, {plan.num_stages} stages on "
         f"{plan.world_size} ranks, {plan.microbatches} microbatch(es) per minibatch, "
-        f"{steps} minibatches on {topology.describe()}"
+        f"{timeline.num_minibatches} minibatches on {topology.describe()}"
     )
     print()
     print(format_timeline(timeline, plan, width=args.width))

@@ -21,8 +21,15 @@ with profiled costs instead of tensors:
 
 Actions run in global time order (a heap), so link contention is first come, first served.
 The time per minibatch is the steady-state slope of the minibatches' completion times (the end
-of their last backward at stage 0), measured over whole periods of the replica pattern
-between the pipeline's fill (the first ``S`` minibatches) and its drain (the last ``S``).
+of their last backward at stage 0). The steady state is periodic, but its cycle can span
+several minibatches even without replicas: with messages slower than compute, PipeDream's
+``S`` minibatches in flight settle into a pattern such as 3 ms, 7 ms, 3 ms, 7 ms, and a
+backlog of transfers can take dozens of minibatches to build up. So the slope is measured over
+the second half of the run between the fill and the drain (each ``S`` times the replica
+pattern's period, a bound on the minibatches in flight), over whole repetitions of the
+shortest cycle (a multiple of that period) all of whose repetitions there take the same time
+(:func:`steady_window`); without a length given, the simulation doubles the minibatches until
+such a cycle shows.
 Pure Python: no torch.
 """
 
@@ -42,7 +49,16 @@ from pipedream.runtime.actions import Action, Op
 from pipedream.runtime.schedule import PipelineSpec, build_tables
 from pipedream.runtime.versions import version_use
 
-__all__ = ["Event", "Network", "StageWork", "Timeline", "default_steps", "simulate", "stage_work"]
+__all__ = [
+    "Event",
+    "Network",
+    "StageWork",
+    "Timeline",
+    "default_steps",
+    "simulate",
+    "stage_work",
+    "steady_window",
+]
 
 
 @dataclass(frozen=True)
@@ -154,7 +170,10 @@ class Timeline:
     """Steady-state time between consecutive minibatches."""
     measured: tuple[int, int]
     """The minibatches between whose completions the steady state was measured (between the
-    fill and the drain, whole periods of the replica pattern)."""
+    fill and the drain, whole repetitions of the steady state's cycle)."""
+    steady: bool = True
+    """Whether a steady cycle showed (False: the run was too short for one, and the time is the
+    average over the second half of the run, or over all of it)."""
 
     @property
     def makespan_ms(self) -> float:
@@ -206,17 +225,50 @@ def _period(plan: Plan) -> int:
     return math.lcm(*(stage.replicas for stage in plan.stages))
 
 
-def _steady_window(count: int, num_stages: int, period: int) -> tuple[int, int]:
-    """Whole periods between the fill (first ``S`` minibatches) and the drain (last ``S``)."""
-    last = count - 1 - num_stages
-    periods = (last - num_stages) // period
-    return (last - periods * period, last) if periods >= 1 else (0, 0)
+def _margin(plan: Plan) -> int:
+    """Minibatches of the pipeline's fill, and of its drain: ``S`` times the replica period.
+
+    That bounds the minibatches in flight (``r`` replicas of the input stage with
+    ``ceil(W / r)`` each under PipeDream), whose absence at the end of a run changes the
+    completions before them: on VGG-16 over 4 workers, a 3-1 split, the last 6 minibatches
+    complete faster than the steady state.
+    """
+    return plan.num_stages * _period(plan)
+
+
+STEADY_TOLERANCE = 1e-3
+"""Relative difference below which repetitions of a cycle count as taking the same time."""
+
+MAX_DOUBLINGS = 4
+"""How often a simulation without a given length doubles its minibatches to find the cycle."""
+
+
+def steady_window(completions: Sequence[float], margin: int, period: int) -> tuple[int, int] | None:
+    """The minibatches between whose completions the steady state is measured, or None.
+
+    The window ends where the drain (the last ``margin`` minibatches) begins and spans the
+    second half of what lies after the fill (the first ``margin``), at least three
+    repetitions of a cycle: the shortest cycle (a multiple of ``period``) all of whose
+    repetitions in the window take the same time. None: no cycle repeats that way (still a
+    transient, or a run too short).
+    """
+    last = len(completions) - 1 - margin
+    span = last - margin
+    for cycle in range(period, span // 3 + 1, period):
+        repetitions = max(3, span // 2 // cycle)
+        times = [
+            completions[last - k * cycle] - completions[last - (k + 1) * cycle]
+            for k in range(repetitions)
+        ]
+        if max(times) - min(times) <= STEADY_TOLERANCE * max(abs(t) for t in times):
+            return last - repetitions * cycle, last
+    return None
 
 
 def default_steps(plan: Plan) -> int:
-    """Enough minibatches for two periods of steady state between the fill and the drain."""
+    """Enough minibatches for the fill, three periods of steady state and the drain."""
     period = _period(plan)
-    return period * math.ceil(max(8, 2 * plan.num_stages + 2 * period + 1) / period)
+    return period * math.ceil(max(8, 2 * _margin(plan) + 3 * period + 1) / period)
 
 
 def simulate(
@@ -224,9 +276,30 @@ def simulate(
     work: Sequence[StageWork],
     network: Network,
     *,
-    num_minibatches: int,
+    num_minibatches: int | None = None,
+    max_minibatches: int | None = None,
 ) -> Timeline:
-    """Run ``plan``'s tables for ``num_minibatches`` (a multiple of every replica count)."""
+    """Run ``plan``'s tables for ``num_minibatches`` (a multiple of every replica count).
+
+    Without ``num_minibatches``, from :func:`default_steps` on, doubling (at most
+    :data:`MAX_DOUBLINGS` times, and never beyond ``max_minibatches``) until the steady
+    state's cycle shows (module docstring).
+    """
+    if num_minibatches is not None:
+        return _simulate(plan, work, network, num_minibatches)
+    steps = default_steps(plan)
+    timeline = _simulate(plan, work, network, steps)
+    for _ in range(MAX_DOUBLINGS):
+        steps *= 2
+        if timeline.steady or (max_minibatches is not None and steps > max_minibatches):
+            break
+        timeline = _simulate(plan, work, network, steps)
+    return timeline
+
+
+def _simulate(
+    plan: Plan, work: Sequence[StageWork], network: Network, num_minibatches: int
+) -> Timeline:
     spec = PipelineSpec(
         schedule=plan.schedule,
         stage_ranks=tuple(stage.ranks for stage in plan.stages),
@@ -241,14 +314,22 @@ def simulate(
     for t in range(num_minibatches):
         ends = [run.backward_end[(0, t * m + j)] for j in range(m)]
         completions.append(max(ends))
-    first, last = _steady_window(num_minibatches, len(spec.stage_ranks), _period(plan))
-    if last > first:
-        per = (completions[last] - completions[first]) / (last - first)
+    margin, period = _margin(plan), _period(plan)
+    window = steady_window(completions, margin, period)
+    last = num_minibatches - 1 - margin
+    periods = max(1, (last - margin) // 2 // period)
+    if window is not None:
+        first, last = window
+    elif last - periods * period >= margin:  # no cycle: whole periods of the second half
+        first = last - periods * period
     else:  # too short for a steady state: the average
-        first, last = 0, num_minibatches - 1
-        per = completions[last] / num_minibatches
+        first, last = -1, num_minibatches - 1
+    start = completions[first] if first >= 0 else 0.0
+    per = (completions[last] - start) / (last - first)
     events = tuple(sorted(run.events, key=lambda e: (e.start_ms, e.rank)))
-    return Timeline(events, num_minibatches, tuple(completions), per, (first, last))
+    return Timeline(
+        events, num_minibatches, tuple(completions), per, (max(first, 0), last), window is not None
+    )
 
 
 class _Run:

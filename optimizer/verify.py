@@ -17,7 +17,8 @@ and data parallelism under the same schedule and ``m``, keeps the fastest and re
 as soon as one needs it. The simulation also charges what the formula leaves out (each
 layer's ``update_ms``, the runtime's cost per action, weight copies), so simulated plans are
 only ever compared with simulated plans. Simulation is skipped (the formula stands for all)
-above :data:`MAX_SIMULATED_ACTIONS` actions, where it would cost more than the planning itself.
+above :data:`MAX_SIMULATED_ACTIONS` actions, where it would cost more than the planning itself;
+a simulation that needs more minibatches to reach its steady state stops at that budget.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from pipedream.optimizer.simulator import Network, default_steps, simulate, stag
 __all__ = ["MAX_SIMULATED_ACTIONS", "needs_simulation", "simulated_ms"]
 
 MAX_SIMULATED_ACTIONS = 200_000
-"""Compute actions (forward, backward) of a simulation beyond which the formula stands."""
+"""Compute actions (forward, backward) of a simulation of :func:`default_steps` minibatches
+beyond which the formula stands; also the most a simulation may grow to."""
 
 
 def needs_simulation(plan: Plan) -> bool:
@@ -46,13 +48,14 @@ def _compute_actions(plan: Plan) -> int:
 
 def simulated_ms(plan: Plan, profile: Profile, topology: Topology) -> float | None:
     """The simulated steady-state time per minibatch, or None when the run would be too big."""
-    if _compute_actions(plan) > MAX_SIMULATED_ACTIONS:
+    actions = _compute_actions(plan)
+    if actions > MAX_SIMULATED_ACTIONS:
         return None
     timeline = simulate(
         plan,
         stage_work(plan, profile),
         Network.from_topology(topology),
-        num_minibatches=default_steps(plan),
+        max_minibatches=default_steps(plan) * MAX_SIMULATED_ACTIONS // actions,
     )
     value = timeline.time_per_minibatch_ms
     return value if math.isfinite(value) and value > 0 else None

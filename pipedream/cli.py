@@ -212,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="K",
-        help="minibatches to simulate (default: fill, two steady periods, drain)",
+        help="minibatches to simulate (default: the fill, then doubling until the steady "
+        "state repeats a cycle three times, then the drain)",
     )
     simulate.add_argument(
         "--width", type=int, default=64, metavar="SLOTS", help="time slots shown in the grid"

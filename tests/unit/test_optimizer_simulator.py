@@ -19,6 +19,7 @@ from pipedream.optimizer.simulator import (
     default_steps,
     simulate,
     stage_work,
+    steady_window,
 )
 from pipedream.optimizer.timeline import format_timeline
 
@@ -179,6 +180,37 @@ def test_later_microbatches_of_a_minibatch_accumulate_their_gradients() -> None:
     assert single.time_per_minibatch_ms == pytest.approx(3.5)  # m = 1: nothing to accumulate
 
 
-def test_default_steps_cover_fill_drain_and_two_periods() -> None:
-    assert default_steps(plan_of("pipedream", [1, 1, 1, 1])) == 11
-    assert default_steps(plan_of("pipedream", [2, 3])) == 18
+def test_default_steps_cover_fill_drain_and_three_periods() -> None:
+    assert default_steps(plan_of("pipedream", [1, 1, 1, 1])) == 12  # 2 S + 3 + 1
+    assert default_steps(plan_of("pipedream", [2, 3])) == 48  # 2 * 2 S * 6 + 3 * 6 + 1, rounded up
+
+
+@pytest.mark.parametrize("stages", [2, 4, 8])
+def test_slow_messages_set_a_cycle_of_s_minibatches(stages: int) -> None:
+    # PipeDream keeps S minibatches in flight: F_{t+S} at stage 0 waits for B_t, which closes
+    # the loop F, transfer, ... at every stage and back: S (F + B) + 2 (S - 1) T per S
+    # minibatches when the messages (T = 2 ms on each pair's own link) are slower than compute.
+    # Completions alternate (3, 7, 3, 7 ms at S = 2) and, at S = 8, take 40 minibatches to
+    # settle: a window of a few minibatches after the fill measured 5.0 ms instead of 6.5 ms.
+    F, B, T = 1.0, 2.0, 2.0
+    plan = plan_of("pipedream", [1] * stages)
+    network = Network((64,), (1000.0 / T * 1e3,))  # 1000 B per message
+    work = [StageWork(F, B, 0.0, 1000.0)] * stages
+    timeline = simulate(plan, work, network)
+    expected = (stages * (F + B) + 2 * (stages - 1) * T) / stages
+    assert timeline.time_per_minibatch_ms == pytest.approx(expected)
+    assert timeline.steady
+    first, last = timeline.measured
+    assert first >= stages and last == timeline.num_minibatches - 1 - stages
+    if stages == 8:
+        assert timeline.num_minibatches == 4 * default_steps(plan)  # doubled twice
+
+
+def test_steady_window_spans_whole_cycles_of_the_second_half() -> None:
+    ends = [0.0, 3.0, 10.0, 13.0, 20.0, 23.0, 30.0, 33.0, 40.0, 43.0, 50.0, 53.0, 60.0, 63.0]
+    # fill 0-1, drain 12-13 (margin 2); in between, cycles of 2 minibatches (3 + 7 ms)
+    assert steady_window(ends, margin=2, period=1) == (5, 11)
+    assert steady_window(ends, margin=2, period=2) == (5, 11)
+    assert steady_window(ends[:8], margin=2, period=1) is None  # too short for 3 cycles
+    growing = [float(t * t) for t in range(20)]
+    assert steady_window(growing, margin=2, period=1) is None  # still a transient
