@@ -32,7 +32,7 @@ from common import (
 from common import write_section as write_results_section
 
 from pipedream.data import MicrobatchStream
-from pipedream.host_memory import keep_freed_host_memory
+from pipedream.host_memory import configure_host_memory
 from pipedream.runtime.trace import load_traces
 from pipedream.workload import load_workload
 
@@ -57,7 +57,7 @@ OURS = [
 
 def single_process_ms(repeats: int = 30, warmup: int = 5) -> float:
     """Plain one-thread training: mean time per microbatch (forward, backward, SGD step)."""
-    keep_freed_host_memory()  # as in every rank of ours (pipedream/host_memory.py)
+    configure_host_memory()  # as in every rank of ours (pipedream/host_memory.py)
     torch.set_num_threads(1)
     workload = load_workload("mlp", {k: str(v) for k, v in ARGS.items()}, microbatch_size=64)
     model, optimizer = workload.model, workload.optimizer(workload.model.parameters())
@@ -182,8 +182,9 @@ def main() -> int:
         f"`mlp` with {ARGS} (8 Linear+ReLU blocks of width 1024 and a head), microbatches of "
         f"{MICROBATCH_SIZE} samples, SGD; split {SPLIT} (layer ranges per stage); "
         "OMP_NUM_THREADS=1 and one process per stage. All three (ours, torch's, the plain loop) "
-        "run with glibc malloc keeping freed memory, as `pipedream train` sets it "
-        "(`pipedream/host_memory.py`). Speedup = time per microbatch of plain "
+        "run with the host memory settings of `pipedream train` (glibc malloc keeping freed "
+        "memory, huge pages for large tensors: "
+        "`pipedream/host_memory.py`). Speedup = time per microbatch of plain "
         "one-thread training in one process / the pipeline's steady-state time per microbatch "
         "(ideal 2x on 2 cores).",
         "",

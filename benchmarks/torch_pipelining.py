@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from pipedream.data import MicrobatchStream
-from pipedream.host_memory import keep_freed_host_memory
+from pipedream.host_memory import configure_host_memory
 from pipedream.runtime.stage import build_stage_module, layer_names
 from pipedream.workload import load_workload
 
@@ -102,7 +102,7 @@ def run_case(case: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]
 
 def main(argv: list[str]) -> int:
     cases = json.loads(Path(argv[0]).read_text())
-    keep_freed_host_memory()  # the allocator setting of ours: compare schedules, not malloc
+    configure_host_memory()  # the allocator settings of ours: compare schedules, not malloc
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()

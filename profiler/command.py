@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from pipedream.formats.profile import Profile, save_profile
-from pipedream.host_memory import keep_freed_host_memory
+from pipedream.host_memory import configure_host_memory
 from pipedream.profiler.graph_profile import layer_graph, measure_graph
 from pipedream.profiler.measure import ProfilerError, measure_sequential
 from pipedream.profiler.overhead import measure_overhead
@@ -185,7 +185,7 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
                 "no workload given; write e.g. `pipedream profile mlp -o profile.yaml` "
                 "or import one with --from-pipedream graph.txt"
             )
-        keep_freed_host_memory()  # as in `pipedream train`, so the times match the runtime's
+        configure_host_memory()  # as in `pipedream train`, so the times match the runtime's
         profile = profile_workload(
             args.workload,
             parse_workload_args(args.workload_arg),

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from pipedream.data import MicrobatchStream
 from pipedream.errors import LaunchError, RunFailure
 from pipedream.formats.plan import Plan, load_plan
-from pipedream.host_memory import keep_freed_host_memory
+from pipedream.host_memory import configure_host_memory
 from pipedream.runtime.actions import Action
 from pipedream.runtime.checkpoint import load_manifest, restore_stage, step_dir_name
 from pipedream.runtime.checkpointing import resume_point, write_checkpoint
@@ -101,7 +101,7 @@ def _check_options(options: TrainOptions, plan: Plan) -> None:
 
 
 def train(options: TrainOptions) -> int:
-    keep_freed_host_memory()  # before anything is allocated: every step reuses its memory
+    configure_host_memory()  # before anything is allocated: every step reuses its memory
     plan = load_plan(options.plan_path)
     source = options.plan_path
     _check_options(options, plan)
