@@ -65,6 +65,29 @@ def test_sleeping_layers_get_their_own_times() -> None:
     assert all(p.grad is None for p in params)
 
 
+def test_the_backward_seed_is_not_charged_to_the_last_layer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the pass's ones-like gradient of the outputs stands in for a loss's gradient; making it
+    # (a 32 MiB fill took ~15 ms) is nobody's backward: here it sleeps 50 ms
+    layers = [SleepLayer((2, 4), forward_ms=4.0, backward_ms=6.0) for _ in range(2)]
+    chain = [
+        ChainLayer(lambda x, layer=layer: (layer(x),), (str(i),), (str(i + 1),))
+        for i, layer in enumerate(layers)
+    ]
+    ones_like = torch.ones_like
+
+    def slow_ones_like(tensor: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.050)
+        return ones_like(tensor)
+
+    monkeypatch.setattr(torch, "ones_like", slow_ones_like)
+    x = torch.zeros(2, 4, requires_grad=True)
+    params = [p for layer in layers for p in layer.parameters()]
+    times = time_chain(chain, {"0": x}, params, device=torch.device("cpu"), warmup=0, repeats=2)
+    assert [6.0 <= backward < 9.0 for _, backward in times] == [True, True]
+
+
 class _SleepInPlace(torch.autograd.Function):
     """Sleeps 10 ms in forward and 20 ms in backward, modifying its input in place."""
 
