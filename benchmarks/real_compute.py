@@ -33,6 +33,7 @@ from common import write_section as write_results_section
 
 from pipedream.data import MicrobatchStream
 from pipedream.host_memory import configure_host_memory
+from pipedream.runtime.collector import frozen_heap
 from pipedream.runtime.trace import load_traces
 from pipedream.workload import load_workload
 
@@ -63,15 +64,16 @@ def single_process_ms(repeats: int = 30, warmup: int = 5) -> float:
     model, optimizer = workload.model, workload.optimizer(workload.model.parameters())
     stream = MicrobatchStream(workload.dataset, MICROBATCH_SIZE, seed=0)
     start = 0.0
-    for step in range(warmup + repeats):
-        if step == warmup:
-            start = time.perf_counter()
-        inputs, targets = stream.microbatch(step)
-        loss = workload.loss_fn(model(inputs), targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return (time.perf_counter() - start) * 1000 / repeats
+    with frozen_heap():  # as in every rank of ours (runtime/collector.py)
+        for step in range(warmup + repeats):
+            if step == warmup:
+                start = time.perf_counter()
+            inputs, targets = stream.microbatch(step)
+            loss = workload.loss_fn(model(inputs), targets)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return (time.perf_counter() - start) * 1000 / repeats
 
 
 def run_ours(schedule: str, m: int, stages: list[tuple[str, str]], steps: int, skip: int) -> dict:
@@ -182,10 +184,11 @@ def main() -> int:
         f"`mlp` with {ARGS} (8 Linear+ReLU blocks of width 1024 and a head), microbatches of "
         f"{MICROBATCH_SIZE} samples, SGD; split {SPLIT} (layer ranges per stage); "
         "OMP_NUM_THREADS=1 and one process per stage. All three (ours, torch's, the plain loop) "
-        "run with the host memory settings of `pipedream train` (glibc malloc keeping freed "
-        "memory, huge pages for large tensors: "
-        "`pipedream/host_memory.py`). Speedup = time per microbatch of plain "
-        "one-thread training in one process / the pipeline's steady-state time per microbatch "
+        "run with the host settings of `pipedream train` (glibc malloc keeping freed "
+        "memory, huge pages for large tensors: `pipedream/host_memory.py`; the objects alive "
+        "before the loop frozen out of garbage collection: `runtime/collector.py`). Speedup = "
+        "time per microbatch of plain one-thread training in one process / the pipeline's "
+        "steady-state time per microbatch "
         "(ideal 2x on 2 cores).",
         "",
         *rows,

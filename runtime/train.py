@@ -27,6 +27,7 @@ from pipedream.host_memory import configure_host_memory
 from pipedream.runtime.actions import Action
 from pipedream.runtime.checkpoint import load_manifest, restore_stage, step_dir_name
 from pipedream.runtime.checkpointing import resume_point, write_checkpoint
+from pipedream.runtime.collector import frozen_heap
 from pipedream.runtime.comm import P2P
 from pipedream.runtime.executor import Executor
 from pipedream.runtime.launch_env import LaunchEnv, device_and_backend, read_launch_env
@@ -236,21 +237,17 @@ class _RankJob:
             progress=self.options.progress,
         )
 
-    def run(self, todo: list[tuple[int, int]], resume_from: Path | None) -> int:
-        first, count = todo[0]
-        worker = self._worker(first, count)
-        if resume_from is not None:
-            restore_stage(resume_from, worker.module, worker.optimizer, stage=self.stage_index)
-            self.last_checkpoint = resume_from
-            # the first version must be taken of the restored weights, not the initial ones
-            worker.start_segment(
-                worker.versions.table, initial_version=worker.versions.live_version
-            )
-        logger = self._logger()
-        trace: list[tuple[str, float, float]] | None = [] if self.options.trace else None
-        peaks = {"max_versions": 0, "max_copies": 0, "max_in_flight": 0}
+    def _segments(
+        self,
+        todo: list[tuple[int, int]],
+        worker: StageWorker,
+        logger: MetricsLogger | None,
+        trace: list[tuple[str, float, float]] | None,
+        peaks: dict[str, int],
+    ) -> float:
+        """Run the segments between checkpoints, writing one after each; returns the seconds
+        spent in actions and raises the peaks seen."""
         compute_s = 0.0
-        start = time.perf_counter()
         for first, count in todo:
             if first != todo[0][0]:
                 worker.start_segment(
@@ -278,7 +275,25 @@ class _RankJob:
                 keep=self.options.keep,
             )
             self.last_checkpoint = directory
-        elapsed = time.perf_counter() - start
+        return compute_s
+
+    def run(self, todo: list[tuple[int, int]], resume_from: Path | None) -> int:
+        first, count = todo[0]
+        worker = self._worker(first, count)
+        if resume_from is not None:
+            restore_stage(resume_from, worker.module, worker.optimizer, stage=self.stage_index)
+            self.last_checkpoint = resume_from
+            # the first version must be taken of the restored weights, not the initial ones
+            worker.start_segment(
+                worker.versions.table, initial_version=worker.versions.live_version
+            )
+        logger = self._logger()
+        trace: list[tuple[str, float, float]] | None = [] if self.options.trace else None
+        peaks = {"max_versions": 0, "max_copies": 0, "max_in_flight": 0}
+        with frozen_heap():  # no full collection pauses the loop (runtime/collector.py)
+            start = time.perf_counter()
+            compute_s = self._segments(todo, worker, logger, trace, peaks)
+            elapsed = time.perf_counter() - start
         stats = RankStats(
             rank=self.rank,
             stage=self.stage_index,
