@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import sys
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ F_MS, B_MS = 20.0, 40.0
 """Sleep per stage and microbatch (ms): ~1 ms of per-action runtime overhead is then ~3%."""
 MICROBATCH_SIZE = 8
 SIZES = {"small": 32 * 1024, "large": 32 * 1024 * 1024}
+WARM_MESSAGES = 48
+"""32 MiB messages a link carries before its times settle (see ``Case.steps_and_skip``)."""
 FLUSHING = ("1f1b", "gpipe")
 ASYNC = ("pipedream", "pipedream-vs", "2bw")
 EXAMPLE_TIMELINES = ("small-S4-1f1b-m8", "large-S2-1f1b-m8")
@@ -66,18 +69,25 @@ class Case:
     def steps_and_skip(self) -> tuple[int, int]:
         """Minibatches to run and updates to leave out before measuring.
 
-        The first minibatch is the pipeline's fill and process start-up, and with 32 MiB
-        messages the second one still warms up (it took 2.5 s where the later ones took 1.1-1.3
-        s at S = 4, gpipe, m = 8: first sends on each connection, fresh buffers), so flushing
-        schedules skip one update and 2bw two. Asynchronous PipeDream minibatches are short and
-        vary a lot one by one when 32 MiB messages share 2 cores (66-389 ms around a mean of
-        ~150 ms), so 20 of them are averaged after the fill.
+        The first minibatch is the pipeline's fill and process start-up, so flushing schedules
+        skip one update, 2bw two and asynchronous PipeDream its ``S`` in flight and two more.
+        With 32 MiB messages a link warms up for its first ~48 messages (1.5 GiB): streams of
+        16 took 42-88 ms per message first, 16-34 ms next, then 9-13 ms (loopback TCP growing
+        its buffers, fresh memory), so updates are also skipped until every link has carried
+        48 messages (``2 m`` per minibatch). PipeDream minibatches are short and vary a lot
+        one by one when 32 MiB messages share 2 cores (66-389 ms around a mean of ~150 ms), so
+        20 of them are averaged.
         """
+        m = self.microbatches
+        warm = math.ceil(WARM_MESSAGES / (2 * m)) if self.size == "large" else 0
         if self.schedule in FLUSHING:
-            return 4, 1
+            skip = max(1, warm)
+            return skip + 3, skip
         if self.schedule == "2bw":
-            return 5, 2
-        return self.stages + 22, self.stages + 2
+            skip = max(2, warm + 1)
+            return skip + 3, skip
+        skip = self.stages + 2 + warm
+        return skip + 20, skip
 
     def workload_args(self) -> dict[str, Any]:
         return {
