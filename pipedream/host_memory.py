@@ -12,7 +12,7 @@ stage, 30 steps).
 threshold at 32 MiB, the most glibc accepts (setting either turns off glibc's own adjustment
 of both). Blocks of 32 MiB and more are still mapped and unmapped by glibc, and every 4 KiB
 page of them faults in again: :func:`use_huge_pages` turns on PyTorch's transparent-huge-page
-allocations (``THP_MEM_ALLOC_ENABLE=1``: blocks of 2 MiB and more aligned to 2 MiB and advised
+allocations (``THP_MEM_ALLOC_ENABLE=1``: blocks of 2 MiB and more are page-aligned and advised
 ``MADV_HUGEPAGE``), one fault per 2 MiB. With 32 MiB activations sent between 4 gloo processes
 on 2 cores (sleep stages, GPipe, 8 microbatches) that took a minibatch from 1146-1180 ms to
 840-864 ms; the ``mlp`` benchmark's 1-2 MiB tensors do not change (23.8-25.6 ms per step either
