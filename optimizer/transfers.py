@@ -4,8 +4,8 @@ By default the simulator gives every pair of ranks a link of its own. On one hos
 what happens: a message over loopback TCP (gloo on CPUs) is copied by the CPUs of both ends, so
 concurrent transfers slow each other down. Measured here (gloo, 2 cores, 32 MiB messages on
 warmed-up links): one transfer 11.8-12.8 ms, two on different pairs 15.2-15.5 ms, three in a
-chain 23.0-24.7 ms, i.e. the host moves about 1.5x one link's bandwidth in total. The same shape holds for the ranks of a server sharing
-one network card.
+chain 23.0-24.7 ms, i.e. the host moves about 1.5x one link's bandwidth in total. The same
+shape holds for the ranks of a server sharing one network card.
 
 :class:`TransferPool` models that as processor sharing: every active transfer moves at
 ``min(link bandwidth, capacity / n)``, ``n`` the active transfers charged to the same unit
