@@ -29,6 +29,7 @@ __all__ = [
     "REPO",
     "RESULTS",
     "RUNS",
+    "WARM_MESSAGES",
     "Command",
     "machine_lines",
     "plan_dict",
@@ -43,6 +44,10 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "RESULTS.md"
 RUNS = REPO / "runs" / "benchmarks"
 """Plans, run directories and traces of the benchmarks (ignored by git)."""
+WARM_MESSAGES = 48
+"""32 MiB messages a gloo link carries before its times settle, left out of every calibration
+and measurement: on a fresh link streams of 16 took 42-88 ms per message first, 16-34 ms next,
+then 9-13 ms (loopback TCP growing its buffers, fresh memory)."""
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ Launched with torchrun by ``simulator_accuracy.py``::
 Loopback messages are copied by the CPUs of both ends, so on a small host concurrent transfers
 slow each other down. Four processes send 32 MiB messages: one alone (0 -> 1), two on disjoint
 pairs (0 -> 1, 2 -> 3) and three along a chain (0 -> 1 -> 2 -> 3), all started together after a
-barrier, after 48 untimed messages on every link (fresh links are slow); the time until the
-last one arrived, median over repeats, is written to ``OUT.json``
+barrier, after ``WARM_MESSAGES`` (``common.py``) untimed messages on every link (fresh links
+are slow); the time until the last one arrived, median over repeats, is written to ``OUT.json``
 with the host's capacity in bytes/s: the mean over the concurrent cases of
 ``messages x bytes / time`` (what ``pipedream simulate --host-bandwidth`` takes).
 """
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from common import WARM_MESSAGES
 
 from pipedream.host_memory import configure_host_memory
 
@@ -36,9 +37,6 @@ CASES = {
     "chain of three": [(0, 1), (1, 2), (2, 3)],
 }
 REPEATS = 9
-WARM_MESSAGES = 48
-"""Messages each link carries before timing: a fresh link is several times slower for its first
-~48 32 MiB messages (loopback TCP growing its buffers, fresh memory)."""
 
 
 def _trial(pairs: list[tuple[int, int]], payload: torch.Tensor) -> float:

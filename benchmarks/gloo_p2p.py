@@ -5,8 +5,9 @@ Launched with torchrun by the benchmarks::
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/gloo_p2p.py OUT.json
 
 Rank 0 sends a float32 tensor of each size to rank 1, which receives it into a fresh buffer
-(as the runtime does), after 48 untimed messages of that size (a fresh link is slow at
-first); the median over repeats is written to ``OUT.json`` as ``{bytes: milliseconds}``.
+(as the runtime does), after ``WARM_MESSAGES`` (``common.py``) untimed messages of that size
+(a fresh link is slow at first); the median over repeats is written to ``OUT.json`` as
+``{bytes: milliseconds}``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from common import WARM_MESSAGES
 
 from pipedream.host_memory import configure_host_memory
 
@@ -25,9 +27,6 @@ __all__ = ["SIZES", "main"]
 
 SIZES = (32 * 1024, 32 * 1024 * 1024)
 """Message sizes of the sleep benchmark (bytes)."""
-WARM_MESSAGES = 48
-"""Untimed messages first: 32 MiB messages on a fresh link took 40-90 ms each, then ~10 ms
-after about 48 of them (loopback TCP growing its buffers, fresh memory)."""
 
 
 def main(argv: list[str]) -> int:

@@ -23,7 +23,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common import REPO, RUNS, Command, plan_dict, run_command, steady_period_ms, write_plan
+from common import (
+    REPO,
+    RUNS,
+    WARM_MESSAGES,
+    Command,
+    plan_dict,
+    run_command,
+    steady_period_ms,
+    write_plan,
+)
 from sleep_report import render
 
 from pipedream.runtime.trace import load_traces, write_chrome_trace
@@ -35,8 +44,6 @@ F_MS, B_MS = 20.0, 40.0
 """Sleep per stage and microbatch (ms): ~1 ms of per-action runtime overhead is then ~3%."""
 MICROBATCH_SIZE = 8
 SIZES = {"small": 32 * 1024, "large": 32 * 1024 * 1024}
-WARM_MESSAGES = 48
-"""32 MiB messages a link carries before its times settle (see ``Case.steps_and_skip``)."""
 FLUSHING = ("1f1b", "gpipe")
 ASYNC = ("pipedream", "pipedream-vs", "2bw")
 EXAMPLE_TIMELINES = ("small-S4-1f1b-m8", "large-S2-1f1b-m8")
@@ -71,10 +78,9 @@ class Case:
 
         The first minibatch is the pipeline's fill and process start-up, so flushing schedules
         skip one update, 2bw two and asynchronous PipeDream its ``S`` in flight and two more.
-        With 32 MiB messages a link warms up for its first ~48 messages (1.5 GiB): streams of
-        16 took 42-88 ms per message first, 16-34 ms next, then 9-13 ms (loopback TCP growing
-        its buffers, fresh memory), so updates are also skipped until every link has carried
-        48 messages (``2 m`` per minibatch). PipeDream minibatches are short and vary a lot
+        With 32 MiB messages a link warms up for its first ``WARM_MESSAGES`` (``common.py``),
+        so updates are also skipped until every link has carried that many (``2 m`` per
+        minibatch). PipeDream minibatches are short and vary a lot
         one by one when 32 MiB messages share 2 cores (66-389 ms around a mean of ~150 ms), so
         20 of them are averaged.
         """

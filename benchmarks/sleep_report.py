@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from common import machine_lines, write_section
+from common import WARM_MESSAGES, machine_lines, write_section
 
 from pipedream.runtime.actions import Op
 
@@ -148,7 +148,7 @@ def render(
         large = max(message_ms)
         lines += [
             f"One gloo message between two processes of this machine, one way ({cells}; on a "
-            f"link warmed up by 48 of them); a 32 MiB activation costs "
+            f"link warmed up by {WARM_MESSAGES} of them); a 32 MiB activation costs "
             f"{message_ms[large] / f_ms:.2f} forwards, and both processes' CPU while it is "
             "copied.",
             "",

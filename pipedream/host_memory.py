@@ -31,7 +31,6 @@ import ctypes
 import ctypes.util
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
@@ -39,7 +38,6 @@ __all__ = [
     "HUGE_PAGES_ENV_VAR",
     "MMAP_THRESHOLD",
     "TRIM_THRESHOLD",
-    "HostMemory",
     "configure_host_memory",
     "keep_freed_host_memory",
     "use_huge_pages",
@@ -60,19 +58,10 @@ _M_TRIM_THRESHOLD = -1  # from glibc's malloc.h
 _M_MMAP_THRESHOLD = -3
 
 
-@dataclass(frozen=True)
-class HostMemory:
-    """What :func:`configure_host_memory` turned on."""
-
-    keep_freed: bool
-    """glibc keeps freed memory (:func:`keep_freed_host_memory`)."""
-    huge_pages: bool
-    """PyTorch's large CPU allocations use transparent huge pages (:func:`use_huge_pages`)."""
-
-
-def configure_host_memory() -> HostMemory:
+def configure_host_memory() -> None:
     """Both settings (module docstring); call before the process allocates any tensor."""
-    return HostMemory(keep_freed_host_memory(), use_huge_pages())
+    keep_freed_host_memory()
+    use_huge_pages()
 
 
 def _disabled() -> bool:
