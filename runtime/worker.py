@@ -117,7 +117,7 @@ class StageWorker:
     def _inputs(self, microbatch: int, received: list[Tensor] | None) -> list[Tensor]:
         if self.config.is_first:
             assert self.data is not None
-            inputs, _ = self.data.microbatch(microbatch)
+            inputs = self.data.inputs(microbatch)
             return [inputs.to(self.config.device)]
         assert received is not None
         return [t.detach().requires_grad_(t.is_floating_point()) for t in received]
@@ -130,7 +130,7 @@ class StageWorker:
         zero gradient to every stage while the schedule runs on unchanged.
         """
         assert self.data is not None
-        _, targets = self.data.microbatch(microbatch)
+        targets = self.data.targets(microbatch)
         loss = self.loss_fn(outputs[0], targets.to(self.config.device))
         if not bool(torch.isfinite(loss.detach())):
             if not self.config.skip_nonfinite:
