@@ -3,7 +3,8 @@
 It runs the very tables the runtime executes (:func:`pipedream.runtime.schedule.build_tables`)
 with profiled costs instead of tensors:
 
-* ``F``/``B``: the stage's summed forward/backward time of one microbatch; ``U``: the optimizer
+* ``F``/``B``: the stage's summed forward/backward time of one microbatch (the first and the
+  last stage's forward also read the microbatch's inputs and targets); ``U``: the optimizer
   step over the stage's parameters (the layers' ``update_ms``, 0 where the profile has none),
   plus a copy of the stage's weights when the version it creates is stashed (weight stashing,
   :mod:`~pipedream.runtime.versions`); every backward of a minibatch but its first also adds
@@ -189,8 +190,9 @@ def stage_work(plan: Plan, profile: Profile) -> list[StageWork]:
     """Per-stage costs of ``plan`` from ``profile`` (layer names must match).
 
     The runtime's cost per action (the profile's ``overhead_ms``) is added to every forward,
-    backward and update; a profile without it (imported, or written before it was measured)
-    adds nothing.
+    backward and update, and reading a microbatch from the dataset to every forward of the
+    first stage (inputs) and of the last stage (targets); a profile without it (imported, or
+    written before it was measured) adds nothing.
     """
     index = {name: i for i, name in enumerate(profile.layer_names)}
     overhead = profile.overhead or ActionOverhead(0.0, 0.0, 0.0)
@@ -206,9 +208,12 @@ def stage_work(plan: Plan, profile: Profile) -> list[StageWork]:
         first, last = index[stage.first_layer], index[stage.last_layer]
         layers = profile.layers[first : last + 1]
         params = float(sum(layer.parameter_bytes for layer in layers))
+        reads = (overhead.inputs_ms if number == 0 else 0.0) + (
+            overhead.targets_ms if number == len(plan.stages) - 1 else 0.0
+        )
         work.append(
             StageWork(
-                forward_ms=sum(layer.forward_ms for layer in layers) + overhead.forward_ms,
+                forward_ms=sum(layer.forward_ms for layer in layers) + overhead.forward_ms + reads,
                 backward_ms=sum(layer.backward_ms for layer in layers) + overhead.backward_ms,
                 parameter_bytes=params,
                 output_bytes=float(profile.boundary_bytes(last)) if last < len(index) - 1 else 0,

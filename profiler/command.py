@@ -13,6 +13,7 @@ workers that will train; the summary line shows the value used).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Sequence
 from typing import TextIO
@@ -20,11 +21,12 @@ from typing import TextIO
 import torch
 from torch import nn
 
+from pipedream.data import MicrobatchStream
 from pipedream.formats.profile import Profile, save_profile
 from pipedream.host_memory import configure_host_memory
 from pipedream.profiler.graph_profile import layer_graph, measure_graph
 from pipedream.profiler.measure import ProfilerError, measure_sequential
-from pipedream.profiler.overhead import measure_overhead
+from pipedream.profiler.overhead import measure_data_reads, measure_overhead
 from pipedream.workload import load_workload, parse_workload_args
 
 __all__ = ["default_device", "format_table", "profile_workload", "run"]
@@ -109,7 +111,9 @@ def format_table(profile: Profile) -> str:
         extra = profile.overhead
         table.append(
             f"runtime cost per action (added by the simulator): forward {extra.forward_ms:.3f} "
-            f"ms, backward {extra.backward_ms:.3f} ms, update {extra.update_ms:.3f} ms"
+            f"ms, backward {extra.backward_ms:.3f} ms, update {extra.update_ms:.3f} ms; reading "
+            f"a microbatch: inputs {extra.inputs_ms:.3f} ms (first stage), targets "
+            f"{extra.targets_ms:.3f} ms (last stage)"
         )
     return "\n".join(table)
 
@@ -153,6 +157,11 @@ def profile_workload(
         )
         cut_bytes = tuple(graph.cut_bytes())
     overhead = measure_overhead(workload.optimizer, device=device, warmup=warmup, repeats=repeats)
+    stream = MicrobatchStream(workload.dataset, int(workload.example_input.shape[0]), seed=0)
+    inputs_ms, targets_ms = measure_data_reads(
+        stream, device=device, warmup=warmup, repeats=repeats
+    )
+    overhead = dataclasses.replace(overhead, inputs_ms=inputs_ms, targets_ms=targets_ms)
     param = next(iter(model.parameters()), None)
     dtype = param.dtype if param is not None else torch.get_default_dtype()
     return Profile(

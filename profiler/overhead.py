@@ -11,7 +11,9 @@ It is measured here on a stage with a single scalar weight (a middle stage of a 
 minus the same plain computation (the module call, its backward, the optimizer step), median
 over repeats, never below 0. Stashing a version copies the stage's weights (into the memory of
 a released copy), and a minibatch of several microbatches adds each gradient into ``.grad``;
-both costs per MiB are measured on 16 MiB tensors.
+both costs per MiB are measured on 16 MiB tensors. The first stage reads every microbatch's
+inputs from the workload's dataset and the last stage its targets (``pipedream/data.py``):
+:func:`measure_data_reads` times both on the workload's own dataset.
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from pipedream.data import MicrobatchStream
 from pipedream.formats.profile import ActionOverhead
 from pipedream.profiler.measure import OptimizerFactory, sync_device
 from pipedream.runtime.actions import Op
 from pipedream.runtime.schedule import PipelineSpec, build_tables
 from pipedream.runtime.worker import StageWorker, WorkerConfig
 
-__all__ = ["measure_overhead"]
+__all__ = ["measure_data_reads", "measure_overhead"]
 
 
 class _Scale(nn.Module):
@@ -133,3 +136,15 @@ def _per_mib(
     copies = [_ms(lambda: target.copy_(source), sync) for _ in range(count)]
     adds = [_ms(lambda: target.add_(source), sync) for _ in range(count)]
     return statistics.median(copies[warmup:]) / mib, statistics.median(adds[warmup:]) / mib
+
+
+def measure_data_reads(
+    stream: MicrobatchStream, *, device: torch.device, warmup: int = 3, repeats: int = 10
+) -> tuple[float, float]:
+    """Milliseconds to read one microbatch's inputs and its targets onto ``device`` (medians),
+    as the first and the last stage do on every forward; a different microbatch each time."""
+    sync = functools.partial(sync_device, device)
+    count = warmup + max(repeats, 5)
+    inputs = [_ms(lambda i=i: stream.inputs(i).to(device), sync) for i in range(count)]
+    targets = [_ms(lambda i=i: stream.targets(i).to(device), sync) for i in range(count)]
+    return statistics.median(inputs[warmup:]), statistics.median(targets[warmup:])

@@ -89,7 +89,9 @@ class ActionOverhead:
 
     Measured by running the runtime's stage worker on a stage with a single scalar weight: the
     fixed cost of an action (stashing and functional calls, the autograd call, the optimizer
-    call), which small layers feel and the simulator adds to every action.
+    call), which small layers feel and the simulator adds to every action. Reading a
+    microbatch from the workload's dataset is measured on the workload itself: the first stage
+    pays it for the inputs, the last stage for the targets, on every forward.
     """
 
     forward_ms: float
@@ -104,6 +106,12 @@ class ActionOverhead:
     accumulate_ms_per_mib: float = 0.0
     """Adding a microbatch's gradient into ``.grad``, per MiB of parameters (every backward of
     a minibatch but its first, when it has several microbatches); optional."""
+    inputs_ms: float = 0.0
+    """Reading one microbatch's inputs from the dataset (every forward of the first stage);
+    optional."""
+    targets_ms: float = 0.0
+    """Reading one microbatch's targets from the dataset (every forward of the last stage);
+    optional."""
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -115,6 +123,10 @@ class ActionOverhead:
             out["copy_ms_per_mib"] = round(self.copy_ms_per_mib, 6)
         if self.accumulate_ms_per_mib:
             out["accumulate_ms_per_mib"] = round(self.accumulate_ms_per_mib, 6)
+        if self.inputs_ms:
+            out["inputs_ms"] = round(self.inputs_ms, 6)
+        if self.targets_ms:
+            out["targets_ms"] = round(self.targets_ms, 6)
         return out
 
     @classmethod
@@ -125,6 +137,8 @@ class ActionOverhead:
             update_ms=reader.number("update_ms"),
             copy_ms_per_mib=reader.number("copy_ms_per_mib", 0.0),
             accumulate_ms_per_mib=reader.number("accumulate_ms_per_mib", 0.0),
+            inputs_ms=reader.number("inputs_ms", 0.0),
+            targets_ms=reader.number("targets_ms", 0.0),
         )
         reader.finish()
         return overhead

@@ -83,6 +83,8 @@ PROFILE: dict[str, Any] = {
         "update_ms": 0.5,
         "copy_ms_per_mib": 0.0625,
         "accumulate_ms_per_mib": 0.09375,
+        "inputs_ms": 0.03125,
+        "targets_ms": 0.015625,
     },
 }
 
@@ -167,6 +169,8 @@ def test_profile_from_literal_dict() -> None:
         update_ms=0.5,
         copy_ms_per_mib=0.0625,
         accumulate_ms_per_mib=0.09375,
+        inputs_ms=0.03125,
+        targets_ms=0.015625,
     )
     assert profile.cut_bytes == (1024, 2048)
     assert [profile.boundary_bytes(i) for i in range(2)] == [1024, 2048]

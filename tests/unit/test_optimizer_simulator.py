@@ -151,6 +151,26 @@ def test_stage_work_adds_update_times_and_the_runtime_cost_per_action() -> None:
     assert timeline.time_per_minibatch_ms == pytest.approx(2.25 + 4.125 + 1.5625)
 
 
+def test_first_and_last_stage_forwards_read_the_microbatch() -> None:
+    layers = tuple(LayerProfile(f"l{i}", "Linear", 1.0, 2.0, 100, 10) for i in range(3))
+    overhead = ActionOverhead(0.0, 0.0, 0.0, inputs_ms=0.5, targets_ms=0.25)
+    profile = Profile("toy", 1, "cpu", "float32", layers, overhead=overhead)
+    stages = [("l0", "l0"), ("l1", "l1"), ("l2", "l2")]
+    plan = Plan(
+        "toy",
+        "gpipe",
+        1,
+        1,
+        3,
+        tuple(StagePlan(a, b, 1, (i,)) for i, (a, b) in enumerate(stages)),
+    )
+    # inputs on stage 0, nothing in the middle, targets on the last stage
+    assert [w.forward_ms for w in stage_work(plan, profile)] == [1.5, 1.0, 1.25]
+    # one stage reads both
+    alone = Plan("toy", "gpipe", 1, 1, 1, (StagePlan("l0", "l2", 1, (0,)),))
+    assert [w.forward_ms for w in stage_work(alone, profile)] == [3.75]
+
+
 @pytest.mark.parametrize(
     ("schedule", "m", "expected"),
     [

@@ -13,7 +13,7 @@ from torch import nn
 
 from pipedream.profiler.chain import ChainLayer, _backward_ms, time_chain
 from pipedream.profiler.measure import UpdateTimer, measure_sequential
-from pipedream.profiler.overhead import measure_overhead
+from pipedream.profiler.overhead import measure_data_reads, measure_overhead
 from pipedream.workloads.sleep import SleepLayer
 
 
@@ -188,3 +188,26 @@ def test_runtime_overhead_is_measured_per_action() -> None:
     # would suggest it was allocated or page-faulted each time
     assert 0.0 < overhead.copy_ms_per_mib < 5.0
     assert 0.0 < overhead.accumulate_ms_per_mib < 5.0
+
+
+def test_data_reads_are_timed_on_the_workloads_dataset() -> None:
+    reads: list[tuple[str, int]] = []
+
+    class Stream:
+        def inputs(self, index: int) -> torch.Tensor:
+            reads.append(("inputs", index))
+            return torch.zeros(4, 3)
+
+        def targets(self, index: int) -> torch.Tensor:
+            reads.append(("targets", index))
+            return torch.zeros(4)
+
+    inputs_ms, targets_ms = measure_data_reads(
+        Stream(),  # type: ignore[arg-type]
+        device=torch.device("cpu"),
+        warmup=1,
+        repeats=5,
+    )
+    # a different microbatch each time: 1 warm-up read and 5 timed ones of each
+    assert reads == [("inputs", i) for i in range(6)] + [("targets", i) for i in range(6)]
+    assert 0.0 < inputs_ms < 50.0 and 0.0 < targets_ms < 50.0
