@@ -46,17 +46,23 @@ SPLIT = [("0", "3"), ("4", "8")]
 """Four blocks on stage 0; four blocks and the head on stage 1 (balanced)."""
 M = 8
 """Microbatches per minibatch for 2bw, 1f1b and gpipe."""
-# (schedule, microbatches, stages, steps, updates skipped)
+# (schedule, microbatches, stages, steps, updates skipped): about 1.5 s skipped, 2.5 s measured.
+# The first second or so of a run is not steady: 2bw with m = 8 took 181-221 ms per minibatch
+# over its first 6 minibatches and 150-163 ms after the 10th, its backward passes stalling
+# 10-40 ms at a time early on.
 OURS = [
-    ("pipedream", 1, SPLIT, 40, 8),
-    ("2bw", M, SPLIT, 7, 2),
-    ("1f1b", M, SPLIT, 6, 1),
-    ("gpipe", M, SPLIT, 6, 1),
-    ("pipedream", 1, [("0", "8")], 30, 5),
+    ("pipedream", 1, SPLIT, 200, 80),
+    ("2bw", M, SPLIT, 26, 10),
+    ("1f1b", M, SPLIT, 24, 9),
+    ("gpipe", M, SPLIT, 24, 9),
+    ("pipedream", 1, [("0", "8")], 110, 40),
 ]
+TORCH_STEPS, TORCH_WARMUP = 24, 10
+"""torch.distributed.pipelining: steps run, and the step whose end starts the window (as ours
+with 1f1b and gpipe: the end of the 10th step)."""
 
 
-def single_process_ms(repeats: int = 30, warmup: int = 5) -> float:
+def single_process_ms(repeats: int = 70, warmup: int = 40) -> float:
     """Plain one-thread training: mean time per microbatch (forward, backward, SGD step)."""
     configure_host_memory()  # as in every rank of ours (pipedream/host_memory.py)
     torch.set_num_threads(1)
@@ -114,8 +120,8 @@ def run_torch() -> tuple[dict[str, float], str]:
             "schedule": schedule,
             "microbatches": M,
             "microbatch_size": MICROBATCH_SIZE,
-            "steps": 6,
-            "warmup": 2,  # the window of ours
+            "steps": TORCH_STEPS,
+            "warmup": TORCH_WARMUP,
         }
         for schedule in ("gpipe", "1f1b")
     ]
