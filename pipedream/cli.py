@@ -81,6 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PNG",
         help="also draw per-layer compute time, output bytes and parameter bytes (matplotlib)",
     )
+    profile.add_argument(
+        "--concurrent",
+        type=int,
+        default=1,
+        metavar="K",
+        help="CPU: measure while K-1 more processes train the workload, as K ranks sharing "
+        "this host will (default 1)",
+    )
     profile.add_argument("--warmup", type=int, default=3, help="untimed runs per layer")
     profile.add_argument("--repeats", type=int, default=10, help="timed runs per layer (median)")
     profile.add_argument("-o", "--output", required=True, metavar="PROFILE")

@@ -2,12 +2,15 @@
 
 ::
 
-    pipedream profile WORKLOAD [--workload-arg KEY=VALUE ...] [--microbatch-size B] -o PROFILE
+    pipedream profile WORKLOAD [--workload-arg KEY=VALUE ...] [--microbatch-size B]
+                      [--concurrent K] -o PROFILE
     pipedream profile --from-pipedream graph.txt -o PROFILE
 
 The measurement runs on the first GPU when CUDA is available, else on the CPU with torch's
 current number of threads (set ``OMP_NUM_THREADS`` / ``torch.set_num_threads`` to match the
-workers that will train; the summary line shows the value used).
+workers that will train; the summary line shows the value used). Where several CPU ranks will
+share a host, ``--concurrent K`` measures while ``K - 1`` co-runners train the same workload
+(:mod:`pipedream.profiler.corunners`).
 """
 
 from __future__ import annotations
@@ -22,12 +25,13 @@ import torch
 from torch import nn
 
 from pipedream.data import MicrobatchStream
-from pipedream.formats.profile import Profile, save_profile
+from pipedream.formats.profile import ActionOverhead, LayerProfile, Profile, save_profile
 from pipedream.host_memory import configure_host_memory
+from pipedream.profiler.corunners import Corunners, CorunnerSpec
 from pipedream.profiler.graph_profile import layer_graph, measure_graph
 from pipedream.profiler.measure import ProfilerError, measure_sequential
 from pipedream.profiler.overhead import measure_data_reads, measure_overhead
-from pipedream.workload import load_workload, parse_workload_args
+from pipedream.workload import Workload, load_workload, parse_workload_args
 
 __all__ = ["default_device", "format_table", "profile_workload", "run"]
 
@@ -128,12 +132,15 @@ def profile_workload(
     device: torch.device | None = None,
     depth: int | None = None,
     patterns: Sequence[str] = (),
+    concurrent: int = 1,
 ) -> Profile:
     """Build workload ``name`` and measure every layer of its model.
 
     An ``nn.Sequential`` is measured child by child; any other model, or any model with
     ``depth``/``patterns`` (``--depth``, ``--layers``), through its ``torch.export`` graph.
     The runtime's own cost per action is measured too (:mod:`pipedream.profiler.overhead`).
+    With ``concurrent`` K > 1 (CPU only), K - 1 co-runner processes train the same workload
+    meanwhile, as the other ranks of a host do (:mod:`pipedream.profiler.corunners`).
     """
     if microbatch_size is not None and microbatch_size < 1:
         raise ProfilerError(f"--microbatch-size must be >= 1, got {microbatch_size}")
@@ -141,8 +148,49 @@ def profile_workload(
         raise ProfilerError(f"--warmup must be >= 0, got {warmup}")
     if repeats < 1:
         raise ProfilerError(f"--repeats must be >= 1, got {repeats}")
+    if concurrent < 1:
+        raise ProfilerError(
+            f"--concurrent must be >= 1 (processes training on the host), got {concurrent}"
+        )
     workload = load_workload(name, workload_args, microbatch_size=microbatch_size)
     device = device or default_device()
+    if concurrent > 1 and device.type != "cpu":
+        raise ProfilerError(
+            f"--concurrent {concurrent} is for CPU ranks sharing a host, but the profile runs "
+            f"on {device}, where every rank has a device of its own; leave --concurrent out"
+        )
+    spec = CorunnerSpec(
+        name, dict(workload_args), microbatch_size, torch.get_num_threads(), tuple(sys.path)
+    )
+    with Corunners(spec, concurrent - 1):
+        layers, cut_bytes, overhead = _measure(
+            workload, device, warmup=warmup, repeats=repeats, depth=depth, patterns=patterns
+        )
+    param = next(iter(workload.model.parameters()), None)
+    dtype = param.dtype if param is not None else torch.get_default_dtype()
+    return Profile(
+        workload=name,
+        microbatch_size=int(workload.example_input.shape[0]),
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        layers=tuple(layers),
+        cut_bytes=cut_bytes,
+        workload_args=dict(workload_args),
+        overhead=overhead,
+        concurrent=concurrent,
+    )
+
+
+def _measure(
+    workload: Workload,
+    device: torch.device,
+    *,
+    warmup: int,
+    repeats: int,
+    depth: int | None,
+    patterns: Sequence[str],
+) -> tuple[list[LayerProfile], tuple[int, ...] | None, ActionOverhead]:
+    """The layers' costs, the bytes across every cut of a traced model, the runtime's costs."""
     model = workload.model.to(device)
     example = workload.example_input.to(device)
     cut_bytes = None
@@ -162,18 +210,7 @@ def profile_workload(
         stream, device=device, warmup=warmup, repeats=repeats
     )
     overhead = dataclasses.replace(overhead, inputs_ms=inputs_ms, targets_ms=targets_ms)
-    param = next(iter(model.parameters()), None)
-    dtype = param.dtype if param is not None else torch.get_default_dtype()
-    return Profile(
-        workload=name,
-        microbatch_size=int(workload.example_input.shape[0]),
-        device=str(device),
-        dtype=str(dtype).removeprefix("torch."),
-        layers=tuple(layers),
-        cut_bytes=cut_bytes,
-        workload_args=dict(workload_args),
-        overhead=overhead,
-    )
+    return list(layers), cut_bytes, overhead
 
 
 def run(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
@@ -183,6 +220,11 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
         if args.workload:
             raise ProfilerError(
                 f"give either a workload ({args.workload!r}) or --from-pipedream, not both"
+            )
+        if getattr(args, "concurrent", 1) != 1:
+            raise ProfilerError(
+                "--concurrent measures a workload beside co-runners; an imported profile "
+                "measures nothing: leave --concurrent out"
             )
         from pipedream.profiler.pipedream_import import import_pipedream_graph
 
@@ -204,10 +246,18 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
             device=torch.device(args.device) if getattr(args, "device", None) else None,
             depth=getattr(args, "depth", None),
             patterns=tuple(getattr(args, "layers", None) or ()),
+            concurrent=getattr(args, "concurrent", 1),
         )
         threads = f", {torch.get_num_threads()} CPU threads" if profile.device == "cpu" else ""
+        others = profile.concurrent - 1
+        beside = (
+            f", {others} more process{'es' if others > 1 else ''} training beside it "
+            f"(--concurrent {profile.concurrent})"
+            if others
+            else ""
+        )
         how = (
-            f"measured on {profile.device}{threads}, median of {args.repeats} runs "
+            f"measured on {profile.device}{threads}{beside}, median of {args.repeats} runs "
             f"after {args.warmup} warm-up"
         )
     save_profile(profile, args.output)

@@ -164,9 +164,13 @@ class Profile:
     """``--workload-arg`` options the workload was built with."""
     overhead: ActionOverhead | None = None
     """The runtime's cost per action on the profiled machine (``overhead_ms``); optional."""
+    concurrent: int = 1
+    """Processes training on the host while it was measured, the measuring one included
+    (``pipedream profile --concurrent``: CPU ranks sharing a host); optional, default 1."""
 
     def __post_init__(self) -> None:
         assert self.cut_bytes is None or len(self.cut_bytes) == len(self.layers) - 1
+        assert self.concurrent >= 1
 
     @property
     def layer_names(self) -> list[str]:
@@ -196,9 +200,11 @@ class Profile:
                 "microbatch_size": self.microbatch_size,
                 "device": self.device,
                 "dtype": self.dtype,
-                "layers": [layer.to_dict() for layer in self.layers],
             }
         )
+        if self.concurrent != 1:
+            out["concurrent"] = self.concurrent
+        out["layers"] = [layer.to_dict() for layer in self.layers]
         if self.cut_bytes is not None:
             out["cut_bytes"] = list(self.cut_bytes)
         if self.overhead is not None:
@@ -218,6 +224,7 @@ class Profile:
         microbatch_size = reader.int("microbatch_size", minimum=1)
         device = reader.str("device")
         dtype = reader.str("dtype")
+        concurrent = reader.int("concurrent", 1, minimum=1)
         raw_layers = reader.list("layers")
         layers = []
         names: set[str] = set()
@@ -258,6 +265,7 @@ class Profile:
             cut_bytes=cuts,
             workload_args=args,
             overhead=overhead,
+            concurrent=concurrent,
         )
 
 

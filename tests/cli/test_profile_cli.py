@@ -104,6 +104,11 @@ def fake_workloads(monkeypatch: pytest.MonkeyPatch) -> str:
         (["profile", "mlp", "--warmup", "-1"], "--warmup must be >= 0"),
         (["profile", "mlp", "--microbatch-size", "0"], "--microbatch-size must be >= 1"),
         (["profile", "mlp", "--from-pipedream", "graph.txt"], "not both"),
+        (["profile", "mlp", "--concurrent", "0"], "--concurrent must be >= 1"),
+        (
+            ["profile", "--from-pipedream", "graph.txt", "--concurrent", "2"],
+            "an imported profile measures nothing: leave --concurrent out",
+        ),
         (["profile", "FAKE"], "torch.export could not trace DataDependent"),
     ],
 )

@@ -187,6 +187,15 @@ def test_profile_without_cut_bytes_uses_output_bytes() -> None:
     assert profile.to_dict() == data
 
 
+def test_profile_concurrent_defaults_to_one_and_round_trips() -> None:
+    assert Profile.from_dict(PROFILE).concurrent == 1
+    assert "concurrent" not in Profile.from_dict(PROFILE).to_dict()
+    data = {**copy.deepcopy(PROFILE), "concurrent": 2}
+    profile = Profile.from_dict(data)
+    assert profile.concurrent == 2
+    assert profile.to_dict() == data
+
+
 def test_profile_save_load(tmp_path: Path) -> None:
     profile = Profile.from_dict(PROFILE)
     path = tmp_path / "profile.yaml"
@@ -464,7 +473,7 @@ CASES: list[tuple[str, str, Edit, str, str, str]] = [
     ("profile-unknown-layer-key", "profile", _set("layers", 0, "saved_byte", value=5),
      "layers[0].saved_byte", "unknown key", "did you mean 'saved_bytes'?"),
     ("profile-unrelated-key", "profile", _set("colour", value="red"), "colour",
-     "unknown key", "remove it or use one of: cut_bytes, device, dtype, format"),
+     "unknown key", "remove it or use one of: concurrent, cut_bytes, device, dtype, format"),
     ("profile-int-is-string", "profile", _set("microbatch_size", value="four"),
      "microbatch_size", "expected an integer, got str 'four'", "write a whole number"),
     ("profile-int-is-bool", "profile", _set("microbatch_size", value=True),
@@ -494,6 +503,8 @@ CASES: list[tuple[str, str, Edit, str, str, str]] = [
      "layers[2].name", "duplicate layer name '0'", "layer names must be unique"),
     ("profile-empty-name", "profile", _set("layers", 1, "name", value=""),
      "layers[1].name", "expected a non-empty string, got str ''", "write a non-empty string"),
+    ("profile-concurrent-zero", "profile", _set("concurrent", value=0),
+     "concurrent", "must be >= 1, got 0", "use 1 or more"),
     ("profile-update-negative", "profile", _set("layers", 0, "update_ms", value=-1),
      "layers[0].update_ms", "must be >= 0, got -1", "use 0 or more"),
     ("profile-overhead-missing", "profile", _delete("overhead_ms", "update_ms"),
