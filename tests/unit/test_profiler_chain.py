@@ -190,6 +190,27 @@ def test_runtime_overhead_is_measured_per_action() -> None:
     assert 0.0 < overhead.accumulate_ms_per_mib < 5.0
 
 
+def test_copies_and_adds_are_timed_into_targets_out_of_the_cache(monkeypatch) -> None:
+    """The runtime copies into a released version, last written a minibatch ago: one target
+    written over and over would stay in the cache and time the copy too low."""
+    from pipedream.profiler import overhead as module
+
+    created: list[torch.Tensor] = []
+    zeros_like = torch.zeros_like
+
+    def recording(tensor: torch.Tensor) -> torch.Tensor:
+        created.append(zeros_like(tensor))
+        return created[-1]
+
+    monkeypatch.setattr(module.torch, "zeros_like", recording)
+    copy, add = module._per_mib(torch.device("cpu"), lambda: None, warmup=1, repeats=7)
+    assert copy > 0 and add > 0
+    assert len(created) == module._COLD_TARGETS == 4
+    assert sum(t.numel() * t.element_size() for t in created) == 64 * 2**20  # > a 32 MiB cache
+    # 8 copies then 8 adds, in turn: each target was copied into twice, then added to twice
+    assert all(bool((t == 3.0).all()) for t in created)
+
+
 def test_data_reads_are_timed_on_the_workloads_dataset() -> None:
     reads: list[tuple[str, int]] = []
 
