@@ -9,14 +9,22 @@ runs every schedule through ``./launch.sh PLAN --trace``; torch.distributed.pipe
 ScheduleGPipe and Schedule1F1B run the same split (``torch_pipelining.py``). The 1-stage plan
 of our runtime shows its own overhead against the plain loop. Refreshes the ``real-compute``
 section of ``benchmarks/RESULTS.md``.
+
+The shared machine's speed changes within a minute (two profiles taken a minute apart, around
+one run, once differed by 45%), so every case runs :data:`ROUNDS` times, the rounds one after
+the other over all cases (ours and torch's), and the table shows the median of the rounds and
+their range. Each of our runs is profiled right before it (``--concurrent`` with one co-runner
+per other rank) for ``simulator_accuracy.py``, which compares them round by round.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,7 +45,7 @@ from pipedream.runtime.collector import frozen_heap
 from pipedream.runtime.trace import load_traces
 from pipedream.workload import load_workload
 
-__all__ = ["ARGS", "main"]
+__all__ = ["ARGS", "OURS", "ROUNDS", "case_directory", "main"]
 
 ARGS = {"layers": 8, "width": 1024, "in_features": 1024, "samples": 4096}
 """mlp options: 8 Linear(1024)+ReLU blocks and a head, ~8.4 M parameters."""
@@ -57,6 +65,8 @@ OURS = [
     ("gpipe", M, SPLIT, 24, 9),
     ("pipedream", 1, [("0", "8")], 110, 40),
 ]
+ROUNDS = 3
+"""Runs of every case (medians are reported)."""
 TORCH_STEPS, TORCH_WARMUP = 24, 10
 """torch.distributed.pipelining: steps run, and the step whose end starts the window (as ours
 with 1f1b and gpipe: the end of the 10th step)."""
@@ -82,17 +92,31 @@ def single_process_ms(repeats: int = 70, warmup: int = 40) -> float:
         return (time.perf_counter() - start) * 1000 / repeats
 
 
-def run_ours(schedule: str, m: int, stages: list[tuple[str, str]], steps: int, skip: int) -> dict:
-    name = f"mlp-{len(stages)}stage-{schedule}-m{m}"
-    directory = RUNS / "real" / name
+def case_name(schedule: str, m: int, stages: list[tuple[str, str]]) -> str:
+    return f"mlp-{len(stages)}stage-{schedule}-m{m}"
+
+
+def case_directory(name: str, round_index: int) -> Path:
+    """Plan, profile and run of one round of one case."""
+    return RUNS / "real" / name / f"round-{round_index}"
+
+
+def run_ours(
+    schedule: str, m: int, stages: list[tuple[str, str]], steps: int, skip: int, round_index: int
+) -> dict:
+    name = case_name(schedule, m, stages)
+    directory = case_directory(name, round_index)
     shutil.rmtree(directory, ignore_errors=True)
     plan = plan_dict(
         "mlp", ARGS, stages, schedule=schedule, microbatch_size=MICROBATCH_SIZE, microbatches=m
     )
     path = write_plan(plan, directory / "plan.yaml")
     # for simulator_accuracy.py: the machine's speed drifts over minutes (it is shared), so the
-    # layers are profiled right before the run they are compared with
-    profiled = profile_workload("mlp", ARGS, MICROBATCH_SIZE, directory / "profile.yaml")
+    # layers are profiled right before the run they are compared with, beside a co-runner per
+    # other rank (they share this host's cores, caches and memory bandwidth)
+    profiled = profile_workload(
+        "mlp", ARGS, MICROBATCH_SIZE, directory / "profile.yaml", concurrent=len(stages)
+    )
     if profiled.returncode != 0:
         print(f"  {name}: profile FAILED {profiled.output[-1000:]}", file=sys.stderr)
     argv = ["./launch.sh", str(path), "--steps", str(steps), "--run-dir", str(directory / "run")]
@@ -104,12 +128,12 @@ def run_ours(schedule: str, m: int, stages: list[tuple[str, str]], steps: int, s
         return out
     period, _ = steady_period_ms(load_traces(directory / "run"), skip=skip)
     out["per_microbatch_ms"] = period / m
-    print(f"  {name}: {period / m:.1f} ms per microbatch")
+    print(f"  {name} (round {round_index}): {period / m:.1f} ms per microbatch")
     return out
 
 
-def run_torch() -> tuple[dict[str, float], str]:
-    directory = RUNS / "real" / "torch"
+def run_torch(round_index: int) -> tuple[dict[str, float], str]:
+    directory = RUNS / "real" / "torch" / f"round-{round_index}"
     directory.mkdir(parents=True, exist_ok=True)
     cases = [
         {
@@ -137,45 +161,65 @@ def run_torch() -> tuple[dict[str, float], str]:
     return {item["name"]: item["period_ms"] / M for item in found}, command.shell()
 
 
+def _summary(values: list[float]) -> tuple[float, str]:
+    """The median and a ``(min-max)`` note of the rounds' values."""
+    if len(values) == 1:
+        return values[0], ""
+    return statistics.median(values), f" ({min(values):.1f}-{max(values):.1f})"
+
+
 def main() -> int:
+    shutil.rmtree(RUNS / "real", ignore_errors=True)  # no rounds of an earlier run left over
     before = single_process_ms()
     print(f"  single process, one thread: {before:.1f} ms per microbatch")
-    ours = [run_ours(*case) for case in OURS]
-    theirs, torch_command = run_torch()
+    ours: dict[str, list[dict[str, Any]]] = {}
+    theirs: dict[str, list[float]] = {}
+    torch_commands = []
+    for round_index in range(ROUNDS):
+        for case in OURS:
+            result = run_ours(*case, round_index)
+            ours.setdefault(result["name"], []).append(result)
+        found, torch_command = run_torch(round_index)
+        torch_commands.append(torch_command)
+        for name, value in found.items():
+            theirs.setdefault(name, []).append(value)
+            print(f"  {name} (round {round_index}): {value:.1f} ms per microbatch")
     after = single_process_ms()
     baseline = (before + after) / 2  # measured before and after: the machine is shared
     print(f"  single process, one thread, again: {after:.1f} ms per microbatch")
-    for name, value in theirs.items():
-        print(f"  {name}: {value:.1f} ms per microbatch")
     rows = [
-        "| runtime | stages | schedule | m | ms per microbatch | speedup vs 1 process | "
-        "target >= 1.8x |",
+        "| runtime | stages | schedule | m | ms per microbatch, median (range) | speedup vs 1 "
+        "process | target >= 1.8x |",
         "|---|---:|---|---:|---:|---:|---|",
         f"| plain PyTorch, 1 process, 1 thread | 1 | - | 1 | {baseline:.1f} (before {before:.1f}, "
         f"after {after:.1f}) | 1.00 | |",
     ]
-    for result in ours:
-        stages = result["name"].split("-")[1].removesuffix("stage")
-        schedule = result["name"].split("-", 2)[2].rsplit("-m", 1)[0]
-        if "per_microbatch_ms" not in result:
-            rows.append(f"| pipedream | {stages} | {schedule} | {result['m']} | failed | | |")
+    for name, results in ours.items():
+        stages = name.split("-")[1].removesuffix("stage")
+        schedule = name.split("-", 2)[2].rsplit("-m", 1)[0]
+        m = results[0]["m"]
+        times = [r["per_microbatch_ms"] for r in results if "per_microbatch_ms" in r]
+        if not times:
+            rows.append(f"| pipedream | {stages} | {schedule} | {m} | failed | | |")
             continue
-        speedup = baseline / result["per_microbatch_ms"]
+        median, spread = _summary(times)
+        speedup = baseline / median
         verdict = (
             ""
             if stages == "1"
             else ("met" if speedup >= 1.8 else f"**missed by {1.8 - speedup:.2f}**")
         )
         rows.append(
-            f"| pipedream | {stages} | {schedule} | {result['m']} | "
-            f"{result['per_microbatch_ms']:.1f} | {speedup:.2f} | {verdict} |"
+            f"| pipedream | {stages} | {schedule} | {m} | {median:.1f}{spread} | {speedup:.2f} "
+            f"| {verdict} |"
         )
-    for name, value in theirs.items():
-        speedup = baseline / value
+    for name, values in theirs.items():
+        median, spread = _summary(values)
+        speedup = baseline / median
         verdict = "met" if speedup >= 1.8 else f"**missed by {1.8 - speedup:.2f}**"
         schedule = name.removeprefix("torch-")
         rows.append(
-            f"| torch.distributed.pipelining | 2 | {schedule} | {M} | {value:.1f} | "
+            f"| torch.distributed.pipelining | 2 | {schedule} | {M} | {median:.1f}{spread} | "
             f"{speedup:.2f} | {verdict} |"
         )
     (RUNS / "real" / "results.json").write_text(
@@ -195,7 +239,8 @@ def main() -> int:
         "before the loop frozen out of garbage collection: `runtime/collector.py`). Speedup = "
         "time per microbatch of plain one-thread training in one process / the pipeline's "
         "steady-state time per microbatch "
-        "(ideal 2x on 2 cores).",
+        f"(ideal 2x on 2 cores). Every case ran {ROUNDS} times, in rounds over all cases (the "
+        "machine's speed drifts within minutes): the median and the range of the rounds.",
         "",
         *rows,
         "",
@@ -203,8 +248,9 @@ def main() -> int:
         "",
         "```",
         "python benchmarks/real_compute.py   # the single-process baseline runs inside it",
-        *(r["command"] for r in ours),
-        torch_command,
+        f"# then {ROUNDS} rounds of these (round-0 shown; the others write round-1, round-2):",
+        *(results[0]["command"] for results in ours.values()),
+        torch_commands[0],
         "```",
         "",
         "</details>",
