@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import select
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import IO
@@ -165,7 +167,7 @@ class Corunners:
         self.processes, self._errors = [], []
 
 
-def _train(spec: CorunnerSpec, stop: threading.Event) -> None:
+def _train(spec: CorunnerSpec, stop: threading.Event, ready: Callable[[], None]) -> None:
     import torch
 
     from pipedream.data import MicrobatchStream
@@ -190,7 +192,7 @@ def _train(spec: CorunnerSpec, stop: threading.Event) -> None:
             optimizer.zero_grad(set_to_none=True)
             step += 1
             if step == WARMUP_STEPS:
-                print(READY, flush=True)
+                ready()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,6 +202,17 @@ def main(argv: list[str] | None = None) -> int:
     for entry in reversed(spec.sys_path):
         if entry not in sys.path:
             sys.path.insert(0, entry)
+    # the ready line goes to the profiler on a copy of stdout; whatever the workload prints
+    # goes nowhere (nobody reads the pipe after that line: a full pipe would block training)
+    signal_fd = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+
+    def ready() -> None:
+        os.write(signal_fd, f"{READY}\n".encode())
+        os.close(signal_fd)
+
     stop = threading.Event()
 
     def watch_input() -> None:
@@ -207,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         stop.set()
 
     threading.Thread(target=watch_input, daemon=True).start()
-    _train(spec, stop)
+    _train(spec, stop, ready)
     return 0
 
 

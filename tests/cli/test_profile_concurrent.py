@@ -71,6 +71,38 @@ def test_corunners_train_until_the_block_ends() -> None:
     assert corunners.processes == []
 
 
+def test_a_corunner_whose_workload_prints_keeps_training(tmp_path: Path) -> None:
+    """Nobody reads a co-runner's stdout after its ready line: a full pipe must not stop it."""
+    (tmp_path / "chatty_workload.py").write_text(
+        textwrap.dedent(
+            """
+            from pipedream.workloads.mlp import build
+
+            def chatty(
+                layers: int, width: int, in_features: int, samples: int, microbatch_size: int
+            ):
+                workload = build(layers, width, in_features, 4, samples, microbatch_size=8)
+                loss = workload.loss_fn
+
+                def noisy_loss(output, target):
+                    print("x" * 4096, flush=True)  # 64 KiB fill a pipe in 16 steps
+                    return loss(output, target)
+
+                workload.loss_fn = noisy_loss
+                return workload
+            """
+        )
+    )
+    spec = CorunnerSpec("chatty_workload:chatty", TINY, 8, 1, (str(tmp_path), *sys.path))
+    with Corunners(spec, 1) as corunners:
+        pid = corunners.processes[0].pid
+        time.sleep(1.0)  # thousands of steps: far more than a pipe holds
+        before, start = _cpu_seconds(pid), time.monotonic()
+        time.sleep(1.0)
+        spent, elapsed = _cpu_seconds(pid) - before, time.monotonic() - start
+    assert spent > 0.25 * elapsed, (spent, elapsed)
+
+
 def test_zero_corunners_start_nothing() -> None:
     with Corunners(_spec(), 0) as corunners:
         assert corunners.processes == []
