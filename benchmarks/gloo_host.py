@@ -1,6 +1,6 @@
 """How much a host moves when several gloo messages are in flight at once (its copy capacity).
 
-Launched with torchrun by ``simulator_accuracy.py``::
+Launched with torchrun by ``sleep_pipeline.py`` (three times, right before its 32 MiB cases)::
 
     python -m torch.distributed.run --standalone --nproc-per-node 4 benchmarks/gloo_host.py OUT.json
 

@@ -12,9 +12,10 @@ section of ``benchmarks/RESULTS.md``.
 
 The shared machine's speed changes within a minute (two profiles taken a minute apart, around
 one run, once differed by 45%), so every case runs :data:`ROUNDS` times, the rounds one after
-the other over all cases (ours and torch's), and the table shows the median of the rounds and
-their range. Each of our runs is profiled right before it (``--concurrent`` with one co-runner
-per other rank) for ``simulator_accuracy.py``, which compares them round by round.
+the other over all cases (ours and torch's; each round starts with the next case), and the
+table shows the median of the rounds and their range. Each of our runs is profiled right
+before it (``--concurrent`` with one co-runner per other rank) for ``simulator_accuracy.py``,
+which compares them round by round.
 """
 
 from __future__ import annotations
@@ -176,7 +177,9 @@ def main() -> int:
     theirs: dict[str, list[float]] = {}
     torch_commands = []
     for round_index in range(ROUNDS):
-        for case in OURS:
+        # each round starts with another case: what runs right before a case (an idle machine,
+        # torch's runs) must not always be the same
+        for case in OURS[round_index:] + OURS[:round_index]:
             result = run_ours(*case, round_index)
             ours.setdefault(result["name"], []).append(result)
         found, torch_command = run_torch(round_index)

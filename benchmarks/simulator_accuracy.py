@@ -5,11 +5,12 @@
 For every plan those two benchmarks ran, the layers are profiled with ``pipedream profile``
 (the same workload options; the profile carries the optimizer step and the runtime's cost per
 action) and the plan is simulated with ``pipedream simulate --profile`` on a network calibrated
-on this machine: bandwidth = 32 MiB / the one-way time of a 32 MiB gloo message, latency = the
-one-way time of a 32 KiB one (``gloo_p2p.py``), and the host's copy capacity shared by
-concurrent messages (``gloo_host.py``, ``--host-bandwidth``). The measured time is read again
-from the runs' traces (for the mlp cases, which ran in several rounds, the medians of the rounds).
-Target: within 10%. Refreshes the ``simulator`` section of ``benchmarks/RESULTS.md``.
+on this machine by ``sleep_pipeline.py``: bandwidth = 32 MiB / the one-way time of a 32 MiB gloo
+message, latency = the one-way time of a 32 KiB one (``gloo_p2p.py``), and the host's copy
+capacity shared by concurrent messages (``gloo_host.py``, ``--host-bandwidth``; the median of
+three runs right before the 32 MiB cases). The measured time is read again from the runs'
+traces (for the mlp cases, which ran in several rounds, the medians of the rounds). Target:
+within 10%. Refreshes the ``simulator`` section of ``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -84,26 +85,15 @@ def _measured(run_dir: Path, skip: int) -> float | None:
         return None
 
 
-def _host(commands: list[str]) -> dict[str, Any]:
-    """Measure the host's copy capacity with 4 processes (``gloo_host.py``)."""
-    out = RUNS / "simulator" / "gloo-host.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
-    command = run_command([*argv, "4", "benchmarks/gloo_host.py", str(out)], timeout=300)
-    commands.append(command.shell())
-    if command.returncode != 0:
-        raise RuntimeError(command.output[-2000:])
-    result: dict[str, Any] = json.loads(out.read_text())
-    return result
-
-
 def main() -> int:
     shutil.rmtree(RUNS / "simulator", ignore_errors=True)  # profile afresh on every run
+    # calibrated by sleep_pipeline.py: the messages at its start, the host right before its
+    # 32 MiB cases (the machine's speed drifts: calibrations and runs are best close together)
     message = json.loads((RUNS / "sleep" / "gloo-p2p.json").read_text())
     small_ms, large_ms = message[str(SIZES["small"])], message[str(SIZES["large"])]
     bandwidth = SIZES["large"] / (large_ms / 1000)
     commands: list[str] = []
-    host = _host(commands)
+    host = json.loads((RUNS / "sleep" / "gloo-host.json").read_text())
     capacity = host["capacity_bytes_per_s"]
     network = ["--bandwidth", f"{bandwidth:.0f}", "--latency", f"{small_ms:.3f}"]
     network += ["--host-bandwidth", f"{capacity:.0f}"]
@@ -154,7 +144,9 @@ def main() -> int:
         "run) and the network "
         f"calibrated on this machine: {bandwidth / 1e9:.2f} GB/s and {small_ms:.2f} ms latency "
         "per message (gloo, one way), and a host copy capacity of "
-        f"{capacity / 1e9:.2f} GB/s shared by concurrent messages (32 MiB messages: "
+        f"{capacity / 1e9:.2f} GB/s shared by concurrent messages (the median of "
+        + ", ".join(f"{c / 1e9:.2f}" for c in host["capacities"])
+        + " GB/s, calibrated right before the 32 MiB runs; 32 MiB messages: "
         + ", ".join(f"{name} {ms:.1f} ms" for name, ms in host["ms"].items())
         + "). The profiles carry each layer's optimizer step and the runtime's cost per action. "
         "Measured = the same steady-state time per minibatch as "

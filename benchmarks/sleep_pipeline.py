@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import shutil
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -220,6 +221,39 @@ def gloo_message_ms(*, reuse: bool = False) -> tuple[dict[int, float], Command]:
     return {int(k): v for k, v in data.items()}, command
 
 
+HOST_CALIBRATIONS = 3
+"""Runs of ``gloo_host.py`` (the median is used): two single runs 15 minutes apart measured
+2.77 and 3.29 GB/s, which moved the simulated 32 MiB cases of 8 stages by up to 20%."""
+
+
+def host_capacity(*, reuse: bool = False) -> tuple[dict[str, Any], list[Command]]:
+    """The host's copy capacity for concurrent 32 MiB messages (``gloo_host.py``, 4 processes):
+    the median of :data:`HOST_CALIBRATIONS` runs and each pattern's median time, written to
+    ``gloo-host.json`` for ``simulator_accuracy.py``."""
+    out = RUNS / "sleep" / "gloo-host.json"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    argv += ["4", "benchmarks/gloo_host.py"]
+    if reuse and out.exists():
+        return json.loads(out.read_text()), [Command((*argv, str(out)), 0, 0.0, "")]
+    runs, commands = [], []
+    for number in range(HOST_CALIBRATIONS):
+        single = RUNS / "sleep" / f"gloo-host-{number}.json"
+        command = run_command([*argv, str(single)], timeout=300)
+        commands.append(command)
+        if command.returncode != 0:
+            raise RuntimeError(command.output[-2000:])
+        runs.append(json.loads(single.read_text()))
+    capacities = [run["capacity_bytes_per_s"] for run in runs]
+    print("  host copy capacity: " + ", ".join(f"{c / 1e9:.2f}" for c in capacities) + " GB/s")
+    result = {
+        "capacity_bytes_per_s": statistics.median(capacities),
+        "capacities": capacities,
+        "ms": {name: statistics.median(run["ms"][name] for run in runs) for name in runs[0]["ms"]},
+    }
+    out.write_text(json.dumps(result, indent=1))
+    return result, commands
+
+
 def save_timeline(result: dict[str, Any], path: Path) -> None:
     """Chrome trace next to the run; a PNG of two steady minibatches at ``path``."""
     case: Case = result["case"]
@@ -255,6 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     commands = [p2p_command.shell()]
     ours = []
     for case in todo:
+        if case.size == "large" and not any(r["case"].size == "large" for r in ours):
+            # right before the 32 MiB runs, for simulator_accuracy.py (the speed drifts)
+            _, calibrations = host_capacity(reuse=args.reuse)
+            commands += [command.shell() for command in calibrations]
         result = run_ours(case, reuse=args.reuse)
         commands.append(result["command"])
         ours.append(result)
