@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from collections.abc import Sequence
 from typing import TextIO
@@ -152,17 +153,19 @@ def profile_workload(
         raise ProfilerError(
             f"--concurrent must be >= 1 (processes training on the host), got {concurrent}"
         )
-    workload = load_workload(name, workload_args, microbatch_size=microbatch_size)
     device = device or default_device()
     if concurrent > 1 and device.type != "cpu":
         raise ProfilerError(
             f"--concurrent {concurrent} is for CPU ranks sharing a host, but the profile runs "
-            f"on {device}, where every rank has a device of its own; leave --concurrent out"
+            f"on {device}, where every rank has a device of its own; leave --concurrent out "
+            "(or profile on the CPU with the GPUs hidden: CUDA_VISIBLE_DEVICES= pipedream "
+            "profile ...)"
         )
+    workload = load_workload(name, workload_args, microbatch_size=microbatch_size)
     spec = CorunnerSpec(
         name, dict(workload_args), microbatch_size, torch.get_num_threads(), tuple(sys.path)
     )
-    with Corunners(spec, concurrent - 1):
+    with Corunners(spec, num_corunners=concurrent - 1):
         layers, cut_bytes, overhead = _measure(
             workload, device, warmup=warmup, repeats=repeats, depth=depth, patterns=patterns
         )
@@ -213,6 +216,26 @@ def _measure(
     return list(layers), cut_bytes, overhead
 
 
+def _share_the_host_like_ranks(concurrent: int, out: TextIO) -> None:
+    """Threads and cores as ``concurrent`` ranks of ``./launch.sh`` on this host would have.
+
+    torchrun gives every rank one thread when it starts several per node and
+    ``OMP_NUM_THREADS`` is not set; so does the profile here (the co-runners copy the
+    profiler's number of threads). More processes than cores is allowed (an oversubscribed
+    host is what it is) but said, since the times then include the waits for a core.
+    """
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = concurrent * torch.get_num_threads()
+    if cores is not None and threads > cores:
+        print(
+            f"note: --concurrent {concurrent} x {torch.get_num_threads()} thread(s) = {threads} "
+            f"busy threads on {cores} CPU cores: the layers' times include waiting for a core",
+            file=out,
+        )
+
+
 def run(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
     """Entry point of ``pipedream profile`` (user errors raise ``PipedreamError``)."""
     out = out or sys.stdout
@@ -237,6 +260,9 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
                 "or import one with --from-pipedream graph.txt"
             )
         configure_host_memory()  # as in `pipedream train`, so the times match the runtime's
+        concurrent = getattr(args, "concurrent", 1)
+        if concurrent > 1:
+            _share_the_host_like_ranks(concurrent, out)
         profile = profile_workload(
             args.workload,
             parse_workload_args(args.workload_arg),
@@ -246,7 +272,7 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
             device=torch.device(args.device) if getattr(args, "device", None) else None,
             depth=getattr(args, "depth", None),
             patterns=tuple(getattr(args, "layers", None) or ()),
-            concurrent=getattr(args, "concurrent", 1),
+            concurrent=concurrent,
         )
         threads = f", {torch.get_num_threads()} CPU threads" if profile.device == "cpu" else ""
         others = profile.concurrent - 1

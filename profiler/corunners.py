@@ -4,9 +4,11 @@ On a GPU every pipeline rank has its own device, so one process measuring the la
 each rank will see. On CPUs several ranks share a host: while one stage computes, the others
 compute beside it, and they share the memory bandwidth and caches (and, on hosts with SMT, the
 cores themselves). The layers then run slower than in a lone profiling process: on this
-project's 2-core test machine the 2-stage ``mlp`` pipeline's forwards and backwards took
-1.17-1.36x the times profiled alone a minute earlier, and 0.97-1.26x the times profiled with
-one co-runner (three rounds of both profiles and a run).
+project's 2-core test machine, in three rounds of (lone profile, profile beside a co-runner,
+2-stage ``mlp`` pipedream run), the runs' forwards and backwards took 1.17-1.36x the lone
+profiles' times and 0.97-1.26x the co-run profiles'; the simulation was 25-26% too fast from
+the former, 8-17% from the latter. The contention a co-run profile sees varies from minute to
+minute there (in later rounds the runs took 1.2-1.4x: ``benchmarks/RESULTS.md``).
 
 ``pipedream profile --concurrent K`` therefore starts ``K - 1`` co-runner processes before it
 measures and stops them after: each trains the same workload (forward, backward and optimizer
@@ -14,10 +16,15 @@ step over the whole model, one microbatch after another, with the profiling proc
 threads and the runtime's host memory settings), so that the measured process shares the host
 as one of ``K`` ranks would.
 
+What the co-runners do is an approximation of the other ranks: they train the whole model and
+step after every microbatch, always busy, where a rank trains its stage, waits in bubbles and
+copies messages.
+
 A co-runner is ``python -m pipedream.profiler.corunners SPEC_JSON``. It prints ``ready`` once
 it has trained a few microbatches, and stops when its standard input closes: when
 :class:`Corunners` leaves its ``with`` block, and also when the profiling process dies, however
-it dies, so no co-runner outlives it.
+it dies (after its current microbatch), so no co-runner outlives it. One that stops on its own
+while the measurement runs fails the profile, which would otherwise claim ``K`` processes.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import select
+import selectors
 import subprocess
 import sys
 import tempfile
@@ -36,14 +43,18 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import IO
 
-from pipedream.profiler.measure import ProfilerError
+from pipedream.errors import RunFailure
 
-__all__ = ["READY", "WARMUP_STEPS", "CorunnerSpec", "Corunners", "main"]
+__all__ = ["ERROR_MARK", "READY", "WARMUP_STEPS", "CorunnerSpec", "Corunners", "main"]
 
 READY = "ready"
 """The line a co-runner prints once it trains at full speed."""
 WARMUP_STEPS = 3
 """Microbatches a co-runner trains before it says it is ready (first-call costs)."""
+ERROR_MARK = "pipedream-corunner-error:"
+"""Starts the one line a failing co-runner writes to stderr (after any traceback noise)."""
+STOP_TIMEOUT = 10.0
+"""Seconds all co-runners together get to finish their microbatch once told to stop."""
 
 
 @dataclass(frozen=True)
@@ -56,39 +67,45 @@ class CorunnerSpec:
     """``--workload-arg`` options."""
     microbatch_size: int | None
     """``--microbatch-size`` (None: the workload's default)."""
-    threads: int
+    num_threads: int
     """``torch.set_num_threads`` of the profiling process."""
     sys_path: tuple[str, ...] = ()
     """The profiling process's import path, so a workload it can import imports here too."""
 
     def to_json(self) -> str:
+        """The spec as the co-runner's command-line argument."""
         return json.dumps(dataclasses.asdict(self))
 
     @classmethod
     def from_json(cls, text: str) -> CorunnerSpec:
+        """The spec back from :meth:`to_json`."""
         data = json.loads(text)
         data["sys_path"] = tuple(data.get("sys_path", ()))
         return cls(**data)
 
 
 class Corunners:
-    """``count`` co-runner processes, training from ``__enter__`` until ``__exit__``.
+    """``num_corunners`` co-runner processes, training from ``__enter__`` until ``__exit__``.
 
-    ``__enter__`` returns once every co-runner is ready (or raises :class:`ProfilerError` with
-    the failing co-runner's last error line, after stopping the others).
+    ``__enter__`` returns once every co-runner is ready. A co-runner that fails to start, or
+    one that is no longer training when the block ends (it crashed, or was killed for memory),
+    raises :class:`~pipedream.errors.RunFailure` with its last error line and exit status:
+    what was measured beside it would not be what the profile says.
     """
 
-    def __init__(self, spec: CorunnerSpec, count: int, *, start_timeout: float = 300.0) -> None:
-        assert count >= 0
+    def __init__(
+        self, spec: CorunnerSpec, *, num_corunners: int, start_timeout: float = 300.0
+    ) -> None:
+        assert num_corunners >= 0
         self.spec = spec
-        self.count = count
+        self.num_corunners = num_corunners
         self.start_timeout = start_timeout
-        self.processes: list[subprocess.Popen[str]] = []
-        self._errors: list[IO[str]] = []
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self._errors: list[IO[bytes]] = []
 
     def __enter__(self) -> Corunners:
         try:
-            for _ in range(self.count):
+            for _ in range(self.num_corunners):
                 self._start_one()
             self._wait_ready()
         except BaseException:
@@ -102,61 +119,96 @@ class Corunners:
         value: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self.stop()
+        died = self.stop()
+        if died and kind is None:  # never hide the exception already on its way
+            raise RunFailure(
+                f"--concurrent: a co-runner training {self.spec.workload!r} stopped during "
+                f"the measurement, so the profile was not measured beside "
+                f"{self.num_corunners} of them: {died}"
+            )
 
     def _start_one(self) -> None:
-        errors = tempfile.TemporaryFile("w+", encoding="utf-8")
+        errors = tempfile.TemporaryFile()
         self._errors.append(errors)
         argv = [sys.executable, "-m", "pipedream.profiler.corunners", self.spec.to_json()]
-        self.processes.append(
-            subprocess.Popen(
-                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True
+        try:
+            process = subprocess.Popen(
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors
             )
-        )
+        except OSError as exc:
+            raise RunFailure(f"--concurrent: cannot start a co-runner process ({exc})") from None
+        self.processes.append(process)
 
     def _wait_ready(self) -> None:
+        """Read every co-runner's stdout until its ready line (other lines are skipped)."""
         deadline = time.monotonic() + self.start_timeout
-        waiting = {proc.stdout.fileno(): proc for proc in self.processes if proc.stdout}
-        while waiting:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ProfilerError(
-                    f"--concurrent: {len(waiting)} co-runner(s) not ready after "
-                    f"{self.start_timeout:.0f} s; is the machine overloaded? try a smaller "
-                    "--concurrent"
-                )
-            readable, _, _ = select.select(list(waiting), [], [], min(left, 1.0))
-            for fd in readable:
-                proc = waiting.pop(fd)
+        pending: dict[int, tuple[subprocess.Popen[bytes], bytearray]] = {}
+        with selectors.DefaultSelector() as selector:
+            for proc in self.processes:
                 assert proc.stdout is not None
-                if proc.stdout.readline().strip() != READY:
-                    raise ProfilerError(
-                        f"--concurrent: a co-runner training {self.spec.workload!r} failed: "
-                        f"{self._last_error(proc)}"
+                selector.register(proc.stdout.fileno(), selectors.EVENT_READ)
+                pending[proc.stdout.fileno()] = (proc, bytearray())
+            while pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RunFailure(
+                        f"--concurrent: {len(pending)} co-runner(s) not ready after "
+                        f"{self.start_timeout:.0f} s; is the machine overloaded? try a smaller "
+                        "--concurrent"
                     )
+                for key, _ in selector.select(timeout=min(left, 1.0)):
+                    proc, buffer = pending[key.fd]
+                    chunk = os.read(key.fd, 4096)
+                    if not chunk:  # end of file before the ready line: it failed
+                        raise RunFailure(
+                            f"--concurrent: a co-runner training {self.spec.workload!r} "
+                            f"failed: {self._failure(proc)}"
+                        )
+                    buffer += chunk
+                    if READY.encode() in buffer.splitlines():
+                        selector.unregister(key.fd)
+                        del pending[key.fd]
 
-    def _last_error(self, proc: subprocess.Popen[str]) -> str:
+    def _failure(self, proc: subprocess.Popen[bytes]) -> str:
+        """The co-runner's error line and exit status (it is waited for, killed after 10 s)."""
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=STOP_TIMEOUT)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
         errors = self._errors[self.processes.index(proc)]
         errors.seek(0)
-        lines = [line.strip() for line in errors.read().splitlines() if line.strip()]
-        return lines[-1] if lines else f"it exited with status {proc.returncode}"
+        lines = [line.strip() for line in errors.read().decode(errors="replace").splitlines()]
+        marked = [line.removeprefix(ERROR_MARK).strip() for line in lines if ERROR_MARK in line]
+        status = proc.returncode
+        how = (
+            f"killed by signal {-status}" + (" (out of memory?)" if status == -9 else "")
+            if status < 0
+            else f"exit status {status}"
+        )
+        last = marked[-1] if marked else next((line for line in reversed(lines) if line), "")
+        return f"{last} ({how})" if last else how
 
-    def stop(self) -> None:
-        """Close every co-runner's input, wait for it to finish its microbatch (kill it after
-        10 s), and release its files."""
+    def stop(self) -> str:
+        """Close every co-runner's input and wait for them to finish their microbatch (all
+        together at most :data:`STOP_TIMEOUT` s, then killed); release their files.
+
+        Returns what became of the first co-runner that had stopped on its own before (its
+        error line and exit status), or an empty string when all were still training.
+        """
+        died = ""
         for proc in self.processes:
+            if proc.poll() is not None and not died:
+                died = self._failure(proc)
             if proc.stdin is not None and not proc.stdin.closed:
                 try:
                     proc.stdin.close()
                 except OSError:  # it died already
                     pass
+        deadline = time.monotonic() + STOP_TIMEOUT
         for proc in self.processes:
             try:
-                proc.wait(timeout=10)
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
@@ -165,9 +217,12 @@ class Corunners:
         for errors in self._errors:
             errors.close()
         self.processes, self._errors = [], []
+        return died
 
 
 def _train(spec: CorunnerSpec, stop: threading.Event, ready: Callable[[], None]) -> None:
+    """Train the workload one microbatch after another until ``stop`` is set; call ``ready``
+    after the first :data:`WARMUP_STEPS`."""
     import torch
 
     from pipedream.data import MicrobatchStream
@@ -176,7 +231,7 @@ def _train(spec: CorunnerSpec, stop: threading.Event, ready: Callable[[], None])
     from pipedream.workload import load_workload
 
     configure_host_memory()  # as the profiling process and every rank of `pipedream train`
-    torch.set_num_threads(spec.threads)
+    torch.set_num_threads(spec.num_threads)
     workload = load_workload(
         spec.workload, spec.workload_args, microbatch_size=spec.microbatch_size
     )
@@ -227,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except Exception as exc:  # one line for the profiler to show
-        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+    except Exception as exc:  # one line for the profiler to show, whatever the message holds
+        message = " ".join(f"{type(exc).__name__}: {exc}".split())
+        print(f"{ERROR_MARK} {message[:500]}", file=sys.stderr, flush=True)
         sys.exit(1)
