@@ -19,9 +19,11 @@ inputs from the workload's dataset and the last stage its targets (``pipedream/d
 from __future__ import annotations
 
 import functools
+import math
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -33,7 +35,12 @@ from pipedream.runtime.actions import Op
 from pipedream.runtime.schedule import PipelineSpec, build_tables
 from pipedream.runtime.worker import StageWorker, WorkerConfig
 
-__all__ = ["measure_data_reads", "measure_overhead"]
+__all__ = [
+    "cold_target_count",
+    "last_level_cache_bytes",
+    "measure_data_reads",
+    "measure_overhead",
+]
 
 
 class _Scale(nn.Module):
@@ -47,9 +54,40 @@ class _Scale(nn.Module):
         return x * self.weight
 
 
-_COLD_TARGETS = 4
-"""Tensors of 16 MiB the copy and add measurements write to in turn (64 MiB: colder than a
-last-level cache of 32 MiB)."""
+_TARGET_MIB = 16
+"""Size of every tensor the copy and add measurements write to."""
+_DEFAULT_CACHE_BYTES = 32 * 2**20
+"""Last-level cache assumed where the machine does not say."""
+_MAX_TARGETS = 32
+"""At most 512 MiB of targets, whatever the cache."""
+_CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def last_level_cache_bytes(device: torch.device) -> int:
+    """The device's last-level cache: a GPU's L2, a Linux CPU's highest cache level in sysfs;
+    :data:`_DEFAULT_CACHE_BYTES` where neither says."""
+    if device.type == "cuda":
+        size = int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0))
+        return size or _DEFAULT_CACHE_BYTES
+    best = (0, 0)  # (level, bytes)
+    for index in _CPU_CACHES.glob("index*"):
+        try:
+            level = int((index / "level").read_text())
+            text = (index / "size").read_text().strip().upper()
+        except (OSError, ValueError):
+            continue
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            best = max(best, (level, int(digits) * scale))
+    return best[1] or _DEFAULT_CACHE_BYTES
+
+
+def cold_target_count(device: torch.device) -> int:
+    """Targets of :data:`_TARGET_MIB` MiB to rotate among: twice the last-level cache, at
+    least 4 (64 MiB) and at most :data:`_MAX_TARGETS`."""
+    cache = last_level_cache_bytes(device)
+    return min(_MAX_TARGETS, max(4, math.ceil(2 * cache / (_TARGET_MIB * 2**20))))
 
 
 def _ms(fn: Callable[[], object], sync: Callable[[], None]) -> float:
@@ -136,18 +174,21 @@ def _per_mib(
     stashed weight version, see ``runtime/weights.py``; a gradient accumulated into ``.grad``).
 
     The runtime writes into memory it last touched a whole minibatch earlier (a released copy,
-    the ``.grad`` of the previous backward), so the targets rotate among
-    :data:`_COLD_TARGETS` tensors, more than a CPU's last-level cache holds: one target written
-    over and over stays in the cache and measured 0.087 ms/MiB on this project's test machine,
-    rotating targets 0.107 ms/MiB.
+    the ``.grad`` of the previous backward), so the targets rotate among twice the device's
+    last-level cache (:func:`cold_target_count`): one target written over and over stays in the
+    cache and measured 0.087 ms/MiB on this project's test machine (32 MiB of L3), rotating
+    targets 0.107 ms/MiB.
     """
-    mib = 16
-    source = torch.ones(mib * 2**18, device=device)  # float32: 2**18 per MiB
-    targets = [torch.zeros_like(source) for _ in range(_COLD_TARGETS)]
+    source = torch.ones(_TARGET_MIB * 2**18, device=device)  # float32: 2**18 per MiB
+    count_targets = cold_target_count(device)
+    targets = [torch.zeros_like(source) for _ in range(count_targets)]
     count = warmup + max(repeats, 5)
-    copies = [_ms(lambda i=i: targets[i % _COLD_TARGETS].copy_(source), sync) for i in range(count)]
-    adds = [_ms(lambda i=i: targets[i % _COLD_TARGETS].add_(source), sync) for i in range(count)]
-    return statistics.median(copies[warmup:]) / mib, statistics.median(adds[warmup:]) / mib
+    copies = [_ms(lambda i=i: targets[i % count_targets].copy_(source), sync) for i in range(count)]
+    adds = [_ms(lambda i=i: targets[i % count_targets].add_(source), sync) for i in range(count)]
+    return (
+        statistics.median(copies[warmup:]) / _TARGET_MIB,
+        statistics.median(adds[warmup:]) / _TARGET_MIB,
+    )
 
 
 def measure_data_reads(

@@ -203,12 +203,38 @@ def test_copies_and_adds_are_timed_into_targets_out_of_the_cache(monkeypatch) ->
         return created[-1]
 
     monkeypatch.setattr(module.torch, "zeros_like", recording)
+    monkeypatch.setattr(module, "last_level_cache_bytes", lambda device: 32 * 2**20)
     copy, add = module._per_mib(torch.device("cpu"), lambda: None, warmup=1, repeats=7)
     assert copy > 0 and add > 0
-    assert len(created) == module._COLD_TARGETS == 4
-    assert sum(t.numel() * t.element_size() for t in created) == 64 * 2**20  # > a 32 MiB cache
+    assert len(created) == 4  # twice a 32 MiB cache, in 16 MiB targets
+    assert sum(t.numel() * t.element_size() for t in created) == 64 * 2**20
     # 8 copies then 8 adds, in turn: each target was copied into twice, then added to twice
     assert all(bool((t == 3.0).all()) for t in created)
+
+
+@pytest.mark.parametrize(
+    ("cache_mib", "targets"), [(1, 4), (32, 4), (48, 6), (96, 12), (256, 32), (768, 32)]
+)
+def test_cold_targets_are_twice_the_last_level_cache(
+    cache_mib: int, targets: int, monkeypatch
+) -> None:
+    from pipedream.profiler import overhead as module
+
+    monkeypatch.setattr(module, "last_level_cache_bytes", lambda device: cache_mib * 2**20)
+    assert module.cold_target_count(torch.device("cpu")) == targets
+
+
+def test_last_level_cache_is_the_highest_level_in_sysfs(tmp_path, monkeypatch) -> None:
+    from pipedream.profiler import overhead as module
+
+    for index, (level, size) in enumerate([(1, "32K"), (2, "1024K"), (3, "96M"), (1, "32K")]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "level").write_text(f"{level}\n")
+        (tmp_path / f"index{index}" / "size").write_text(f"{size}\n")
+    monkeypatch.setattr(module, "_CPU_CACHES", tmp_path)
+    assert module.last_level_cache_bytes(torch.device("cpu")) == 96 * 2**20
+    monkeypatch.setattr(module, "_CPU_CACHES", tmp_path / "missing")
+    assert module.last_level_cache_bytes(torch.device("cpu")) == 32 * 2**20  # the default
 
 
 def test_data_reads_are_timed_on_the_workloads_dataset() -> None:
