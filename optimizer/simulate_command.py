@@ -31,7 +31,7 @@ from pipedream.optimizer.simulator import (
 )
 from pipedream.optimizer.timeline import draw_timeline, format_timeline
 
-__all__ = ["format_report", "run"]
+__all__ = ["concurrency_note", "format_report", "run"]
 
 
 def _profile(args: argparse.Namespace, plan: Plan) -> Profile:
@@ -128,6 +128,20 @@ def format_report(timeline: Timeline, plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def concurrency_note(profile: Profile, plan: Plan, topology: Topology) -> str:
+    """A note when a CPU profile was measured beside fewer processes than the ranks that will
+    share a host (the innermost level's unit), else an empty string: their contention is then
+    missing from the layers' times (``pipedream profile --concurrent``)."""
+    per_host = min(topology.levels[0].workers, plan.world_size)
+    if profile.device != "cpu" or profile.concurrent >= per_host:
+        return ""
+    return (
+        f"note: the profile was measured by {profile.concurrent} process(es) training at once, "
+        f"but up to {per_host} ranks share a host ({topology.levels[0].name}) here; on CPUs "
+        f"the layers then run slower than profiled: profile with --concurrent {per_host}"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``pipedream simulate``; returns the exit status."""
     plan = load_plan(args.plan)
@@ -148,6 +162,9 @@ def run(args: argparse.Namespace) -> int:
         f"{plan.world_size} ranks, {plan.microbatches} microbatch(es) per minibatch, "
         f"{timeline.num_minibatches} minibatches on {topology.describe()}"
     )
+    note = concurrency_note(profile, plan, topology)
+    if note:
+        print(note)
     print()
     print(format_timeline(timeline, plan, width=args.width))
     print()

@@ -72,6 +72,37 @@ def test_plan_on_a_topology_records_profile_and_cluster(files, capsys) -> None:
     assert "rank (stage) | 0" in out
 
 
+@pytest.mark.parametrize(
+    ("device", "concurrent", "workers", "expected"),
+    [
+        ("cpu", 1, 2, "by 1 process(es) training at once, but up to 2 ranks share a host (server)"),
+        ("cpu", 2, 2, ""),
+        ("cpu", 2, 4, "by 2 process(es) training at once, but up to 3 ranks share a host"),
+        ("cuda:0", 1, 4, ""),  # every rank has its own device
+    ],
+)
+def test_simulate_says_when_a_cpu_profile_misses_the_ranks_of_a_host(
+    device: str, concurrent: int, workers: int, expected: str
+) -> None:
+    from dataclasses import replace
+
+    from pipedream.optimizer.simulate_command import concurrency_note
+
+    profile = replace(PROFILE, device=device, concurrent=concurrent)
+    topology = Topology((Level("server", workers, 1e10),))
+    stages = (
+        StagePlan("l0", "l1", 1, (0,)),
+        StagePlan("l2", "l3", 1, (1,)),
+        StagePlan("l4", "l5", 1, (2,)),
+    )
+    plan = Plan("toy", "pipedream", 8, 1, 3, stages)
+    note = concurrency_note(profile, plan, topology)
+    assert (expected in note) if expected else note == ""
+    if expected:
+        per_host = min(workers, 3)
+        assert note.endswith(f"profile with --concurrent {per_host}")
+
+
 def test_plan_auto_prints_what_it_tried(files, capsys) -> None:
     code, out, _ = run_cli(
         [
