@@ -1,16 +1,21 @@
 """How much a host moves when several gloo messages are in flight at once (its copy capacity).
 
-Launched with torchrun by ``sleep_pipeline.py`` (three times, right before its 32 MiB cases)::
+Launched with torchrun by ``sleep_pipeline.py`` (three times right before the 32 MiB cases
+of each pipeline depth, with as many processes as that depth has stages)::
 
-    python -m torch.distributed.run --standalone --nproc-per-node 4 benchmarks/gloo_host.py OUT.json
+    python -m torch.distributed.run --standalone --nproc-per-node S benchmarks/gloo_host.py OUT.json
 
 Loopback messages are copied by the CPUs of both ends, so on a small host concurrent transfers
-slow each other down. Four processes send 32 MiB messages: one alone (0 -> 1), two on disjoint
-pairs (0 -> 1, 2 -> 3) and three along a chain (0 -> 1 -> 2 -> 3), all started together after a
-barrier, after ``WARM_MESSAGES`` (``common.py``) untimed messages on every link (fresh links
-are slow); the time until the last one arrived, median over repeats, is written to ``OUT.json``
-with the host's capacity in bytes/s: the mean over the concurrent cases of
-``messages x bytes / time`` (what ``pipedream simulate --host-bandwidth`` takes).
+slow each other down, and more so the more processes share its cores and cache. The S
+processes send 32 MiB messages in the patterns of :func:`cases`: one alone (0 -> 1), one each
+way between two ranks, one on each of S / 2 disjoint pairs, and one on each link of the chain
+0 -> 1 -> ... -> S - 1 (a pipeline's forward messages), all started together after a barrier,
+after ``WARM_MESSAGES`` (``common.py``) untimed messages on every link of the chain (fresh links
+are slow). The time until the last one arrived, median over repeats, is written to
+``OUT.json`` with the host's capacity in bytes/s: the mean of ``messages x bytes / time`` over
+the patterns whose messages take different links (what ``pipedream simulate --host-bandwidth``
+takes; ``null`` for 2 processes). "both ways" checks the simulator's other assumption, that one
+link carries one message at a time: it takes twice "one" here (26.7 against 13.2 ms).
 """
 
 from __future__ import annotations
@@ -27,16 +32,27 @@ from common import WARM_MESSAGES
 
 from pipedream.host_memory import configure_host_memory
 
-__all__ = ["CASES", "SIZE", "main"]
+__all__ = ["SIZE", "cases", "main"]
 
 SIZE = 32 * 1024 * 1024
 """Bytes per message."""
-CASES = {
-    "one": [(0, 1)],
-    "two pairs": [(0, 1), (2, 3)],
-    "chain of three": [(0, 1), (1, 2), (2, 3)],
-}
 REPEATS = 9
+
+
+def cases(world_size: int) -> dict[str, list[tuple[int, int]]]:
+    """The (source, destination) messages of each timed pattern among ``world_size`` ranks.
+
+    >>> cases(4)["chain of 3"]
+    [(0, 1), (1, 2), (2, 3)]
+    """
+    if world_size < 2:
+        raise ValueError(f"gloo_host.py needs at least 2 processes, got {world_size}")
+    found = {"one": [(0, 1)], "both ways": [(0, 1), (1, 0)]}
+    if world_size >= 4:
+        found[f"{world_size // 2} pairs"] = [(r, r + 1) for r in range(0, world_size - 1, 2)]
+    if world_size >= 3:
+        found[f"chain of {world_size - 1}"] = [(r, r + 1) for r in range(world_size - 1)]
+    return found
 
 
 def _trial(pairs: list[tuple[int, int]], payload: torch.Tensor) -> float:
@@ -62,15 +78,27 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     payload = torch.zeros(SIZE // 4)
-    for _ in range(WARM_MESSAGES):  # every link of the chain, as a pipeline's links after warm-up
-        _trial(CASES["chain of three"], payload)
+    patterns = cases(dist.get_world_size())
+    chain = [(r, r + 1) for r in range(dist.get_world_size() - 1)]
+    for _ in range(WARM_MESSAGES):  # every link, as a pipeline's links after its warm-up
+        _trial(chain, payload)
+        _trial([(dst, src) for src, dst in chain], payload)
     times = {
         name: statistics.median(_trial(pairs, payload) for _ in range(REPEATS))
-        for name, pairs in CASES.items()
+        for name, pairs in patterns.items()
     }
-    concurrent = [len(CASES[name]) * SIZE / (times[name] / 1000) for name in CASES if name != "one"]
+    concurrent = [
+        len(pairs) * SIZE / (times[name] / 1000)
+        for name, pairs in patterns.items()
+        if name not in ("one", "both ways")
+    ]
     if dist.get_rank() == 0:
-        result = {"bytes": SIZE, "ms": times, "capacity_bytes_per_s": statistics.mean(concurrent)}
+        result = {
+            "bytes": SIZE,
+            "processes": dist.get_world_size(),
+            "ms": times,
+            "capacity_bytes_per_s": statistics.mean(concurrent) if concurrent else None,
+        }
         Path(argv[0]).write_text(json.dumps(result, indent=1))
     dist.destroy_process_group()
     return 0

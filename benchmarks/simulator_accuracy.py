@@ -5,12 +5,14 @@
 For every plan those two benchmarks ran, the layers are profiled with ``pipedream profile``
 (the same workload options; the profile carries the optimizer step and the runtime's cost per
 action) and the plan is simulated with ``pipedream simulate --profile`` on a network calibrated
-on this machine by ``sleep_pipeline.py``: bandwidth = 32 MiB / the one-way time of a 32 MiB gloo
-message, latency = the one-way time of a 32 KiB one (``gloo_p2p.py``), and the host's copy
-capacity shared by concurrent messages (``gloo_host.py``, ``--host-bandwidth``; the median of
-three runs right before the 32 MiB cases). The measured time is read again from the runs'
-traces (for the mlp cases, which ran in several rounds, the medians of the rounds). Target:
-within 10%. Refreshes the ``simulator`` section of ``benchmarks/RESULTS.md``.
+on this machine by ``sleep_pipeline.py`` (:func:`network`): latency = the one-way time of a
+32 KiB gloo message (``gloo_p2p.py``), bandwidth = 32 MiB / the one-way time of a 32 MiB one,
+and the host's copy capacity shared by concurrent messages (``gloo_host.py``,
+``--host-bandwidth``). The 32 MiB time and the capacity of a pipeline of S stages come from
+the calibrations with S processes right before its 32 MiB cases (the median of three). The
+measured time is read again from the runs' traces (for the mlp cases, which ran in several
+rounds, the medians of the rounds). Target: within 10%. Refreshes the ``simulator`` section of
+``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from common import (
 )
 from real_compute import MICROBATCH_SIZE, OURS, ROUNDS, case_directory, case_name
 from sleep_pipeline import MICROBATCH_SIZE as SLEEP_MICROBATCH
-from sleep_pipeline import SIZES, cases
+from sleep_pipeline import SIZES, cases, host_calibration_path
 
 from pipedream.runtime.trace import load_traces
 
@@ -77,6 +79,34 @@ def _simulate(
     return float(match.group(1))
 
 
+def network(stages: int) -> tuple[list[str], str]:
+    """``pipedream simulate``'s network options for a pipeline of ``stages`` ranks, and a line
+    saying where they come from: the 32 KiB latency of ``gloo_p2p.py``; the 32 MiB time and the
+    host's capacity of the ``gloo_host.py`` runs with as many processes if ``sleep_pipeline.py``
+    took them (they were right before that depth's 32 MiB cases), else the 32 MiB time of
+    ``gloo_p2p.py`` and links of their own (2 ranks have one link only)."""
+    message = json.loads((RUNS / "sleep" / "gloo-p2p.json").read_text())
+    latency_ms, large_ms = message[str(SIZES["small"])], message[str(SIZES["large"])]
+    source = "gloo_p2p.py"
+    capacity = None
+    calibration = host_calibration_path(stages)
+    if calibration.exists():
+        host = json.loads(calibration.read_text())
+        large_ms, capacity = host["ms"]["one"], host["capacity_bytes_per_s"]
+        source = f"gloo_host.py with {stages} processes"
+    bandwidth = SIZES["large"] / (large_ms / 1000)
+    argv = ["--bandwidth", f"{bandwidth:.0f}", "--latency", f"{latency_ms:.3f}"]
+    line = (
+        f"S = {stages}: {latency_ms:.2f} ms latency, 32 MiB in {large_ms:.1f} ms "
+        f"({bandwidth / 1e9:.2f} GB/s, {source})"
+    )
+    if capacity is not None:
+        argv += ["--host-bandwidth", f"{capacity:.0f}"]
+        each = ", ".join(f"{c / 1e9:.2f}" for c in host["capacities"])
+        line += f", host capacity {capacity / 1e9:.2f} GB/s (median of {each})"
+    return argv, line
+
+
 def _measured(run_dir: Path, skip: int) -> float | None:
     try:
         return steady_period_ms(load_traces(run_dir), skip=skip)[0]
@@ -87,27 +117,18 @@ def _measured(run_dir: Path, skip: int) -> float | None:
 
 def main() -> int:
     shutil.rmtree(RUNS / "simulator", ignore_errors=True)  # profile afresh on every run
-    # calibrated by sleep_pipeline.py: the messages at its start, the host right before its
-    # 32 MiB cases (the machine's speed drifts: calibrations and runs are best close together)
-    message = json.loads((RUNS / "sleep" / "gloo-p2p.json").read_text())
-    small_ms, large_ms = message[str(SIZES["small"])], message[str(SIZES["large"])]
-    bandwidth = SIZES["large"] / (large_ms / 1000)
     commands: list[str] = []
-    host = json.loads((RUNS / "sleep" / "gloo-host.json").read_text())
-    capacity = host["capacity_bytes_per_s"]
-    network = ["--bandwidth", f"{bandwidth:.0f}", "--latency", f"{small_ms:.3f}"]
-    network += ["--host-bandwidth", f"{capacity:.0f}"]
     rows = []
-    todo: list[tuple[str, list[Path], int, int]] = []
+    todo: list[tuple[str, list[Path], int, int, int]] = []
     for case in cases([2, 4, 8], ["small", "large"]):
-        todo.append(
-            (case.name, [RUNS / "sleep" / case.name], case.steps_and_skip[1], SLEEP_MICROBATCH)
-        )
+        directories = [RUNS / "sleep" / case.name]
+        todo.append((case.name, directories, case.steps_and_skip[1], SLEEP_MICROBATCH, case.stages))
     for schedule, m, stages, _, skip in OURS:
         name = case_name(schedule, m, stages)
         rounds = [case_directory(name, r) for r in range(ROUNDS)]
-        todo.append((name, rounds, skip, MICROBATCH_SIZE))
-    for name, directories, skip, microbatch_size in todo:
+        todo.append((name, rounds, skip, MICROBATCH_SIZE, len(stages)))
+    networks = {depth: network(depth) for depth in sorted({item[-1] for item in todo})}
+    for name, directories, skip, microbatch_size, depth in todo:
         pairs = []  # (measured, simulated) of each round
         for directory in directories:
             plan_path = directory / "plan.yaml"
@@ -116,7 +137,7 @@ def main() -> int:
             measured = _measured(directory / "run", skip)
             plan = yaml.safe_load(plan_path.read_text())
             profile = _profile(directory, plan, microbatch_size, commands)
-            simulated = _simulate(plan_path, profile, network, commands)
+            simulated = _simulate(plan_path, profile, networks[depth][0], commands)
             if measured is not None and simulated is not None:
                 pairs.append((measured, simulated))
         if not pairs:
@@ -141,14 +162,13 @@ def main() -> int:
         "workload profiled by `pipedream profile` (default repetitions; for the mlp cases, "
         "right before each run, as the machine's speed drifts, with `--concurrent` = the "
         "run's ranks: a co-runner trains beside the profiler as the other stage does in the "
-        "run) and the network "
-        f"calibrated on this machine: {bandwidth / 1e9:.2f} GB/s and {small_ms:.2f} ms latency "
-        "per message (gloo, one way), and a host copy capacity of "
-        f"{capacity / 1e9:.2f} GB/s shared by concurrent messages (the median of "
-        + ", ".join(f"{c / 1e9:.2f}" for c in host["capacities"])
-        + " GB/s, calibrated right before the 32 MiB runs; 32 MiB messages: "
-        + ", ".join(f"{name} {ms:.1f} ms" for name, ms in host["ms"].items())
-        + "). The profiles carry each layer's optimizer step and the runtime's cost per action. "
+        "run) and the network calibrated on this machine (gloo, one way; the host's copy "
+        "capacity is shared by concurrent messages, calibrated right before each depth's "
+        "32 MiB runs with as many processes):",
+        "",
+        *(f"- {line}" for _, line in networks.values()),
+        "",
+        "The profiles carry each layer's optimizer step and the runtime's cost per action. "
         "Measured = the same steady-state time per minibatch as "
         f"above, from the traces. The mlp cases ran {ROUNDS} times (see above): measured and "
         "simulated are the medians of the rounds, each round simulated with the profile "

@@ -222,31 +222,41 @@ def gloo_message_ms(*, reuse: bool = False) -> tuple[dict[int, float], Command]:
 
 
 HOST_CALIBRATIONS = 3
-"""Runs of ``gloo_host.py`` (the median is used): two single runs 15 minutes apart measured
-2.77 and 3.29 GB/s, which moved the simulated 32 MiB cases of 8 stages by up to 20%."""
+"""Runs of ``gloo_host.py`` per pipeline depth (the median is used): two single runs 15
+minutes apart measured 2.77 and 3.29 GB/s, which moved the simulated 32 MiB cases of 8 stages
+by up to 20%."""
 
 
-def host_capacity(*, reuse: bool = False) -> tuple[dict[str, Any], list[Command]]:
-    """The host's copy capacity for concurrent 32 MiB messages (``gloo_host.py``, 4 processes):
-    the median of :data:`HOST_CALIBRATIONS` runs and each pattern's median time, written to
-    ``gloo-host.json`` for ``simulator_accuracy.py``."""
-    out = RUNS / "sleep" / "gloo-host.json"
+def host_calibration_path(stages: int) -> Path:
+    """Where :func:`host_capacity` leaves the calibration for ``stages`` processes."""
+    return RUNS / "sleep" / f"gloo-host-S{stages}.json"
+
+
+def host_capacity(stages: int, *, reuse: bool = False) -> tuple[dict[str, Any], list[Command]]:
+    """The host's copy capacity for concurrent 32 MiB messages among ``stages`` processes
+    (``gloo_host.py``; the processes share the cores and the cache as the pipeline's ranks
+    do): the median of :data:`HOST_CALIBRATIONS` runs (``None`` for 2 processes, which have
+    one link only) and each pattern's median time, written for ``simulator_accuracy.py``."""
+    out = host_calibration_path(stages)
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
-    argv += ["4", "benchmarks/gloo_host.py"]
+    argv += [str(stages), "benchmarks/gloo_host.py"]
     if reuse and out.exists():
         return json.loads(out.read_text()), [Command((*argv, str(out)), 0, 0.0, "")]
     runs, commands = [], []
     for number in range(HOST_CALIBRATIONS):
-        single = RUNS / "sleep" / f"gloo-host-{number}.json"
+        single = RUNS / "sleep" / f"gloo-host-S{stages}-{number}.json"
         command = run_command([*argv, str(single)], timeout=300)
         commands.append(command)
         if command.returncode != 0:
             raise RuntimeError(command.output[-2000:])
         runs.append(json.loads(single.read_text()))
     capacities = [run["capacity_bytes_per_s"] for run in runs]
-    print("  host copy capacity: " + ", ".join(f"{c / 1e9:.2f}" for c in capacities) + " GB/s")
+    known = [c for c in capacities if c is not None]
+    shown = ", ".join(f"{c / 1e9:.2f} GB/s" for c in known) or "none (one link)"
+    print(f"  host copy capacity, {stages} processes: {shown}")
     result = {
-        "capacity_bytes_per_s": statistics.median(capacities),
+        "processes": stages,
+        "capacity_bytes_per_s": statistics.median(known) if known else None,
         "capacities": capacities,
         "ms": {name: statistics.median(run["ms"][name] for run in runs) for name in runs[0]["ms"]},
     }
@@ -288,11 +298,14 @@ def main(argv: list[str] | None = None) -> int:
     message_ms, p2p_command = gloo_message_ms(reuse=args.reuse)
     commands = [p2p_command.shell()]
     ours = []
+    calibrated: set[int] = set()
     for case in todo:
-        if case.size == "large" and not any(r["case"].size == "large" for r in ours):
-            # right before the 32 MiB runs, for simulator_accuracy.py (the speed drifts)
-            _, calibrations = host_capacity(reuse=args.reuse)
+        if case.size == "large" and case.stages not in calibrated:
+            # right before the 32 MiB runs of each depth, with as many processes, for
+            # simulator_accuracy.py (the machine's speed drifts)
+            _, calibrations = host_capacity(case.stages, reuse=args.reuse)
             commands += [command.shell() for command in calibrations]
+            calibrated.add(case.stages)
         result = run_ours(case, reuse=args.reuse)
         commands.append(result["command"])
         ours.append(result)
