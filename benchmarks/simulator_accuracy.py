@@ -8,10 +8,10 @@ action) and the plan is simulated with ``pipedream simulate --profile`` on a net
 on this machine by ``sleep_pipeline.py`` (:func:`network`): latency = the one-way time of a
 32 KiB gloo message (``gloo_p2p.py``), bandwidth = 32 MiB / the one-way time of a 32 MiB one,
 and the host's copy capacity shared by concurrent messages (``gloo_host.py``,
-``--host-bandwidth``). The 32 MiB time and the capacity of a pipeline of S stages come from
-the calibrations with S processes right before its 32 MiB cases (the median of three). The
-measured time is read again from the runs' traces (for the mlp cases, which ran in several
-rounds, the medians of the rounds). Target: within 10%. Refreshes the ``simulator`` section of
+``--host-bandwidth``). A 32 MiB case's message time and capacity come from calibrations with
+as many processes as its ranks right before and right after it. The measured time is read
+again from the runs' traces (for the mlp cases, which ran in several rounds, the medians of
+the rounds). Target: within 10%. Refreshes the ``simulator`` section of
 ``benchmarks/RESULTS.md``.
 """
 
@@ -35,8 +35,8 @@ from common import (
     write_section,
 )
 from real_compute import MICROBATCH_SIZE, OURS, ROUNDS, case_directory, case_name
+from sleep_pipeline import HOST_CALIBRATIONS, SIZES, cases, host_calibration_path
 from sleep_pipeline import MICROBATCH_SIZE as SLEEP_MICROBATCH
-from sleep_pipeline import SIZES, cases, host_calibration_path
 
 from pipedream.runtime.trace import load_traces
 
@@ -79,32 +79,30 @@ def _simulate(
     return float(match.group(1))
 
 
-def network(stages: int) -> tuple[list[str], str]:
-    """``pipedream simulate``'s network options for a pipeline of ``stages`` ranks, and a line
-    saying where they come from: the 32 KiB latency of ``gloo_p2p.py``; the 32 MiB time and the
-    host's capacity of the ``gloo_host.py`` runs with as many processes if ``sleep_pipeline.py``
-    took them (they were right before that depth's 32 MiB cases), else the 32 MiB time of
-    ``gloo_p2p.py`` and links of their own (2 ranks have one link only)."""
+def network(directory: Path | None) -> tuple[list[str], str]:
+    """``pipedream simulate``'s network options for the case run in ``directory``, and what
+    they are: the 32 KiB latency of ``gloo_p2p.py``; the 32 MiB time and the host's capacity
+    of the ``gloo_host.py`` runs right before and after the case (their means) if
+    ``sleep_pipeline.py`` took them (its 32 MiB cases), else the 32 MiB time of
+    ``gloo_p2p.py`` and links of their own (messages of a few KiB do not load the host)."""
     message = json.loads((RUNS / "sleep" / "gloo-p2p.json").read_text())
     latency_ms, large_ms = message[str(SIZES["small"])], message[str(SIZES["large"])]
-    source = "gloo_p2p.py"
+    hosts = []
+    if directory is not None:
+        paths = [host_calibration_path(directory, when) for when in HOST_CALIBRATIONS]
+        hosts = [json.loads(path.read_text()) for path in paths if path.exists()]
     capacity = None
-    calibration = host_calibration_path(stages)
-    if calibration.exists():
-        host = json.loads(calibration.read_text())
-        large_ms, capacity = host["ms"]["one"], host["capacity_bytes_per_s"]
-        source = f"gloo_host.py with {stages} processes"
+    if hosts:
+        large_ms = statistics.mean(host["ms"]["one"] for host in hosts)
+        known = [h["capacity_bytes_per_s"] for h in hosts if h["capacity_bytes_per_s"]]
+        capacity = statistics.mean(known) if known else None
     bandwidth = SIZES["large"] / (large_ms / 1000)
     argv = ["--bandwidth", f"{bandwidth:.0f}", "--latency", f"{latency_ms:.3f}"]
-    line = (
-        f"S = {stages}: {latency_ms:.2f} ms latency, 32 MiB in {large_ms:.1f} ms "
-        f"({bandwidth / 1e9:.2f} GB/s, {source})"
-    )
+    described = f"32 MiB in {large_ms:.1f} ms"
     if capacity is not None:
         argv += ["--host-bandwidth", f"{capacity:.0f}"]
-        each = ", ".join(f"{c / 1e9:.2f}" for c in host["capacities"])
-        line += f", host capacity {capacity / 1e9:.2f} GB/s (median of {each})"
-    return argv, line
+        described += f", host {capacity / 1e9:.2f} GB/s"
+    return argv, described
 
 
 def _measured(run_dir: Path, skip: int) -> float | None:
@@ -117,19 +115,22 @@ def _measured(run_dir: Path, skip: int) -> float | None:
 
 def main() -> int:
     shutil.rmtree(RUNS / "simulator", ignore_errors=True)  # profile afresh on every run
+    message = json.loads((RUNS / "sleep" / "gloo-p2p.json").read_text())
+    latency_ms, large_ms = message[str(SIZES["small"])], message[str(SIZES["large"])]
     commands: list[str] = []
     rows = []
-    todo: list[tuple[str, list[Path], int, int, int]] = []
+    todo: list[tuple[str, list[Path], int, int]] = []
     for case in cases([2, 4, 8], ["small", "large"]):
-        directories = [RUNS / "sleep" / case.name]
-        todo.append((case.name, directories, case.steps_and_skip[1], SLEEP_MICROBATCH, case.stages))
+        todo.append(
+            (case.name, [RUNS / "sleep" / case.name], case.steps_and_skip[1], SLEEP_MICROBATCH)
+        )
     for schedule, m, stages, _, skip in OURS:
         name = case_name(schedule, m, stages)
         rounds = [case_directory(name, r) for r in range(ROUNDS)]
-        todo.append((name, rounds, skip, MICROBATCH_SIZE, len(stages)))
-    networks = {depth: network(depth) for depth in sorted({item[-1] for item in todo})}
-    for name, directories, skip, microbatch_size, depth in todo:
+        todo.append((name, rounds, skip, MICROBATCH_SIZE))
+    for name, directories, skip, microbatch_size in todo:
         pairs = []  # (measured, simulated) of each round
+        networks = set()
         for directory in directories:
             plan_path = directory / "plan.yaml"
             if not plan_path.exists():
@@ -137,7 +138,9 @@ def main() -> int:
             measured = _measured(directory / "run", skip)
             plan = yaml.safe_load(plan_path.read_text())
             profile = _profile(directory, plan, microbatch_size, commands)
-            simulated = _simulate(plan_path, profile, networks[depth][0], commands)
+            options, described = network(directory)
+            networks.add(described)
+            simulated = _simulate(plan_path, profile, options, commands)
             if measured is not None and simulated is not None:
                 pairs.append((measured, simulated))
         if not pairs:
@@ -148,7 +151,8 @@ def main() -> int:
         verdict = "met" if abs(error) <= 0.10 else f"**missed by {abs(error) - 0.10:.2f}**"
         each = ", ".join(f"{s / m - 1:+.1%}" for m, s in pairs) if len(pairs) > 1 else ""
         rows.append(
-            f"| {name} | {measured:.1f} | {simulated:.1f} | {error:+.1%} | {each} | {verdict} |"
+            f"| {name} | {'; '.join(sorted(networks))} | {measured:.1f} | {simulated:.1f} | "
+            f"{error:+.1%} | {each} | {verdict} |"
         )
         print(f"  {name}: measured {measured:.1f} ms, simulated {simulated:.1f} ms ({error:+.1%})")
     within = sum("| met |" in row for row in rows)
@@ -162,12 +166,13 @@ def main() -> int:
         "workload profiled by `pipedream profile` (default repetitions; for the mlp cases, "
         "right before each run, as the machine's speed drifts, with `--concurrent` = the "
         "run's ranks: a co-runner trains beside the profiler as the other stage does in the "
-        "run) and the network calibrated on this machine (gloo, one way; the host's copy "
-        "capacity is shared by concurrent messages, calibrated right before each depth's "
-        "32 MiB runs with as many processes):",
-        "",
-        *(f"- {line}" for _, line in networks.values()),
-        "",
+        "run) and the network calibrated on this machine (gloo, one way): "
+        f"{latency_ms:.2f} ms latency per message (`gloo_p2p.py`, at the start), and for the "
+        "32 MiB cases the time of one message and the host's copy capacity shared by "
+        "concurrent messages (`gloo_host.py` with as many processes as the case has ranks, "
+        "the mean of one calibration right before and one right after the case: the speed "
+        "drifts within minutes); the other cases' messages, a few KiB, take 32 MiB in "
+        f"{large_ms:.1f} ms (`gloo_p2p.py`) and do not load the host. "
         "The profiles carry each layer's optimizer step and the runtime's cost per action. "
         "Measured = the same steady-state time per minibatch as "
         f"above, from the traces. The mlp cases ran {ROUNDS} times (see above): measured and "
@@ -175,8 +180,9 @@ def main() -> int:
         "taken right before it. "
         f"Within 10% in {within} of {len(rows)} cases.",
         "",
-        "| case | measured ms | simulated ms | error | error of each round | target (within 10%) |",
-        "|---|---:|---:|---:|---|---|",
+        "| case | network | measured ms | simulated ms | error | error of each round "
+        "| target (within 10%) |",
+        "|---|---|---:|---:|---:|---|---|",
         *rows,
         "",
         "<details><summary>Commands run</summary>",

@@ -18,7 +18,6 @@ import argparse
 import json
 import math
 import shutil
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,7 +115,8 @@ def cases(stages: list[int], sizes: list[str]) -> list[Case]:
 
 
 def run_ours(case: Case, *, reuse: bool = False) -> dict[str, Any]:
-    """Launch one case with tracing (one retry); return its measurement and the command.
+    """Launch one case with tracing (one retry); return its measurement and the commands (a
+    32 MiB case's with the host calibrations right before and after it).
 
     With ``reuse``, a case whose run directory holds a finished run of the same command is
     read back instead of run again (to finish an interrupted benchmark).
@@ -139,17 +139,24 @@ def run_ours(case: Case, *, reuse: bool = False) -> dict[str, Any]:
     result: dict[str, Any] = {"case": case}
     if reuse and done.exists() and done.read_text() == " ".join(argv):
         command = None
-        result["command"] = Command(tuple(argv), 0, 0.0, "").shell()
+        result["commands"] = [Command(tuple(argv), 0, 0.0, "").shell()]
     else:
         for _ in range(2):  # a port clash or a shared machine's hiccup should not lose a case
             shutil.rmtree(directory, ignore_errors=True)
             write_plan(plan, path)
+            calibrations = []
+            if case.size == "large":  # for simulator_accuracy.py: the copy speed drifts
+                out = host_calibration_path(directory, HOST_CALIBRATIONS[0])
+                calibrations.append(calibrate_host(case.stages, out))
             command = run_command(argv, timeout=300)
             (directory / "output.log").write_text(command.output)
             if command.returncode == 0:
+                if case.size == "large":
+                    out = host_calibration_path(directory, HOST_CALIBRATIONS[1])
+                    calibrations.append(calibrate_host(case.stages, out))
                 done.write_text(" ".join(argv))
                 break
-        result["command"] = command.shell()
+        result["commands"] = [*calibrations[:1], command.shell(), *calibrations[1:]]
     if command is not None and command.returncode != 0:
         reasons = [line for line in command.output.splitlines() if "pipedream" in line.lower()]
         result["error"] = (reasons or ["exit status " + str(command.returncode)])[-1:]
@@ -221,47 +228,27 @@ def gloo_message_ms(*, reuse: bool = False) -> tuple[dict[int, float], Command]:
     return {int(k): v for k, v in data.items()}, command
 
 
-HOST_CALIBRATIONS = 3
-"""Runs of ``gloo_host.py`` per pipeline depth (the median is used): two single runs 15
-minutes apart measured 2.77 and 3.29 GB/s, which moved the simulated 32 MiB cases of 8 stages
-by up to 20%."""
+HOST_CALIBRATIONS = ("before", "after")
+"""When the host's copy capacity is calibrated around each 32 MiB case (``gloo_host.py``). The
+machine's speed drifts within minutes: three calibrations in a row with 8 processes gave 2.40,
+2.00 and 1.92 GB/s, and the same run of the single-process mlp 63.8 and, 10 minutes later,
+76.1 ms per microbatch. The simulator takes the mean of the two."""
 
 
-def host_calibration_path(stages: int) -> Path:
-    """Where :func:`host_capacity` leaves the calibration for ``stages`` processes."""
-    return RUNS / "sleep" / f"gloo-host-S{stages}.json"
+def host_calibration_path(directory: Path, when: str) -> Path:
+    """Where :func:`calibrate_host` leaves the calibration taken ``when`` a case ran."""
+    return directory / f"gloo-host-{when}.json"
 
 
-def host_capacity(stages: int, *, reuse: bool = False) -> tuple[dict[str, Any], list[Command]]:
-    """The host's copy capacity for concurrent 32 MiB messages among ``stages`` processes
-    (``gloo_host.py``; the processes share the cores and the cache as the pipeline's ranks
-    do): the median of :data:`HOST_CALIBRATIONS` runs (``None`` for 2 processes, which have
-    one link only) and each pattern's median time, written for ``simulator_accuracy.py``."""
-    out = host_calibration_path(stages)
+def calibrate_host(stages: int, out: Path) -> str:
+    """Run ``gloo_host.py`` with ``stages`` processes (they share the cores and the cache as
+    the pipeline's ranks do) into ``out``; return the command. Raises if it fails."""
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
-    argv += [str(stages), "benchmarks/gloo_host.py"]
-    if reuse and out.exists():
-        return json.loads(out.read_text()), [Command((*argv, str(out)), 0, 0.0, "")]
-    runs, commands = [], []
-    for number in range(HOST_CALIBRATIONS):
-        single = RUNS / "sleep" / f"gloo-host-S{stages}-{number}.json"
-        command = run_command([*argv, str(single)], timeout=300)
-        commands.append(command)
-        if command.returncode != 0:
-            raise RuntimeError(command.output[-2000:])
-        runs.append(json.loads(single.read_text()))
-    capacities = [run["capacity_bytes_per_s"] for run in runs]
-    known = [c for c in capacities if c is not None]
-    shown = ", ".join(f"{c / 1e9:.2f} GB/s" for c in known) or "none (one link)"
-    print(f"  host copy capacity, {stages} processes: {shown}")
-    result = {
-        "processes": stages,
-        "capacity_bytes_per_s": statistics.median(known) if known else None,
-        "capacities": capacities,
-        "ms": {name: statistics.median(run["ms"][name] for run in runs) for name in runs[0]["ms"]},
-    }
-    out.write_text(json.dumps(result, indent=1))
-    return result, commands
+    argv += [str(stages), "benchmarks/gloo_host.py", str(out)]
+    command = run_command(argv, timeout=300)
+    if command.returncode != 0:
+        raise RuntimeError(command.output[-2000:])
+    return command.shell()
 
 
 def save_timeline(result: dict[str, Any], path: Path) -> None:
@@ -298,16 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     message_ms, p2p_command = gloo_message_ms(reuse=args.reuse)
     commands = [p2p_command.shell()]
     ours = []
-    calibrated: set[int] = set()
     for case in todo:
-        if case.size == "large" and case.stages not in calibrated:
-            # right before the 32 MiB runs of each depth, with as many processes, for
-            # simulator_accuracy.py (the machine's speed drifts)
-            _, calibrations = host_capacity(case.stages, reuse=args.reuse)
-            commands += [command.shell() for command in calibrations]
-            calibrated.add(case.stages)
         result = run_ours(case, reuse=args.reuse)
-        commands.append(result["command"])
+        commands += result["commands"]
         ours.append(result)
     torch_ms: dict[str, float] = {}
     for s in stages:
