@@ -1,7 +1,7 @@
 """How much a host moves when several gloo messages are in flight at once (its copy capacity).
 
-Launched with torchrun by ``sleep_pipeline.py`` (three times right before the 32 MiB cases
-of each pipeline depth, with as many processes as that depth has stages)::
+Launched with torchrun by ``sleep_pipeline.py`` right before and right after each of its
+32 MiB cases, with as many processes as the case has stages::
 
     python -m torch.distributed.run --standalone --nproc-per-node S benchmarks/gloo_host.py OUT.json
 
