@@ -79,14 +79,12 @@ def _simulate(
     return float(match.group(1))
 
 
-def network(directory: Path | None) -> tuple[list[str], str]:
+def network(directory: Path | None, latency_ms: float, large_ms: float) -> tuple[list[str], str]:
     """``pipedream simulate``'s network options for the case run in ``directory``, and what
-    they are: the 32 KiB latency of ``gloo_p2p.py``; the 32 MiB time and the host's capacity
-    of the ``gloo_host.py`` runs right before and after the case (their means) if
-    ``sleep_pipeline.py`` took them (its 32 MiB cases), else the 32 MiB time of
-    ``gloo_p2p.py`` and links of their own (messages of a few KiB do not load the host)."""
-    message = json.loads((RUNS / "sleep" / "gloo-p2p.json").read_text())
-    latency_ms, large_ms = message[str(SIZES["small"])], message[str(SIZES["large"])]
+    they are: ``latency_ms`` (the 32 KiB time of ``gloo_p2p.py``); the 32 MiB time and the
+    host's capacity of the ``gloo_host.py`` runs right before and after the case (their means)
+    if ``sleep_pipeline.py`` took them (its 32 MiB cases), else ``large_ms`` (the 32 MiB time
+    of ``gloo_p2p.py``) and links of their own (messages of a few KiB do not load the host)."""
     hosts = []
     if directory is not None:
         paths = [host_calibration_path(directory, when) for when in HOST_CALIBRATIONS]
@@ -138,7 +136,7 @@ def main() -> int:
             measured = _measured(directory / "run", skip)
             plan = yaml.safe_load(plan_path.read_text())
             profile = _profile(directory, plan, microbatch_size, commands)
-            options, described = network(directory)
+            options, described = network(directory, latency_ms, large_ms)
             networks.add(described)
             simulated = _simulate(plan_path, profile, options, commands)
             if measured is not None and simulated is not None:
