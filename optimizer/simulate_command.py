@@ -3,7 +3,8 @@
 ::
 
     pipedream simulate PLAN [--profile PROFILE] [--topology TOPO | --bandwidth B]
-                            [--latency MS] [--host-bandwidth B] [--steps K] [--width SLOTS]
+                            [--latency MS] [--host-bandwidth B] [--send-overhead MS]
+                            [--send-overhead-per-mib MS] [--steps K] [--width SLOTS]
                             [--png FILE]
 
 The per-layer costs come from ``--profile``, else from the profile the plan records (written
@@ -145,8 +146,13 @@ def concurrency_note(profile: Profile, plan: Plan, topology: Topology) -> str:
 def run(args: argparse.Namespace) -> int:
     """Run ``pipedream simulate``; returns the exit status."""
     plan = load_plan(args.plan)
-    if args.latency < 0 or not math.isfinite(args.latency):
-        raise PlanningError(f"--latency {args.latency}: must be >= 0 milliseconds")
+    for option, value in (
+        ("--latency", args.latency),
+        ("--send-overhead", args.send_overhead),
+        ("--send-overhead-per-mib", args.send_overhead_per_mib),
+    ):
+        if value < 0 or not math.isfinite(value):
+            raise PlanningError(f"{option} {value}: must be >= 0 milliseconds")
     if args.width < 1:
         raise PlanningError(f"--width {args.width}: must be at least 1 slot")
     profile = _profile(args, plan)
@@ -154,7 +160,11 @@ def run(args: argparse.Namespace) -> int:
     steps = _steps(args, plan)
     work = stage_work(plan, profile)
     network = Network.from_topology(
-        topology, latency_ms=args.latency, unit_capacity=_host_bandwidth(args)
+        topology,
+        latency_ms=args.latency,
+        unit_capacity=_host_bandwidth(args),
+        send_ms=args.send_overhead,
+        send_ms_per_mib=args.send_overhead_per_mib,
     )
     timeline = simulate(plan, work, network, num_minibatches=steps)
     print(

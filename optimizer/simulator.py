@@ -10,7 +10,10 @@ with profiled costs instead of tensors:
   :mod:`~pipedream.runtime.versions`); every backward of a minibatch but its first also adds
   its gradients into ``.grad`` (``accumulate_ms``);
   each plus the runtime's own cost per action where the profile measured it (``overhead_ms``);
-* a send is posted when the rank reaches it and does not block the rank; it occupies the link
+* a send is posted when the rank reaches it; posting holds the sender for ``send_ms`` plus
+  ``send_ms_per_mib`` per MiB of the message (the runtime's main thread packs and hands it to
+  the transport: on gloo that thread itself writes the first megabytes into the socket), an
+  ``S`` event; the rank then goes on while the message moves. The message occupies the link
   between the two ranks (one link per pair, shared by activations and gradients, as PipeDream's
   cost model assumes) for ``bytes / bandwidth``, and arrives ``latency`` later; a receive waits
   for its message; the bandwidth of a pair is that of the innermost level both ranks share;
@@ -96,17 +99,34 @@ class Network:
     unit_capacity: float | None = None
     """Bytes/s that all transfers touching one innermost unit share (a host copying loopback
     messages with its CPUs, a server's network card); None: every link is independent."""
+    send_ms: float = 0.0
+    """Time posting one message holds the sending rank (its fixed part)."""
+    send_ms_per_mib: float = 0.0
+    """Time posting one message holds the sending rank, per MiB of the message."""
+
+    def __post_init__(self) -> None:
+        assert self.send_ms >= 0 and self.send_ms_per_mib >= 0, (self.send_ms, self.send_ms_per_mib)
 
     @classmethod
     def from_topology(
-        cls, topology: Topology, *, latency_ms: float = 0.0, unit_capacity: float | None = None
+        cls,
+        topology: Topology,
+        *,
+        latency_ms: float = 0.0,
+        unit_capacity: float | None = None,
+        send_ms: float = 0.0,
+        send_ms_per_mib: float = 0.0,
     ) -> Network:
         sizes, size = [], 1
         for level in topology.levels:
             size *= level.workers
             sizes.append(size)
         bandwidths = tuple(lv.bandwidth for lv in topology.levels)
-        return cls(tuple(sizes), bandwidths, latency_ms, unit_capacity)
+        return cls(tuple(sizes), bandwidths, latency_ms, unit_capacity, send_ms, send_ms_per_mib)
+
+    def post_ms(self, num_bytes: float) -> float:
+        """Time posting a message of ``num_bytes`` holds the sending rank."""
+        return self.send_ms + num_bytes / 2**20 * self.send_ms_per_mib
 
     def level_of(self, ranks: Sequence[int]) -> int:
         """The innermost level one of whose units holds all of ``ranks``."""
@@ -148,9 +168,9 @@ class Event:
     stage: int
     """Its stage."""
     kind: str
-    """``F``, ``B``, ``A`` or ``U``."""
+    """``F``, ``B``, ``A``, ``U``, or ``S`` (posting a send)."""
     index: int
-    """Microbatch (F, B) or update (A, U) index."""
+    """Microbatch (F, B, S) or update (A, U) index."""
     start_ms: float
     """Start time."""
     end_ms: float
@@ -162,7 +182,7 @@ class Timeline:
     """The simulated run."""
 
     events: tuple[Event, ...]
-    """Compute, allreduce and update actions of every rank, by start time."""
+    """Compute, allreduce, update and send-posting actions of every rank, by start time."""
     num_minibatches: int
     """Minibatches simulated."""
     completions_ms: tuple[float, ...]
@@ -181,7 +201,7 @@ class Timeline:
         return max(event.end_ms for event in self.events)
 
     def busy_fraction(self, rank: int) -> float:
-        """Share of the run the rank spends computing, allreducing or updating."""
+        """Share of the run the rank spends computing, allreducing, updating or posting sends."""
         busy = sum(e.end_ms - e.start_ms for e in self.events if e.rank == rank)
         return busy / self.makespan_ms if self.makespan_ms > 0 else 1.0
 
@@ -436,6 +456,10 @@ class _Run:
                 self.link_free[link] = end
                 self.messages[key] = end + self.network.latency_ms
                 self._wake(peer)
+            posting = self.network.post_ms(size)
+            if posting > 0:
+                self.events.append(Event(rank, stage, "S", action.index, now, now + posting))
+                now += posting
         elif op is Op.ALLREDUCE:
             group = self.spec.stage_ranks[stage]
             arrivals = self.arrived.setdefault((stage, action.index), {})

@@ -2,7 +2,8 @@
 
 The grid has one row per rank and one column per time slot; a cell shows what the rank does
 in the middle of the slot (``F3``/``B3``: forward/backward of microbatch 3, ``A``: allreduce,
-``U``: update) and ``.`` when it waits: the bubbles. GPipe, 2 stages, 2 microbatches, F = B::
+``U``: update, ``S``: posting a send, where the network charges it) and ``.`` when it waits:
+the bubbles. GPipe, 2 stages, 2 microbatches, F = B::
 
     rank (stage) | 0  1  2  3  4  5
        0 (0)     | F0 F1 .  .  B0 B1
@@ -21,8 +22,8 @@ from pipedream.optimizer.simulator import Event, Timeline
 
 __all__ = ["COLOURS", "draw_timeline", "format_timeline", "slot_ms"]
 
-COLOURS = {"F": "#4c72b0", "B": "#55a868", "A": "#c44e52", "U": "#8c8c8c"}
-"""Bar colours: forward blue, backward green, allreduce red, update grey."""
+COLOURS = {"F": "#4c72b0", "B": "#55a868", "A": "#c44e52", "U": "#8c8c8c", "S": "#dd8452"}
+"""Bar colours: forward blue, backward green, allreduce red, update grey, send orange."""
 
 
 def slot_ms(timeline: Timeline) -> float:
@@ -119,12 +120,13 @@ def draw_timeline(timeline: Timeline, plan: Plan, path: str | os.PathLike[str]) 
         f"microbatch(es)/minibatch; simulated {timeline.time_per_minibatch_ms:.3f} ms per "
         "minibatch (white: bubbles)"
     )
-    names = {"F": "forward", "B": "backward", "A": "allreduce", "U": "update"}
+    names = {"F": "forward", "B": "backward", "A": "allreduce", "U": "update", "S": "send"}
+    shown = {event.kind for event in timeline.events} | {"F", "B"}
     axes.legend(
-        handles=[Patch(color=c, label=names[k]) for k, c in COLOURS.items()],
+        handles=[Patch(color=c, label=names[k]) for k, c in COLOURS.items() if k in shown],
         loc="upper center",
         bbox_to_anchor=(0.5, -0.12 - 1.5 / (4 + len(ranks))),
-        ncol=4,
+        ncol=5,
         fontsize=8,
         frameon=False,
     )

@@ -216,6 +216,20 @@ def build_parser() -> argparse.ArgumentParser:
         "CPU host copying loopback messages (default: every link independent)",
     )
     simulate.add_argument(
+        "--send-overhead",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="time posting one message holds the sending rank (ms; default 0)",
+    )
+    simulate.add_argument(
+        "--send-overhead-per-mib",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="... plus this per MiB of the message (ms; default 0)",
+    )
+    simulate.add_argument(
         "--steps",
         type=int,
         default=None,

@@ -160,6 +160,20 @@ def test_simulate_with_a_shared_host_bandwidth_is_slower(files, capsys) -> None:
     assert times[1] > times[0]
 
 
+def test_simulate_charges_the_send_overhead(files, capsys) -> None:
+    argv = ["plan", str(files["profile"]), "--workers", "2", "--schedule", "pipedream"]
+    assert run_cli([*argv, "--straight", "-o", str(files["plan"])], capsys)[0] == 0
+    times = []
+    for extra in ([], ["--send-overhead", "5"], ["--send-overhead-per-mib", "1e6"]):
+        code, out, _ = run_cli(["simulate", str(files["plan"]), *extra], capsys)
+        assert code == 0
+        times.append(float(out.split("simulated time per minibatch: ")[1].split(" ms")[0]))
+    # pipedream on 2 stages: each stage posts one message per minibatch (activations or
+    # gradients) and is the bottleneck of its own loop; a fixed 5 ms is 5 ms more per minibatch
+    assert times[1] > times[0] + 4.0
+    assert times[2] > times[0]
+
+
 def test_simulate_without_matplotlib_says_how_to_install(files, capsys, monkeypatch) -> None:
     argv = ["plan", str(files["profile"]), "--workers", "2", "-o", str(files["plan"])]
     assert run_cli(argv, capsys)[0] == 0
@@ -192,6 +206,14 @@ def hand_written(tmp_path: Path, replicas: tuple[int, ...] = (1, 1)) -> Path:
         (["simulate", "{hand}"], "pass --profile"),
         (["simulate", "{hand2}", "--profile", "{profile}", "--steps", "3"], "use --steps 4"),
         (["simulate", "{hand}", "--profile", "{profile}", "--latency", "-1"], "--latency -1"),
+        (
+            ["simulate", "{hand}", "--profile", "{profile}", "--send-overhead", "-0.5"],
+            "--send-overhead -0.5: must be >= 0",
+        ),
+        (
+            ["simulate", "{hand}", "--profile", "{profile}", "--send-overhead-per-mib", "nan"],
+            "--send-overhead-per-mib nan",
+        ),
         (["simulate", "{hand}", "--profile", "{profile}", "--width", "0"], "--width 0"),
         (
             ["simulate", "{hand}", "--profile", "{profile}", "--host-bandwidth", "0"],

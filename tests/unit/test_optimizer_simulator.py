@@ -72,6 +72,43 @@ def test_transfers_and_latency_are_on_the_critical_path_of_a_flush() -> None:
     assert timeline.time_per_minibatch_ms == pytest.approx(4 + 2 * 0.75)
 
 
+@pytest.mark.parametrize(
+    ("send_ms", "per_mib"),
+    [(0.5, 0.0), (0.25, 0.25)],  # 0.5 ms per 1 MiB message either way
+)
+def test_posting_a_send_holds_the_sender(send_ms: float, per_mib: float) -> None:
+    # pipedream, 3 stages, F = 1, B = 2: the middle stage posts two messages per minibatch
+    # (activations on, gradients back), the others one each, and sets the pace: 3 + 2 * 0.5
+    network = Network((64,), (1e15,), send_ms=send_ms, send_ms_per_mib=per_mib)
+    work = [StageWork(1.0, 2.0, 0.0, float(2**20))] * 3
+    timeline = simulate(plan_of("pipedream", [1, 1, 1]), work, network, num_minibatches=24)
+    assert timeline.time_per_minibatch_ms == pytest.approx(4.0)
+    posts = [e for e in timeline.events if e.kind == "S"]
+    assert [e.end_ms - e.start_ms for e in posts] == pytest.approx([0.5] * len(posts))
+    assert sorted({(e.rank, e.stage) for e in posts}) == [(0, 0), (1, 1), (2, 2)]
+    assert len([e for e in posts if e.rank == 1]) == 2 * 24
+
+
+def test_a_send_posted_while_its_transfer_runs_is_off_the_critical_path_of_a_flush() -> None:
+    # gpipe, 2 stages, 1 microbatch: the message leaves when it is posted, so posting it
+    # (0.2 ms here) only delays the sender, who has nothing else to do: the same 4 + 2 * 0.75
+    # as without posting costs (see the test above that one)
+    network = Network((2,), (2e6,), latency_ms=0.25, send_ms=0.2)  # 1000 B take 0.5 ms
+    work = [StageWork(1.0, 1.0, 0, 1000.0), StageWork(1.0, 1.0, 0, 0)]
+    timeline = simulate(plan_of("gpipe", [1, 1]), work, network, num_minibatches=8)
+    assert timeline.time_per_minibatch_ms == pytest.approx(4 + 2 * 0.75)
+    first = [(e.rank, e.kind, e.start_ms, e.end_ms) for e in timeline.events if e.kind != "U"]
+    first = first[:6]
+    assert first == [
+        (0, "F", 0.0, 1.0),
+        (0, "S", 1.0, pytest.approx(1.2)),
+        (1, "F", 1.75, 2.75),
+        (1, "B", 2.75, 3.75),
+        (1, "S", 3.75, pytest.approx(3.95)),
+        (0, "B", 4.5, 5.5),
+    ]
+
+
 def test_replicas_allreduce_once_per_own_minibatch() -> None:
     # data parallel on 2 workers: each does F + B = 3 ms, then allreduces 1 MB:
     # 4 * (2 - 1) / 2 * 1e6 B / 1e9 B/s = 2 ms; two minibatches per 5 ms
