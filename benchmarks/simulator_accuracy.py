@@ -35,7 +35,14 @@ from common import (
     write_section,
 )
 from real_compute import MICROBATCH_SIZE, OURS, ROUNDS, case_directory, case_name
-from sleep_pipeline import HOST_CALIBRATIONS, SIZES, cases, host_calibration_path
+from sleep_pipeline import (
+    HOST_CALIBRATIONS,
+    SIZES,
+    cases,
+    gloo_p2p_path,
+    host_calibration_path,
+    read_gloo_p2p,
+)
 from sleep_pipeline import MICROBATCH_SIZE as SLEEP_MICROBATCH
 
 from pipedream.runtime.trace import load_traces
@@ -79,12 +86,30 @@ def _simulate(
     return float(match.group(1))
 
 
-def network(directory: Path | None, latency_ms: float, large_ms: float) -> tuple[list[str], str]:
+def send_overhead(post_ms: dict[int, float]) -> tuple[float, float]:
+    """``--send-overhead`` and ``--send-overhead-per-mib`` from ``P2P.send``'s post times
+    (``gloo_p2p.py``): the line through the small and the large message's.
+
+    >>> [round(ms, 4) for ms in send_overhead({32768: 0.15, 33554432: 2.63})]
+    [0.1476, 0.0776]
+    """
+    small, large = SIZES["small"], SIZES["large"]
+    per_mib = max(0.0, (post_ms[large] - post_ms[small]) / ((large - small) / 2**20))
+    return post_ms[small] - small / 2**20 * per_mib, per_mib
+
+
+def network(
+    directory: Path | None,
+    latency_ms: float,
+    large_ms: float,
+    post: tuple[float, float] = (0.0, 0.0),
+) -> tuple[list[str], str]:
     """``pipedream simulate``'s network options for the case run in ``directory``, and what
     they are: ``latency_ms`` (the 32 KiB time of ``gloo_p2p.py``); the 32 MiB time and the
     host's capacity of the ``gloo_host.py`` runs right before and after the case (their means)
     if ``sleep_pipeline.py`` took them (its 32 MiB cases), else ``large_ms`` (the 32 MiB time
-    of ``gloo_p2p.py``) and links of their own (messages of a few KiB do not load the host)."""
+    of ``gloo_p2p.py``) and links of their own (messages of a few KiB do not load the host);
+    the time posting a message holds the sender, ``post`` (:func:`send_overhead`)."""
     hosts = []
     if directory is not None:
         paths = [host_calibration_path(directory, when) for when in HOST_CALIBRATIONS]
@@ -96,6 +121,7 @@ def network(directory: Path | None, latency_ms: float, large_ms: float) -> tuple
         capacity = statistics.mean(known) if known else None
     bandwidth = SIZES["large"] / (large_ms / 1000)
     argv = ["--bandwidth", f"{bandwidth:.0f}", "--latency", f"{latency_ms:.3f}"]
+    argv += ["--send-overhead", f"{post[0]:.4f}", "--send-overhead-per-mib", f"{post[1]:.4f}"]
     described = f"32 MiB in {large_ms:.1f} ms"
     if capacity is not None:
         argv += ["--host-bandwidth", f"{capacity:.0f}"]
@@ -113,8 +139,9 @@ def _measured(run_dir: Path, skip: int) -> float | None:
 
 def main() -> int:
     shutil.rmtree(RUNS / "simulator", ignore_errors=True)  # profile afresh on every run
-    message = json.loads((RUNS / "sleep" / "gloo-p2p.json").read_text())
-    latency_ms, large_ms = message[str(SIZES["small"])], message[str(SIZES["large"])]
+    message, post_ms = read_gloo_p2p(gloo_p2p_path())
+    latency_ms, large_ms = message[SIZES["small"]], message[SIZES["large"]]
+    post = send_overhead(post_ms)
     commands: list[str] = []
     rows = []
     todo: list[tuple[str, list[Path], int, int]] = []
@@ -136,7 +163,7 @@ def main() -> int:
             measured = _measured(directory / "run", skip)
             plan = yaml.safe_load(plan_path.read_text())
             profile = _profile(directory, plan, microbatch_size, commands)
-            options, described = network(directory, latency_ms, large_ms)
+            options, described = network(directory, latency_ms, large_ms, post)
             networks.add(described)
             simulated = _simulate(plan_path, profile, options, commands)
             if measured is not None and simulated is not None:
@@ -170,7 +197,10 @@ def main() -> int:
         "concurrent messages (`gloo_host.py` with as many processes as the case has ranks, "
         "the mean of one calibration right before and one right after the case: the speed "
         "drifts within minutes); the other cases' messages, a few KiB, take 32 MiB in "
-        f"{large_ms:.1f} ms (`gloo_p2p.py`) and do not load the host. "
+        f"{large_ms:.1f} ms (`gloo_p2p.py`) and do not load the host. Posting a message "
+        f"holds the sender {post[0]:.3f} ms plus {post[1]:.4f} ms per MiB "
+        "(`--send-overhead`, `--send-overhead-per-mib`: the line through the times the "
+        "runtime's `P2P.send` took for a 32 KiB and a 32 MiB message in `gloo_p2p.py`). "
         "The profiles carry each layer's optimizer step and the runtime's cost per action. "
         "Measured = the same steady-state time per minibatch as "
         f"above, from the traces. The mlp cases ran {ROUNDS} times (see above): measured and "

@@ -214,18 +214,28 @@ def run_torch(
     return {item["name"]: item["period_ms"] for item in found}, command
 
 
+def gloo_p2p_path() -> Path:
+    """Where :func:`gloo_message_ms` leaves ``gloo_p2p.py``'s calibration."""
+    return RUNS / "sleep" / "gloo-p2p.json"
+
+
+def read_gloo_p2p(path: Path) -> tuple[dict[int, float], dict[int, float]]:
+    """``gloo_p2p.py``'s one-way time and ``P2P.send``'s post time per message size (ms)."""
+    data = json.loads(path.read_text())
+    one_way, post = data["one_way_ms"], data["post_ms"]
+    return {int(k): v for k, v in one_way.items()}, {int(k): v for k, v in post.items()}
+
+
 def gloo_message_ms(*, reuse: bool = False) -> tuple[dict[int, float], Command]:
-    out = RUNS / "sleep" / "gloo-p2p.json"
+    """The one-way time of a gloo message per size (``gloo_p2p.py``, run now or reused)."""
+    out = gloo_p2p_path()
     out.parent.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     argv += ["2", "benchmarks/gloo_p2p.py", str(out)]
-    if reuse and out.exists():
-        return {int(k): v for k, v in json.loads(out.read_text()).items()}, Command(
-            tuple(argv), 0, 0.0, ""
-        )
+    if reuse and out.exists() and "post_ms" in json.loads(out.read_text()):
+        return read_gloo_p2p(out)[0], Command(tuple(argv), 0, 0.0, "")
     command = run_command(argv, timeout=120)
-    data = json.loads(out.read_text()) if command.returncode == 0 else {}
-    return {int(k): v for k, v in data.items()}, command
+    return (read_gloo_p2p(out)[0] if command.returncode == 0 else {}), command
 
 
 HOST_CALIBRATIONS = ("before", "after")
