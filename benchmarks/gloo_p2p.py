@@ -1,4 +1,5 @@
-"""One-way time of a gloo message between two processes on this machine (the transport's limit).
+"""One-way time of a gloo message between two processes on this machine, and what posting one
+costs the sender.
 
 Launched with torchrun by the benchmarks::
 
