@@ -95,7 +95,7 @@ def send_overhead(post_ms: dict[int, float]) -> tuple[float, float]:
     """
     small, large = SIZES["small"], SIZES["large"]
     per_mib = max(0.0, (post_ms[large] - post_ms[small]) / ((large - small) / 2**20))
-    return post_ms[small] - small / 2**20 * per_mib, per_mib
+    return max(0.0, post_ms[small] - small / 2**20 * per_mib), per_mib
 
 
 def network(
