@@ -18,7 +18,7 @@ THREE = [["0"], ["1"], ["2", "3"]]
 @pytest.mark.parametrize(
     ("stages", "replicas", "schedule", "m"),
     [
-        (TWO, [2, 1], "pipedream", 1),
+        # a replicated first stage under pipedream: "2-1-1" below (and "2-1-vs" with two stages)
         (TWO, [1, 2], "pipedream", 1),
         (THREE, [2, 1, 1], "pipedream", 1),
         (TWO, [2, 1], "pipedream-vs", 1),
@@ -26,7 +26,7 @@ THREE = [["0"], ["1"], ["2", "3"]]
         (TWO, [1, 2], "1f1b", 2),
         (TWO, [2, 1], "gpipe", 2),
     ],
-    ids=["2-1", "1-2", "2-1-1", "2-1-vs", "2-1-1-2bw", "1-2-1f1b", "2-1-gpipe"],
+    ids=["1-2", "2-1-1", "2-1-vs", "2-1-1-2bw", "1-2-1f1b", "2-1-gpipe"],
 )
 def test_hybrid_equals_reference_executor(
     tmp_path: Path, stages: list[list[str]], replicas: list[int], schedule: str, m: int

@@ -104,13 +104,13 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def test_two_nodes_equal_one_node_and_runs_are_bit_identical(tmp_path: Path) -> None:
+def test_two_nodes_equal_one_node_bit_for_bit(tmp_path: Path) -> None:
+    """Two launches of one plan and seed, one on a single node and one on two, end with the
+    same bits: runs are reproducible, whichever way the ranks are spread."""
     args = {"layers": "4", "width": "16", "optimizer": "adam", "lr": "0.01"}
     names = [n for n, _ in load_workload("mlp", args).model.named_children()]
     stages = even_groups(names, 4)
     one = train_and_load(tmp_path, stages, steps=8, workload_args=args, name="one")
-    again = train_and_load(tmp_path, stages, steps=8, workload_args=args, name="again")
-    assert all(torch.equal(one[k], again[k]) for k in one)  # same plan and seed: bit-identical
 
     plan = write_plan(straight_plan("mlp", stages, workload_args=args), tmp_path / "two.yaml")
     port = _free_port()
