@@ -3,9 +3,9 @@
 ::
 
     pipedream simulate PLAN [--profile PROFILE] [--topology TOPO | --bandwidth B]
-                            [--latency MS] [--host-bandwidth B] [--send-overhead MS]
-                            [--send-overhead-per-mib MS] [--steps K] [--width SLOTS]
-                            [--png FILE]
+                            [--latency MS] [--host-bandwidth B] [--duplex F]
+                            [--send-overhead MS] [--send-overhead-per-mib MS] [--steps K]
+                            [--width SLOTS] [--png FILE]
 
 The per-layer costs come from ``--profile``, else from the profile the plan records (written
 by ``pipedream plan``, relative to the plan file); the bandwidths from ``--topology`` or
@@ -88,6 +88,16 @@ def _host_bandwidth(args: argparse.Namespace) -> float | None:
     return None if text is None else _positive_bandwidth("--host-bandwidth", text, "2e9")
 
 
+def _duplex(args: argparse.Namespace) -> float | None:
+    value = getattr(args, "duplex", None)
+    if value is not None and not 1 <= value <= 2:
+        raise PlanningError(
+            f"--duplex {value}: must be between 1 (a link's two directions share its "
+            "bandwidth) and 2 (full duplex)"
+        )
+    return value
+
+
 def _steps(args: argparse.Namespace, plan: Plan) -> int | None:
     if args.steps is None:
         return None  # the simulator finds its steady state
@@ -165,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
         unit_capacity=_host_bandwidth(args),
         send_ms=args.send_overhead,
         send_ms_per_mib=args.send_overhead_per_mib,
+        duplex=_duplex(args),
     )
     timeline = simulate(plan, work, network, num_minibatches=steps)
     print(

@@ -18,7 +18,8 @@ with profiled costs instead of tensors:
   cost model assumes) for ``bytes / bandwidth``, and arrives ``latency`` later; a receive waits
   for its message; the bandwidth of a pair is that of the innermost level both ranks share;
   with a ``unit_capacity`` the transfers touching one innermost unit (a host) also share that
-  many bytes/s in total (:mod:`~pipedream.optimizer.transfers`);
+  many bytes/s in total; with a ``duplex`` factor a link's two directions move at once and
+  share that many times its bandwidth (:mod:`~pipedream.optimizer.transfers`);
 * ``A``: the replicas of a stage wait for each other, then spend a hierarchical ring allreduce
   ``sum over levels of 4 (k - 1) / k * P / (bandwidth * workers below)``, ``k`` the replicas'
   units at that level (one level: the cost model's ``4 (r - 1) P / (bandwidth r)``).
@@ -103,9 +104,14 @@ class Network:
     """Time posting one message holds the sending rank (its fixed part)."""
     send_ms_per_mib: float = 0.0
     """Time posting one message holds the sending rank, per MiB of the message."""
+    duplex: float | None = None
+    """What one link moves in both directions together, in multiples of its bandwidth: messages
+    in opposite directions then move at once and share it (1: they share the link, 2: full
+    duplex); None: a link carries one message at a time, either way."""
 
     def __post_init__(self) -> None:
         assert self.send_ms >= 0 and self.send_ms_per_mib >= 0, (self.send_ms, self.send_ms_per_mib)
+        assert self.duplex is None or 1 <= self.duplex <= 2, self.duplex
 
     @classmethod
     def from_topology(
@@ -116,13 +122,22 @@ class Network:
         unit_capacity: float | None = None,
         send_ms: float = 0.0,
         send_ms_per_mib: float = 0.0,
+        duplex: float | None = None,
     ) -> Network:
         sizes, size = [], 1
         for level in topology.levels:
             size *= level.workers
             sizes.append(size)
         bandwidths = tuple(lv.bandwidth for lv in topology.levels)
-        return cls(tuple(sizes), bandwidths, latency_ms, unit_capacity, send_ms, send_ms_per_mib)
+        return cls(
+            tuple(sizes),
+            bandwidths,
+            latency_ms,
+            unit_capacity,
+            send_ms,
+            send_ms_per_mib,
+            duplex,
+        )
 
     def post_ms(self, num_bytes: float) -> float:
         """Time posting a message of ``num_bytes`` holds the sending rank."""
@@ -378,8 +393,10 @@ class _Run:
         self.backward_end: dict[tuple[int, int], float] = {}
         self.waiting: set[int] = set()  # ranks inside an allreduce that others have not reached
         self.heap: list[tuple[float, int]] = [(0.0, rank) for rank in sorted(tables)]
-        capacity = network.unit_capacity
-        self.pool = None if capacity is None else TransferPool(capacity / 1e3)
+        self.pool = None
+        if network.unit_capacity is not None or network.duplex is not None:
+            per_unit = math.inf if network.unit_capacity is None else network.unit_capacity / 1e3
+            self.pool = TransferPool(per_unit, network.duplex)
         self.pool_version = 0  # heap entries (t, -1 - version) are the pool's completions
         self.uses = {rank: version_use(table, initial_version=0) for rank, table in tables.items()}
         self.updates_done = {rank: 0 for rank in tables}
@@ -448,7 +465,7 @@ class _Run:
             if self.pool is not None:
                 rate = self.network.bandwidths[self.network.level_of(link)] / 1e3  # bytes per ms
                 units = self.network.units_of(rank, peer)
-                self.pool.start(now, Transfer(key, link, units, size, rate))
+                self.pool.start(now, Transfer(key, link, units, size, rate, source=rank))
                 self._schedule_pool()
             else:
                 start = max(now, self.link_free.get(link, 0.0))

@@ -216,6 +216,15 @@ def build_parser() -> argparse.ArgumentParser:
         "CPU host copying loopback messages (default: every link independent)",
     )
     simulate.add_argument(
+        "--duplex",
+        type=float,
+        default=None,
+        metavar="F",
+        help="what a link moves in both directions together, in multiples of its bandwidth: "
+        "messages sent each way then move at once, sharing it (1: they share the link, 2: full "
+        "duplex; default: one message at a time per link)",
+    )
+    simulate.add_argument(
         "--send-overhead",
         type=float,
         default=0.0,

@@ -174,6 +174,21 @@ def test_simulate_charges_the_send_overhead(files, capsys) -> None:
     assert times[2] > times[0]
 
 
+def test_simulate_duplex_links_let_activations_and_gradients_pass(files, capsys) -> None:
+    # pipedream on 2 stages with 1 MB messages at 4e7 bytes/s (25 ms each): activations and
+    # gradients cross the one link at the same time, so a full-duplex link (2) is faster than
+    # one that carries one message at a time (the default) or shares itself (1)
+    argv = ["plan", str(files["profile"]), "--workers", "2", "--schedule", "pipedream"]
+    assert run_cli([*argv, "--straight", "-o", str(files["plan"])], capsys)[0] == 0
+    times = {}
+    for duplex in (None, "1", "2"):
+        extra = ["--bandwidth", "4e7"] + ([] if duplex is None else ["--duplex", duplex])
+        code, out, _ = run_cli(["simulate", str(files["plan"]), *extra], capsys)
+        assert code == 0
+        times[duplex] = float(out.split("simulated time per minibatch: ")[1].split(" ms")[0])
+    assert times["2"] < times[None] and times["2"] < times["1"]
+
+
 def test_simulate_without_matplotlib_says_how_to_install(files, capsys, monkeypatch) -> None:
     argv = ["plan", str(files["profile"]), "--workers", "2", "-o", str(files["plan"])]
     assert run_cli(argv, capsys)[0] == 0
@@ -215,6 +230,11 @@ def hand_written(tmp_path: Path, replicas: tuple[int, ...] = (1, 1)) -> Path:
             "--send-overhead-per-mib nan",
         ),
         (["simulate", "{hand}", "--profile", "{profile}", "--width", "0"], "--width 0"),
+        (
+            ["simulate", "{hand}", "--profile", "{profile}", "--duplex", "0.5"],
+            "--duplex 0.5: must be between 1",
+        ),
+        (["simulate", "{hand}", "--profile", "{profile}", "--duplex", "nan"], "--duplex nan"),
         (
             ["simulate", "{hand}", "--profile", "{profile}", "--host-bandwidth", "0"],
             "--host-bandwidth '0': must be positive",

@@ -60,6 +60,45 @@ def test_one_link_carries_one_transfer_at_a_time() -> None:
     assert ended == {"a": 4.0, "b": 8.0}
 
 
+def _directed(key: str, source: int, destination: int) -> Transfer:
+    link = (min(source, destination), max(source, destination))
+    return Transfer(key, link, (0,), SIZE, RATE, source=source)
+
+
+def test_duplex_one_the_two_directions_share_the_link() -> None:
+    # a alone for 2 ms (half done), then both at half the link: a's last 2 ms of work take 4 ms
+    # (ends at 6, where first come first served ends it at 4); b has moved 2 ms worth by then
+    # and finishes alone at 8
+    ended = _run(
+        TransferPool(10 * RATE, duplex=1.0),
+        [(0.0, _directed("a", 0, 1)), (2.0, _directed("b", 1, 0))],
+    )
+    assert ended == pytest.approx({"a": 6.0, "b": 8.0})
+
+
+def test_full_duplex_each_direction_at_full_speed_one_transfer_at_a_time() -> None:
+    ended = _run(
+        TransferPool(10 * RATE, duplex=2.0),
+        [(0.0, _directed("a", 0, 1)), (0.0, _directed("b", 1, 0)), (1.0, _directed("c", 0, 1))],
+    )
+    assert ended == pytest.approx({"a": 4.0, "b": 4.0, "c": 8.0})
+
+
+def test_duplex_and_host_capacity_both_bound_the_rate() -> None:
+    # each way at most 1.5 / 2 = 0.75 of the link (duplex); the host (2 links) is not the limit
+    ended = _run(
+        TransferPool(2 * RATE, duplex=1.5),
+        [(0.0, _directed("a", 0, 1)), (0.0, _directed("b", 1, 0))],
+    )
+    assert ended == pytest.approx({"a": 4 / 0.75, "b": 4 / 0.75})
+    # with a host of one link's capacity, the host is: 0.5 each
+    ended = _run(
+        TransferPool(RATE, duplex=1.5),
+        [(0.0, _directed("a", 0, 1)), (0.0, _directed("b", 1, 0))],
+    )
+    assert ended == pytest.approx({"a": 8.0, "b": 8.0})
+
+
 def test_transfers_in_other_units_do_not_interfere() -> None:
     ended = _run(
         TransferPool(RATE),
