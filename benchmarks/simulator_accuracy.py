@@ -105,28 +105,49 @@ def network(
     post: tuple[float, float] = (0.0, 0.0),
 ) -> tuple[list[str], str]:
     """``pipedream simulate``'s network options for the case run in ``directory``, and what
-    they are: ``latency_ms`` (the 32 KiB time of ``gloo_p2p.py``); the 32 MiB time and the
-    host's capacity of the ``gloo_host.py`` runs right before and after the case (their means)
-    if ``sleep_pipeline.py`` took them (its 32 MiB cases), else ``large_ms`` (the 32 MiB time
-    of ``gloo_p2p.py``) and links of their own (messages of a few KiB do not load the host);
-    the time posting a message holds the sender, ``post`` (:func:`send_overhead`)."""
+    they are: ``latency_ms`` (the 32 KiB time of ``gloo_p2p.py``); the 32 MiB time (after
+    idle, where calibrated: the sleep layers leave the CPUs idle between messages), the host's
+    capacity and the links' duplex factor (:func:`duplex_factor`) of the ``gloo_host.py`` runs
+    right before and after the case (their means) if ``sleep_pipeline.py`` took them (its
+    32 MiB cases), else ``large_ms`` (the 32 MiB time of ``gloo_p2p.py``) and links of their
+    own (messages of a few KiB do not load the host); the time posting a message holds the
+    sender, ``post`` (:func:`send_overhead`)."""
     hosts = []
     if directory is not None:
         paths = [host_calibration_path(directory, when) for when in HOST_CALIBRATIONS]
         hosts = [json.loads(path.read_text()) for path in paths if path.exists()]
-    capacity = None
+    capacity = duplex = None
+    message = "one"
     if hosts:
-        large_ms = statistics.mean(host["ms"]["one"] for host in hosts)
+        if all("one after idle" in host["ms"] for host in hosts):
+            message = "one after idle"  # sleep layers leave the CPUs idle between messages
+        large_ms = statistics.mean(host["ms"][message] for host in hosts)
         known = [h["capacity_bytes_per_s"] for h in hosts if h["capacity_bytes_per_s"]]
         capacity = statistics.mean(known) if known else None
+        duplex = duplex_factor(hosts)
     bandwidth = SIZES["large"] / (large_ms / 1000)
     argv = ["--bandwidth", f"{bandwidth:.0f}", "--latency", f"{latency_ms:.3f}"]
     argv += ["--send-overhead", f"{post[0]:.4f}", "--send-overhead-per-mib", f"{post[1]:.4f}"]
-    described = f"32 MiB in {large_ms:.1f} ms"
+    described = f"32 MiB in {large_ms:.1f} ms" + (" after idle" if message != "one" else "")
     if capacity is not None:
         argv += ["--host-bandwidth", f"{capacity:.0f}"]
         described += f", host {capacity / 1e9:.2f} GB/s"
+    if duplex is not None:
+        argv += ["--duplex", f"{duplex:.3f}"]
+        described += f", duplex {duplex:.2f}"
     return argv, described
+
+
+def duplex_factor(hosts: list[dict[str, Any]]) -> float:
+    """What a link moves both ways at once, in multiples of one way (``pipedream simulate
+    --duplex``): ``2 x one / both ways`` of the ``gloo_host.py`` runs (their mean), within
+    [1, 2].
+
+    >>> duplex_factor([{"ms": {"one": 12.5, "both ways": 20.0}}])
+    1.25
+    """
+    factors = [2 * host["ms"]["one"] / host["ms"]["both ways"] for host in hosts]
+    return min(2.0, max(1.0, statistics.mean(factors)))
 
 
 def _measured(run_dir: Path, skip: int) -> float | None:
