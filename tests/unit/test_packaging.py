@@ -181,3 +181,15 @@ def test_console_script_is_cli_main(pyproject: dict[str, Any]) -> None:
     from pipedream.cli import main
 
     assert next(iter(scripts)).load() is main
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    """``.ci/run`` runs the README's test command (pip's ``-q`` aside), so CI proves that a
+    newcomer's commands work."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Set up and run the tests", 1)[1]
+    command = section.split("```bash\n", 1)[1].split("\n", 1)[0]
+    assert command.endswith("-m pytest"), command
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
+    lines = [line.replace(" -q ", " ") for line in ci.splitlines()]
+    assert command in lines
