@@ -14,8 +14,8 @@ The shared machine's speed changes within a minute (two profiles taken a minute 
 one run, once differed by 45%), so every case runs :data:`ROUNDS` times, the rounds one after
 the other over all cases (ours and torch's; each round starts with the next case), and the
 table shows the median of the rounds and their range. Each of our runs is profiled right
-before it (``--concurrent`` with one co-runner per other rank) for ``simulator_accuracy.py``,
-which compares them round by round.
+before and right after it (``--concurrent`` with one co-runner per other rank) for
+``simulator_accuracy.py``, which compares them round by round.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from pipedream.runtime.collector import frozen_heap
 from pipedream.runtime.trace import load_traces
 from pipedream.workload import load_workload
 
-__all__ = ["ARGS", "OURS", "ROUNDS", "case_directory", "main"]
+__all__ = ["ARGS", "OURS", "PROFILE_AFTER", "PROFILE_BEFORE", "ROUNDS", "case_directory", "main"]
 
 ARGS = {"layers": 8, "width": 1024, "in_features": 1024, "samples": 4096}
 """mlp options: 8 Linear(1024)+ReLU blocks and a head, ~8.4 M parameters."""
@@ -68,6 +68,8 @@ OURS = [
 ]
 ROUNDS = 3
 """Runs of every case (medians are reported)."""
+PROFILE_BEFORE, PROFILE_AFTER = "profile.yaml", "profile-after.yaml"
+"""The profiles taken right before and right after each run, in its round's directory."""
 TORCH_STEPS, TORCH_WARMUP = 24, 10
 """torch.distributed.pipelining: steps run, and the step whose end starts the window (as ours
 with 1f1b and gpipe: the end of the 10th step)."""
@@ -116,13 +118,20 @@ def run_ours(
     # layers are profiled right before the run they are compared with, beside a co-runner per
     # other rank (they share this host's cores, caches and memory bandwidth)
     profiled = profile_workload(
-        "mlp", ARGS, MICROBATCH_SIZE, directory / "profile.yaml", concurrent=len(stages)
+        "mlp", ARGS, MICROBATCH_SIZE, directory / PROFILE_BEFORE, concurrent=len(stages)
     )
     if profiled.returncode != 0:
         print(f"  {name}: profile FAILED {profiled.output[-1000:]}", file=sys.stderr)
     argv = ["./launch.sh", str(path), "--steps", str(steps), "--run-dir", str(directory / "run")]
     command = run_command([*argv, "--trace", "--no-progress", "--timeout", "120"], timeout=300)
-    commands = f"{profiled.shell()}\n{command.shell()}"
+    # and right after it: simulator_accuracy.py simulates with both (the speed drifts during
+    # the run too: the two profiles of one round differed by up to 45%)
+    after = profile_workload(
+        "mlp", ARGS, MICROBATCH_SIZE, directory / PROFILE_AFTER, concurrent=len(stages)
+    )
+    if after.returncode != 0:
+        print(f"  {name}: profile FAILED {after.output[-1000:]}", file=sys.stderr)
+    commands = f"{profiled.shell()}\n{command.shell()}\n{after.shell()}"
     out: dict[str, Any] = {"name": name, "command": commands, "m": m, "plan": str(path)}
     if command.returncode != 0:
         print(f"  {name}: FAILED {command.output[-2000:]}", file=sys.stderr)

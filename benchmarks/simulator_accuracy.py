@@ -34,7 +34,15 @@ from common import (
     steady_period_ms,
     write_section,
 )
-from real_compute import MICROBATCH_SIZE, OURS, ROUNDS, case_directory, case_name
+from real_compute import (
+    MICROBATCH_SIZE,
+    OURS,
+    PROFILE_AFTER,
+    PROFILE_BEFORE,
+    ROUNDS,
+    case_directory,
+    case_name,
+)
 from sleep_pipeline import (
     HOST_CALIBRATIONS,
     SIZES,
@@ -53,15 +61,15 @@ _SIMULATED = re.compile(r"simulated time per minibatch: ([0-9.]+) ms")
 PIPEDREAM = [sys.executable, "-m", "pipedream.cli"]
 
 
-def _profile(
+def _profiles(
     directory: Path, plan: dict[str, Any], microbatch_size: int, commands: list[str]
-) -> Path:
-    """The profile taken right before the case's run, if its benchmark took one (real compute:
-    the shared machine's speed drifts over minutes); else one per set of workload options,
-    taken once per run of this script."""
-    adjacent = directory / "profile.yaml"
-    if adjacent.exists():
-        return adjacent
+) -> list[Path]:
+    """The profiles taken right before and right after the case's run, if its benchmark took
+    them (real compute: the shared machine's speed drifts over minutes); else one per set of
+    workload options, taken once per run of this script."""
+    adjacent = [directory / PROFILE_BEFORE, directory / PROFILE_AFTER]
+    if any(path.exists() for path in adjacent):
+        return [path for path in adjacent if path.exists()]
     args = plan["workload_args"]
     key = "-".join(f"{k}{v}" for k, v in sorted(args.items()))
     path = RUNS / "simulator" / f"profile-{plan['workload']}-{key}.yaml"
@@ -70,7 +78,7 @@ def _profile(
         commands.append(command.shell())
         if command.returncode != 0:
             raise RuntimeError(command.output[-2000:])
-    return path
+    return [path]
 
 
 def _simulate(
@@ -183,10 +191,12 @@ def main() -> int:
                 continue
             measured = _measured(directory / "run", skip)
             plan = yaml.safe_load(plan_path.read_text())
-            profile = _profile(directory, plan, microbatch_size, commands)
+            profiles = _profiles(directory, plan, microbatch_size, commands)
             options, described = network(directory, latency_ms, large_ms, post)
             networks.add(described)
-            simulated = _simulate(plan_path, profile, options, commands)
+            each = [_simulate(plan_path, path, options, commands) for path in profiles]
+            found = [value for value in each if value is not None]
+            simulated = statistics.mean(found) if len(found) == len(each) else None
             if measured is not None and simulated is not None:
                 pairs.append((measured, simulated))
         if not pairs:
@@ -210,11 +220,15 @@ def main() -> int:
         "",
         "Each plan run above, simulated by `pipedream simulate PLAN --profile PROFILE` with the "
         "workload profiled by `pipedream profile` (default repetitions; for the mlp cases, "
-        "right before each run, as the machine's speed drifts, with `--concurrent` = the "
-        "run's ranks: a co-runner trains beside the profiler as the other stage does in the "
-        "run) and the network calibrated on this machine (gloo, one way): "
+        "right before and right after each run, as the machine's speed drifts, with "
+        "`--concurrent` = the run's ranks: a co-runner trains beside the profiler as the other "
+        "stage does in the run; the simulated time is the mean of the two) and the network "
+        "calibrated on this machine (gloo, one way): "
         f"{latency_ms:.2f} ms latency per message (`gloo_p2p.py`, at the start), and for the "
-        "32 MiB cases the time of one message and the host's copy capacity shared by "
+        "32 MiB cases the time of one message after 20 ms with both processes asleep (as the "
+        "ranks of these sleep pipelines are between messages; back to back it is 1.2-1.5x "
+        "faster here), the links' duplex factor (`--duplex`: 2 x one message / two sent each "
+        "way at once) and the host's copy capacity shared by "
         "concurrent messages (`gloo_host.py` with as many processes as the case has ranks, "
         "the mean of one calibration right before and one right after the case: the speed "
         "drifts within minutes); the other cases' messages, a few KiB, take 32 MiB in "
@@ -225,8 +239,8 @@ def main() -> int:
         "The profiles carry each layer's optimizer step and the runtime's cost per action. "
         "Measured = the same steady-state time per minibatch as "
         f"above, from the traces. The mlp cases ran {ROUNDS} times (see above): measured and "
-        "simulated are the medians of the rounds, each round simulated with the profile "
-        "taken right before it. "
+        "simulated are the medians of the rounds, each round simulated with the profiles "
+        "taken right before and after it. "
         f"Within 10% in {within} of {len(rows)} cases.",
         "",
         "| case | network | measured ms | simulated ms | error | error of each round "
