@@ -14,12 +14,13 @@ after ``WARM_MESSAGES`` (``common.py``) untimed messages on every link of the ch
 are slow). The time until the last one arrived, median over repeats, is written to
 ``OUT.json`` with the host's capacity in bytes/s: the mean of ``messages x bytes / time`` over
 the patterns whose messages take different links (what ``pipedream simulate --host-bandwidth``
-takes; ``null`` for 2 processes). "both ways" checks the simulator's other assumption, that one
-link carries one message at a time: it takes twice "one" here (26.7 against 13.2 ms).
+takes; ``null`` for 2 processes). "both ways" gives a link's duplex factor, 2 x "one" / "both
+ways" (``pipedream simulate --duplex``): 1.00-1.40 here, so the two directions of a loopback
+link are neither one message at a time (1) nor independent (2).
 "one after idle" is "one" with both processes asleep for ``IDLE_MS`` first, as the ranks of a
-pipeline of sleep layers are between their messages: on this VM a message then takes 1.2-1.35x
-longer (17-20 against 14-15 ms; the vCPUs have to wake up), so ``simulator_accuracy.py`` takes
-it as the sleep cases' message time.
+pipeline of sleep layers are between their messages (``simulator_accuracy.py`` takes it as the
+sleep cases' message time). On this VM it took 17-20 against 14-15 ms in a first test, but a
+median 1.03x "one" over the 48 calibrations of 2026-11-25 (more than 1.1x in 11 of them).
 """
 
 from __future__ import annotations
