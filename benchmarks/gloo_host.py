@@ -17,10 +17,14 @@ the patterns whose messages take different links (what ``pipedream simulate --ho
 takes; ``null`` for 2 processes). "both ways" gives a link's duplex factor, 2 x "one" / "both
 ways" (``pipedream simulate --duplex``): 1.00-1.40 here, so the two directions of a loopback
 link are neither one message at a time (1) nor independent (2).
-"one after idle" is "one" with both processes asleep for ``IDLE_MS`` first, as the ranks of a
-pipeline of sleep layers are between their messages (``simulator_accuracy.py`` takes it as the
-sleep cases' message time). On this VM it took 17-20 against 14-15 ms in a first test, but a
-median 1.03x "one" over the 48 calibrations of 2026-11-25 (more than 1.1x in 11 of them).
+"one after quiet" is what a pipeline of sleep layers sees (``simulator_accuracy.py`` takes it
+as the sleep cases' message time): ranks 0 and 1 play ping-pong, each holding the ball
+``QUIET_MS`` before it sends it back, and a message's time is half of a round trip less the
+hold (:func:`_after_quiet`). On this VM a 32 MiB message after 40 ms or more of quiet took
+17-20 ms, against 13-14 ms after 10 ms or less (2026-11-25, 2, 4 and 8 processes alike; the
+knee lies between 15 and 25 ms), and the lone messages inside the 32 MiB sleep pipelines took
+15-18 ms (1.4x "one" with 2 processes). "one" itself comes right after a barrier, and with 4 or
+8 processes also includes the barrier's skew (16-38 ms).
 """
 
 from __future__ import annotations
@@ -42,8 +46,9 @@ __all__ = ["SIZE", "cases", "main"]
 SIZE = 32 * 1024 * 1024
 """Bytes per message."""
 REPEATS = 9
-IDLE_MS = 20.0
-"""How long both processes sleep before "one after idle" (the sleep benchmark's forward)."""
+QUIET_MS = 40.0
+"""How long each end of "one after quiet" holds a message before it sends one back (the sleep
+benchmark's backward; past the knee of 15-25 ms)."""
 
 
 def cases(world_size: int) -> dict[str, list[tuple[int, int]]]:
@@ -62,11 +67,10 @@ def cases(world_size: int) -> dict[str, list[tuple[int, int]]]:
     return found
 
 
-def _trial(pairs: list[tuple[int, int]], payload: torch.Tensor, idle_ms: float = 0.0) -> float:
+def _trial(pairs: list[tuple[int, int]], payload: torch.Tensor) -> float:
+    """Milliseconds from a barrier until the last of ``pairs``' messages arrived."""
     rank = dist.get_rank()
     dist.barrier()
-    if idle_ms:
-        time.sleep(idle_ms / 1000)
     start = time.perf_counter()
     works = []
     for src, dst in pairs:
@@ -80,6 +84,38 @@ def _trial(pairs: list[tuple[int, int]], payload: torch.Tensor, idle_ms: float =
     everyone: list[float] = [0.0] * dist.get_world_size()
     dist.all_gather_object(everyone, elapsed)
     return max(everyone)
+
+
+def _after_quiet(payload: torch.Tensor, repeats: int) -> float:
+    """Median milliseconds of one message after ``QUIET_MS`` of quiet on its link.
+
+    Rank 0 sends, rank 1 holds the message ``QUIET_MS`` and sends it back; rank 0 times the
+    round trip on its own clock and rank 1 its hold, so the two clocks are never compared.
+    """
+    rank = dist.get_rank()
+    dist.barrier()
+    round_trips, holds = [], []
+    for _ in range(repeats + 1):  # the first round trip follows the barrier: not timed
+        if rank == 0:
+            time.sleep(QUIET_MS / 1000)
+            start = time.perf_counter()
+            sent = dist.isend(payload, 1)
+            dist.irecv(torch.empty_like(payload), 1).wait()
+            round_trips.append(time.perf_counter() - start)
+            sent.wait()
+        elif rank == 1:
+            dist.irecv(torch.empty_like(payload), 0).wait()
+            arrived = time.perf_counter()
+            time.sleep(QUIET_MS / 1000)
+            holds.append(time.perf_counter() - arrived)
+            dist.isend(payload, 0).wait()
+    everyone: list[list[float]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(everyone, holds)
+    if rank != 0:
+        return 0.0
+    return statistics.median(
+        (trip - hold) / 2 * 1000 for trip, hold in zip(round_trips[1:], everyone[1][1:])
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -101,9 +137,7 @@ def main(argv: list[str]) -> int:
         for name, pairs in patterns.items()
         if name not in ("one", "both ways")
     ]
-    times["one after idle"] = statistics.median(
-        _trial(patterns["one"], payload, IDLE_MS) for _ in range(REPEATS)
-    )
+    times["one after quiet"] = _after_quiet(payload, REPEATS)
     if dist.get_rank() == 0:
         result = {
             "bytes": SIZE,

@@ -59,6 +59,8 @@ __all__ = ["main"]
 
 _SIMULATED = re.compile(r"simulated time per minibatch: ([0-9.]+) ms")
 PIPEDREAM = [sys.executable, "-m", "pipedream.cli"]
+QUIET = "one after quiet"
+"""The ``gloo_host.py`` pattern that gives the sleep cases' message time."""
 
 
 def _profiles(
@@ -114,7 +116,8 @@ def network(
 ) -> tuple[list[str], str]:
     """``pipedream simulate``'s network options for the case run in ``directory``, and what
     they are: ``latency_ms`` (the 32 KiB time of ``gloo_p2p.py``); the 32 MiB time (after
-    idle, where calibrated: the sleep layers leave the CPUs idle between messages), the host's
+    40 ms of quiet on the link, where calibrated: the sleep layers leave the links quiet
+    between messages), the host's
     capacity and the links' duplex factor (:func:`duplex_factor`) of the ``gloo_host.py`` runs
     right before and after the case (their means) if ``sleep_pipeline.py`` took them (its
     32 MiB cases), else ``large_ms`` (the 32 MiB time of ``gloo_p2p.py``) and links of their
@@ -127,8 +130,8 @@ def network(
     capacity = duplex = None
     message = "one"
     if hosts:
-        if all("one after idle" in host["ms"] for host in hosts):
-            message = "one after idle"  # sleep layers leave the CPUs idle between messages
+        if all(QUIET in host["ms"] for host in hosts):
+            message = QUIET  # sleep layers leave the links quiet between messages
         large_ms = statistics.mean(host["ms"][message] for host in hosts)
         known = [h["capacity_bytes_per_s"] for h in hosts if h["capacity_bytes_per_s"]]
         capacity = statistics.mean(known) if known else None
@@ -136,7 +139,7 @@ def network(
     bandwidth = SIZES["large"] / (large_ms / 1000)
     argv = ["--bandwidth", f"{bandwidth:.0f}", "--latency", f"{latency_ms:.3f}"]
     argv += ["--send-overhead", f"{post[0]:.4f}", "--send-overhead-per-mib", f"{post[1]:.4f}"]
-    described = f"32 MiB in {large_ms:.1f} ms" + (" after idle" if message != "one" else "")
+    described = f"32 MiB in {large_ms:.1f} ms" + (" after quiet" if message != "one" else "")
     if capacity is not None:
         argv += ["--host-bandwidth", f"{capacity:.0f}"]
         described += f", host {capacity / 1e9:.2f} GB/s"
@@ -225,9 +228,10 @@ def main() -> int:
         "stage does in the run; the simulated time is the mean of the two) and the network "
         "calibrated on this machine (gloo, one way): "
         f"{latency_ms:.2f} ms latency per message (`gloo_p2p.py`, at the start), and for the "
-        "32 MiB cases the time of one message after 20 ms with both processes asleep (as the "
-        "ranks of these sleep pipelines are between messages; a median 1.03x the back-to-back "
-        "time here), the links' duplex factor (`--duplex`: 2 x one message / two sent each "
+        "32 MiB cases the time of one message after 40 ms of quiet on its link (ping-pong, "
+        "each end holding the message 40 ms; these sleep pipelines' links are quiet between "
+        "messages, and a message then takes about 1.35x one sent right after a barrier), the "
+        "links' duplex factor (`--duplex`: 2 x one message / two sent each "
         "way at once) and the host's copy capacity shared by "
         "concurrent messages (`gloo_host.py` with as many processes as the case has ranks, "
         "the mean of one calibration right before and one right after the case: the speed "
