@@ -18,13 +18,15 @@ takes; ``null`` for 2 processes). "both ways" gives a link's duplex factor, 2 x 
 ways" (``pipedream simulate --duplex``): 1.00-1.40 here, so the two directions of a loopback
 link are neither one message at a time (1) nor independent (2).
 "one after quiet" is what a pipeline of sleep layers sees (``simulator_accuracy.py`` takes it
-as the sleep cases' message time): ranks 0 and 1 play ping-pong, each holding the ball
-``QUIET_MS`` before it sends it back, and a message's time is half of a round trip less the
-hold (:func:`_after_quiet`). On this VM a 32 MiB message after 40 ms or more of quiet took
-17-20 ms, against 13-14 ms after 10 ms or less (2026-11-25, 2, 4 and 8 processes alike; the
-knee lies between 15 and 25 ms), and the lone messages inside the 32 MiB sleep pipelines took
-15-18 ms (1.4x "one" with 2 processes). "one" itself comes right after a barrier, and with 4 or
-8 processes also includes the barrier's skew (16-38 ms).
+as the sleep cases' message time): ranks 0 and 1 play ping-pong, each end waiting
+``QUIET_MS`` before it sends the message back, and a message's time is half of a round trip
+less the wait (:func:`_after_quiet`). On this VM a 32 MiB message after 40 ms or more of quiet
+took 17-20 ms, against 13-14 ms after 10 ms or less (first tests of 2026-11-25, with 2, 4 and 8
+processes alike; the knee lies between 15 and 25 ms of quiet; not TCP's slow start after idle:
+turning ``net.ipv4.tcp_slow_start_after_idle`` off changed nothing). "one" comes right after a
+barrier, and with 4 or 8 processes also carries the barrier's skew. Over the 48 calibrations
+of the run of 02:19-02:46 UTC that day, "one after quiet" took 13.9-21.2 ms (median 18.3) and
+was a median 1.27x "one" with 2 processes, 1.18x with 4 and 0.93x with 8.
 """
 
 from __future__ import annotations

@@ -230,7 +230,7 @@ def main() -> int:
         f"{latency_ms:.2f} ms latency per message (`gloo_p2p.py`, at the start), and for the "
         "32 MiB cases the time of one message after 40 ms of quiet on its link (ping-pong, "
         "each end holding the message 40 ms; these sleep pipelines' links are quiet between "
-        "messages, and a message then takes about 1.35x one sent right after a barrier), the "
+        "messages; with 2 processes that was a median 1.27x one sent right after a barrier), the "
         "links' duplex factor (`--duplex`: 2 x one message / two sent each "
         "way at once) and the host's copy capacity shared by "
         "concurrent messages (`gloo_host.py` with as many processes as the case has ranks, "
