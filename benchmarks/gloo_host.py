@@ -91,8 +91,9 @@ def _trial(pairs: list[tuple[int, int]], payload: torch.Tensor) -> float:
 def _after_quiet(payload: torch.Tensor, repeats: int) -> float:
     """Median milliseconds of one message after ``QUIET_MS`` of quiet on its link.
 
-    Rank 0 sends, rank 1 holds the message ``QUIET_MS`` and sends it back; rank 0 times the
-    round trip on its own clock and rank 1 its hold, so the two clocks are never compared.
+    Rank 0 waits ``QUIET_MS`` and sends; rank 1 holds the message ``QUIET_MS`` and sends it
+    back. Rank 0 times the round trip on its own clock and rank 1 its hold, so the two clocks
+    are never compared. Ranks 2 and up only join the barrier and the gather.
     """
     rank = dist.get_rank()
     dist.barrier()
