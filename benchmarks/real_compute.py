@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from common import (
     RUNS,
+    Command,
     machine_lines,
     plan_dict,
     profile_workload,
@@ -114,23 +115,23 @@ def run_ours(
         "mlp", ARGS, stages, schedule=schedule, microbatch_size=MICROBATCH_SIZE, microbatches=m
     )
     path = write_plan(plan, directory / "plan.yaml")
+
     # for simulator_accuracy.py: the machine's speed drifts over minutes (it is shared), so the
-    # layers are profiled right before the run they are compared with, beside a co-runner per
-    # other rank (they share this host's cores, caches and memory bandwidth)
-    profiled = profile_workload(
-        "mlp", ARGS, MICROBATCH_SIZE, directory / PROFILE_BEFORE, concurrent=len(stages)
-    )
-    if profiled.returncode != 0:
-        print(f"  {name}: profile FAILED {profiled.output[-1000:]}", file=sys.stderr)
+    # layers are profiled right before the run they are compared with and right after it (the
+    # two profiles of one round differed by up to 45%), beside a co-runner per other rank (they
+    # share this host's cores, caches and memory bandwidth)
+    def profile(file_name: str) -> Command:
+        done = profile_workload(
+            "mlp", ARGS, MICROBATCH_SIZE, directory / file_name, concurrent=len(stages)
+        )
+        if done.returncode != 0:
+            print(f"  {name}: profile FAILED {done.output[-1000:]}", file=sys.stderr)
+        return done
+
+    profiled = profile(PROFILE_BEFORE)
     argv = ["./launch.sh", str(path), "--steps", str(steps), "--run-dir", str(directory / "run")]
     command = run_command([*argv, "--trace", "--no-progress", "--timeout", "120"], timeout=300)
-    # and right after it: simulator_accuracy.py simulates with both (the speed drifts during
-    # the run too: the two profiles of one round differed by up to 45%)
-    after = profile_workload(
-        "mlp", ARGS, MICROBATCH_SIZE, directory / PROFILE_AFTER, concurrent=len(stages)
-    )
-    if after.returncode != 0:
-        print(f"  {name}: profile FAILED {after.output[-1000:]}", file=sys.stderr)
+    after = profile(PROFILE_AFTER)
     commands = f"{profiled.shell()}\n{command.shell()}\n{after.shell()}"
     out: dict[str, Any] = {"name": name, "command": commands, "m": m, "plan": str(path)}
     if command.returncode != 0:

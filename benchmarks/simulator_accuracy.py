@@ -117,12 +117,11 @@ def network(
     """``pipedream simulate``'s network options for the case run in ``directory``, and what
     they are: ``latency_ms`` (the 32 KiB time of ``gloo_p2p.py``); the 32 MiB time (after
     40 ms of quiet on the link, where calibrated: the sleep layers leave the links quiet
-    between messages), the host's capacity and the links' duplex factor
-    (:func:`duplex_factor`) of the ``gloo_host.py`` runs
-    right before and after the case (their means) if ``sleep_pipeline.py`` took them (its
-    32 MiB cases), else ``large_ms`` (the 32 MiB time of ``gloo_p2p.py``) and links of their
-    own (messages of a few KiB do not load the host); the time posting a message holds the
-    sender, ``post`` (:func:`send_overhead`)."""
+    between messages), the host's capacity and the links' duplex factor (:func:`duplex_factor`)
+    of the ``gloo_host.py`` runs right before and after the case (their means) if
+    ``sleep_pipeline.py`` took them (its 32 MiB cases), else ``large_ms`` (the 32 MiB time of
+    ``gloo_p2p.py``) and links of their own (messages of a few KiB do not load the host); the
+    time posting a message holds the sender, ``post`` (:func:`send_overhead`)."""
     hosts = []
     if directory is not None:
         paths = [host_calibration_path(directory, when) for when in HOST_CALIBRATIONS]
