@@ -5,34 +5,43 @@
     pipedream simulate PLAN [--profile PROFILE] [--topology TOPO | --bandwidth B]
                             [--latency MS] [--host-bandwidth B] [--duplex F]
                             [--send-overhead MS] [--send-overhead-per-mib MS] [--steps K]
-                            [--width SLOTS] [--png FILE]
+                            [--width SLOTS] [--png FILE] [--trace RUN_DIR [--trace-skip N]]
 
 The per-layer costs come from ``--profile``, else from the profile the plan records (written
 by ``pipedream plan``, relative to the plan file); the bandwidths from ``--topology`` or
 ``--bandwidth``, else the cluster the plan records, else one level at 1e9 bytes/s. It prints
 the grid (ranks x time slots, bubbles as ``.``), the simulated steady-state time per minibatch
-next to the plan's own prediction, and each rank's busy share. No torch.
+next to the plan's own prediction, and each rank's busy share. With ``--trace`` it also sets
+the simulation beside the run of the plan it predicts (``pipedream train --trace``): the run's
+time per minibatch, each stage's profiled and measured action times, and the plan simulated
+again with the measured ones (:mod:`~pipedream.optimizer.measured`), which tells a profile that
+was off from a model that is. No torch.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import statistics
+from collections.abc import Sequence
 
 from pipedream.errors import PlanningError
 from pipedream.formats.plan import Plan, load_plan, profile_path
 from pipedream.formats.profile import Profile, load_profile
 from pipedream.formats.topology import DEFAULT_BANDWIDTH, Topology, load_topology
 from pipedream.formats.units import parse_bandwidth
+from pipedream.optimizer.measured import MeasuredRun, measure_run, measured_work
 from pipedream.optimizer.simulator import (
     Network,
+    StageWork,
     Timeline,
     simulate,
     stage_work,
 )
 from pipedream.optimizer.timeline import draw_timeline, format_timeline
+from pipedream.runtime.trace import load_traces
 
-__all__ = ["concurrency_note", "format_report", "run"]
+__all__ = ["concurrency_note", "format_measured", "format_report", "run"]
 
 
 def _profile(args: argparse.Namespace, plan: Plan) -> Profile:
@@ -111,6 +120,15 @@ def _steps(args: argparse.Namespace, plan: Plan) -> int | None:
     return int(args.steps)
 
 
+def _trace_skip(args: argparse.Namespace) -> int | None:
+    skip = getattr(args, "trace_skip", None)
+    if skip is not None and getattr(args, "trace", None) is None:
+        raise PlanningError(f"--trace-skip {skip} needs --trace RUN_DIR (the run to measure)")
+    if skip is not None and skip < 0:
+        raise PlanningError(f"--trace-skip {skip}: must be >= 0 minibatches")
+    return skip
+
+
 def format_report(timeline: Timeline, plan: Plan) -> str:
     """The simulated time next to the plan's prediction, and the busy share of each rank."""
     first, last = timeline.measured
@@ -137,6 +155,58 @@ def format_report(timeline: Timeline, plan: Plan) -> str:
     ]
     lines.append("busy share per rank (the rest is bubbles and waiting): " + ", ".join(busy))
     return "\n".join(lines)
+
+
+_ACTIONS = (("F", "forward"), ("B", "backward"), ("U", "update"), ("S", "send"))
+
+
+def _simulated_means(timeline: Timeline, stage: int) -> dict[str, float]:
+    """Mean milliseconds of each kind of action the simulation charged ``stage``."""
+    durations: dict[str, list[float]] = {}
+    for event in timeline.events:
+        if event.stage == stage:
+            durations.setdefault(event.kind, []).append(event.end_ms - event.start_ms)
+    return {kind: statistics.fmean(values) for kind, values in durations.items()}
+
+
+def format_measured(timeline: Timeline, replay: Timeline, run: MeasuredRun, run_dir: str) -> str:
+    """The simulation beside the run it predicts (``--trace``): the measured time per
+    minibatch, each stage's simulated and measured mean action times, and the ``replay``
+    (the plan simulated with the measured ones)."""
+    measured = run.time_per_minibatch_ms
+    lines = [
+        f"measured by the run in {run_dir}: {measured:.3f} ms per minibatch (the mean of "
+        f"{run.intervals} interval(s) between minibatches {run.first_minibatch} and "
+        f"{run.last_minibatch}; the first {run.first_minibatch} left out); simulated / measured "
+        f"= {timeline.time_per_minibatch_ms / measured:.3f}",
+        "mean ms per action, simulated from the profile / measured by the run:",
+    ]
+    for number, stage in enumerate(run.stages):
+        simulated = _simulated_means(timeline, number)
+        values = {"F": stage.forward_ms, "B": stage.backward_ms, "U": stage.update_ms}
+        values["S"] = stage.send_ms
+        parts = []
+        for kind, name in _ACTIONS:
+            got, expected = values[kind], simulated.get(kind)
+            if got is None or expected is None:
+                continue
+            ratio = f" (x{got / expected:.2f})" if expected > 0 else ""
+            parts.append(f"{name} {expected:.2f} / {got:.2f}{ratio}")
+        lines.append(f"  stage {number}: " + (", ".join(parts) or "no actions in the window"))
+    replayed = replay.time_per_minibatch_ms
+    lines.append(
+        f"simulated with the run's own forward, backward and update times: {replayed:.3f} ms per "
+        f"minibatch (simulated / measured = {replayed / measured:.3f}): the profile accounts for "
+        f"the step from {timeline.time_per_minibatch_ms / measured:.3f}, the model of the "
+        "schedule and the network for what remains"
+    )
+    return "\n".join(lines)
+
+
+def _replay(
+    plan: Plan, work: Sequence[StageWork], network: Network, run: MeasuredRun, steps: int | None
+) -> Timeline:
+    return simulate(plan, measured_work(work, run), network, num_minibatches=steps)
 
 
 def concurrency_note(profile: Profile, plan: Plan, topology: Topology) -> str:
@@ -168,6 +238,11 @@ def run(args: argparse.Namespace) -> int:
     profile = _profile(args, plan)
     topology = _topology(args, plan)
     steps = _steps(args, plan)
+    skip = _trace_skip(args)
+    run_dir: str | None = getattr(args, "trace", None)
+    measured = None
+    if run_dir is not None:  # read before simulating: a wrong directory fails fast
+        measured = measure_run(load_traces(run_dir), plan, skip=skip)
     work = stage_work(plan, profile)
     network = Network.from_topology(
         topology,
@@ -190,6 +265,10 @@ def run(args: argparse.Namespace) -> int:
     print(format_timeline(timeline, plan, width=args.width))
     print()
     print(format_report(timeline, plan))
+    if measured is not None:
+        print()
+        replay = _replay(plan, work, network, measured, steps)
+        print(format_measured(timeline, replay, measured, str(run_dir)))
     if args.png is not None:
         draw_timeline(timeline, plan, args.png)
         print(f"wrote {args.png}")

@@ -254,6 +254,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="draw the timeline (needs matplotlib: pip install -e '.[plot]')",
     )
+    simulate.add_argument(
+        "--trace",
+        metavar="RUN_DIR",
+        help="compare with the run of this plan (`pipedream train --trace --run-dir RUN_DIR`): "
+        "its time per minibatch, each stage's measured action times, and the plan simulated "
+        "again with those",
+    )
+    simulate.add_argument(
+        "--trace-skip",
+        type=int,
+        default=None,
+        metavar="N",
+        help="minibatches at the start of the run left out of the measurement (default: the "
+        "first third, at least one, leaving two to measure between)",
+    )
 
     export = verbs.add_parser("export", help="write a checkpoint's full model state dict")
     export.add_argument("checkpoint", help="checkpoint directory (runs/.../checkpoints/step-N)")

@@ -1,0 +1,175 @@
+"""What a run measured, in the simulator's terms: its time per minibatch and its stages' costs.
+
+``pipedream simulate PLAN --trace RUN_DIR`` sets a simulation beside the run it predicts. When
+the two disagree, either the profile's costs were not what the run's actions took (the machine
+was slower or busier than when it was profiled, or a layer runs differently inside a pipeline)
+or the simulator's model of the schedule and the network is off. Simulating the plan again
+with the costs the run's own actions took (:func:`measured_work`) separates the two: what is
+left between that replay and the measurement belongs to the model.
+
+The measurement follows the benchmarks' definition: the time per minibatch is the mean
+interval between the completions of consecutive minibatches, a minibatch completing when the
+last stage's optimizer update for it ends (on every replica of that stage), after leaving out
+the first ``skip`` minibatches (process start-up and the pipeline's fill). A stage's costs are
+the means of its forward, backward and update actions, and of the posting of its sends, that
+start and end within the same window; means rather than medians, because the time per
+minibatch is a sum of them. A backward's mean includes the adding of its gradients into
+``.grad`` and an update's mean the copying of a stashed weight version, as the run spent them.
+Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipedream.errors import TraceError
+from pipedream.formats.plan import Plan
+from pipedream.optimizer.simulator import StageWork
+from pipedream.runtime.actions import Op
+from pipedream.runtime.trace import RankTrace
+
+__all__ = ["MeasuredRun", "MeasuredStage", "default_skip", "measure_run", "measured_work"]
+
+_SENDS = (Op.SEND_ACT, Op.SEND_GRAD)
+
+
+@dataclass(frozen=True)
+class MeasuredStage:
+    """Mean milliseconds of one stage's actions in the measured window (None: none ran)."""
+
+    forward_ms: float | None
+    backward_ms: float | None
+    update_ms: float | None
+    send_ms: float | None
+    """Posting a send (activation or gradient): what holds the sending rank."""
+
+
+@dataclass(frozen=True)
+class MeasuredRun:
+    """A run's steady-state time per minibatch and its stages' mean action times."""
+
+    time_per_minibatch_ms: float
+    first_minibatch: int
+    """The completion that opens the window (minibatches before it were left out)."""
+    last_minibatch: int
+    """The completion that closes it."""
+    stages: tuple[MeasuredStage, ...]
+
+    @property
+    def intervals(self) -> int:
+        """Minibatch intervals the time per minibatch averages."""
+        return self.last_minibatch - self.first_minibatch
+
+
+def default_skip(num_minibatches: int) -> int:
+    """Minibatches left out at the start when none is given: a third, at least one, as long as
+    two completions are left to measure between.
+
+    >>> [default_skip(n) for n in (2, 3, 24, 200)]
+    [0, 1, 8, 66]
+    """
+    return max(0, min(max(1, num_minibatches // 3), num_minibatches - 2))
+
+
+def _check_matches(traces: Sequence[RankTrace], plan: Plan) -> None:
+    if not traces:
+        raise TraceError("the run has no traces; run the training with --trace")
+    ranks = {stage_rank: number for number, s in enumerate(plan.stages) for stage_rank in s.ranks}
+    for trace in traces:
+        if trace.world_size != plan.world_size or ranks.get(trace.rank) != trace.stage:
+            raise TraceError(
+                f"{trace.path}: rank {trace.rank} ran stage {trace.stage} of {trace.world_size} "
+                f"ranks, but the plan has {plan.world_size} ranks and puts rank {trace.rank} on "
+                f"stage {ranks.get(trace.rank)}; pass the run directory of this plan's training"
+            )
+    missing = sorted(set(ranks) - {trace.rank for trace in traces})
+    if missing:
+        raise TraceError(
+            f"the run has no trace of rank(s) {missing}; pass the whole --run-dir of a "
+            "training run with --trace (on several nodes, copy every node's traces/ into one)"
+        )
+
+
+def _completions(traces: Sequence[RankTrace], last_stage: int) -> list[float]:
+    """When each minibatch completed: the end of its last update on the last stage."""
+    ends: dict[int, float] = {}
+    for trace in traces:
+        if trace.stage != last_stage:
+            continue
+        for event in trace.events:
+            if event.op is Op.UPDATE:
+                ends[event.index] = max(ends.get(event.index, event.end), event.end)
+    if not ends:
+        return []
+    complete = max(ends) + 1
+    if sorted(ends) != list(range(complete)):
+        missing = sorted(set(range(complete)) - set(ends))[:5]
+        raise TraceError(f"the last stage's traces lack the updates of minibatches {missing}")
+    return [ends[index] for index in range(complete)]
+
+
+def _mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) * 1000 if values else None
+
+
+def measure_run(traces: Sequence[RankTrace], plan: Plan, *, skip: int | None = None) -> MeasuredRun:
+    """The steady-state time per minibatch of ``plan``'s run and each stage's mean action
+    times, leaving out the first ``skip`` minibatches (default: :func:`default_skip`)."""
+    _check_matches(traces, plan)
+    completions = _completions(traces, len(plan.stages) - 1)
+    if skip is None:
+        skip = default_skip(len(completions))
+    if skip < 0:
+        raise TraceError(f"cannot leave out {skip} minibatches; give 0 or more")
+    if len(completions) - skip < 2:
+        raise TraceError(
+            f"the run completed {len(completions)} minibatches; leaving out the first {skip} "
+            "leaves fewer than 2 to measure between: train longer, or leave out fewer"
+        )
+    first, last = skip, len(completions) - 1
+    start, end = completions[first], completions[last]
+    stages = []
+    for number in range(len(plan.stages)):
+        durations: dict[str, list[float]] = {"F": [], "B": [], "U": [], "S": []}
+        for trace in traces:
+            if trace.stage != number:
+                continue
+            for event in trace.events:
+                if event.start < start or event.end > end:
+                    continue
+                key = "S" if event.op in _SENDS else event.op.value
+                if key in durations:
+                    durations[key].append(event.end - event.start)
+        stages.append(
+            MeasuredStage(
+                forward_ms=_mean(durations["F"]),
+                backward_ms=_mean(durations["B"]),
+                update_ms=_mean(durations["U"]),
+                send_ms=_mean(durations["S"]),
+            )
+        )
+    return MeasuredRun((end - start) * 1000 / (last - first), first, last, tuple(stages))
+
+
+def measured_work(work: Sequence[StageWork], run: MeasuredRun) -> list[StageWork]:
+    """``work`` with the forward, backward and update times the run measured.
+
+    The measured means already hold the gradient accumulation and the version copies, so those
+    are not added again; a cost the window did not see (a stage without updates in it) keeps
+    the profiled value. Bytes and the network stay as they are.
+    """
+    assert len(work) == len(run.stages), (len(work), len(run.stages))
+    replaced = []
+    for profiled, measured in zip(work, run.stages):
+        changes: dict[str, float] = {}
+        if measured.forward_ms is not None:
+            changes["forward_ms"] = measured.forward_ms
+        if measured.backward_ms is not None:
+            changes.update(backward_ms=measured.backward_ms, accumulate_ms=0.0)
+        if measured.update_ms is not None:
+            changes.update(update_ms=measured.update_ms, copy_ms=0.0)
+        replaced.append(dataclasses.replace(profiled, **changes))
+    return replaced

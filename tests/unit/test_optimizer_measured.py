@@ -1,0 +1,213 @@
+"""A run's measured time per minibatch and stage costs, and the simulation replayed with them
+(``pipedream simulate --trace``), on hand-made traces with known answers."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipedream.cli import main
+from pipedream.errors import TraceError
+from pipedream.formats import LayerProfile, Plan, Profile, StagePlan, save_plan, save_profile
+from pipedream.optimizer.measured import measure_run, measured_work
+from pipedream.optimizer.simulator import Network, StageWork, simulate
+from pipedream.runtime.actions import parse_action
+from pipedream.runtime.trace import RankTrace, TraceEvent
+
+PLAN = Plan(
+    "toy",
+    "pipedream",
+    8,
+    1,
+    2,
+    (StagePlan("a", "a", 1, (0,)), StagePlan("b", "b", 1, (1,))),
+)
+PERIOD = 0.010
+"""Every minibatch of the hand-made run takes 10 ms on both stages."""
+# (action kind, start, end) in ms within a minibatch's 10 ms, per stage: stage 0 forwards in
+# 2 ms, posts its send in 0.2, waits, backwards in 4 and updates in 1; stage 1 forwards in 3,
+# backwards in 5, posts its gradient in 0.5 and updates in 1 (its update ends the minibatch).
+PATTERN = {
+    0: [("F", 0.0, 2.0), ("SF", 2.0, 2.2), ("RB", 2.2, 4.0), ("B", 4.0, 8.0), ("U", 8.0, 9.0)],
+    1: [("RF", 0.0, 0.5), ("F", 0.5, 3.5), ("B", 3.5, 8.5), ("SB", 8.5, 9.0), ("U", 9.0, 10.0)],
+}
+
+
+def events(stage: int, minibatches: int) -> list[tuple[str, float, float]]:
+    """The hand-made run's actions of ``stage`` as (name, start s, end s)."""
+    out = []
+    for k in range(minibatches):
+        for kind, start, end in PATTERN[stage]:
+            out.append((f"{stage}{kind}{k}", k * PERIOD + start / 1000, k * PERIOD + end / 1000))
+    return out
+
+
+def traces(minibatches: int = 6, plan: Plan = PLAN) -> list[RankTrace]:
+    result = []
+    for rank in range(plan.world_size):
+        evs = []
+        for name, start, end in events(rank, minibatches):
+            action = parse_action(name)
+            evs.append(TraceEvent(name, action.op, action.stage, action.index, start, end))
+        result.append(RankTrace(rank, rank, plan.world_size, tuple(evs), f"rank-{rank}.json"))
+    return result
+
+
+def test_measures_the_steady_window_after_the_skipped_minibatches() -> None:
+    run = measure_run(traces(6), PLAN, skip=2)
+    assert (run.first_minibatch, run.last_minibatch, run.intervals) == (2, 5, 3)
+    assert run.time_per_minibatch_ms == pytest.approx(10.0)
+    # the actions of minibatches 3, 4 and 5 lie within [end of 2, end of 5]
+    first, last = run.stages
+    assert (first.forward_ms, first.backward_ms, first.update_ms, first.send_ms) == pytest.approx(
+        (2.0, 4.0, 1.0, 0.2)
+    )
+    assert (last.forward_ms, last.backward_ms, last.update_ms, last.send_ms) == pytest.approx(
+        (3.0, 5.0, 1.0, 0.5)
+    )
+
+
+def test_by_default_a_third_of_the_minibatches_is_left_out() -> None:
+    assert measure_run(traces(9), PLAN).first_minibatch == 3
+    assert measure_run(traces(3), PLAN).first_minibatch == 1
+    assert measure_run(traces(2), PLAN).first_minibatch == 0  # two left to measure between
+
+
+def test_the_replay_runs_the_measured_costs() -> None:
+    # PipeDream's steady state runs at the pace of its slowest stage: 3 + 5 + 1 = 9 ms (the
+    # hand-made run took 10: its stage 1 also waited and posted sends)
+    profiled = [StageWork(20.0, 40.0, 0, 0, update_ms=9.0, copy_ms=3.0, accumulate_ms=2.0)] * 2
+    work = measured_work(profiled, measure_run(traces(6), PLAN, skip=2))
+    assert work[1] == StageWork(pytest.approx(3.0), pytest.approx(5.0), 0, 0, pytest.approx(1.0))
+    network = Network((64,), (1e12,))
+    timeline = simulate(PLAN, work, network, num_minibatches=16)
+    assert timeline.time_per_minibatch_ms == pytest.approx(9.0)
+    # with the profiled costs, 20 + 40 + 9 + 3 (the copy of stage 0's stashed version)
+    assert simulate(PLAN, profiled, network, num_minibatches=16).time_per_minibatch_ms > 70
+
+
+def test_a_cost_the_window_did_not_see_keeps_the_profiled_value() -> None:
+    no_updates = [
+        RankTrace(
+            t.rank, t.stage, t.world_size, tuple(e for e in t.events if e.op.value != "U"), t.path
+        )
+        if t.stage == 0
+        else t
+        for t in traces(6)
+    ]
+    run = measure_run(no_updates, PLAN, skip=2)
+    assert run.stages[0].update_ms is None
+    profiled = StageWork(1.0, 1.0, 0, 0, update_ms=7.0, copy_ms=3.0)
+    assert measured_work([profiled, profiled], run)[0].update_ms == 7.0
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda ts: ts[:1], "no trace of rank(s) [1]"),
+        (lambda ts: [ts[0], RankTrace(1, 0, 2, ts[1].events, "r1")], "puts rank 1 on stage 1"),
+        (lambda ts: [ts[0], RankTrace(1, 1, 4, ts[1].events, "r1")], "the plan has 2 ranks"),
+        (
+            lambda ts: [ts[0], RankTrace(1, 1, 2, ts[1].events[5:], "r1")],
+            "lack the updates of minibatches [0]",
+        ),
+        (lambda ts: [], "no traces"),
+    ],
+)
+def test_traces_of_another_run_are_refused(damage, message: str) -> None:
+    with pytest.raises(TraceError, match=re.escape(message)):
+        measure_run(damage(traces(6)), PLAN, skip=2)
+
+
+@pytest.mark.parametrize("skip", [5, 9])
+def test_too_few_minibatches_left_says_what_to_do(skip: int) -> None:
+    with pytest.raises(TraceError, match="train longer, or leave out fewer"):
+        measure_run(traces(6), PLAN, skip=skip)
+
+
+# -- pipedream simulate --trace ---------------------------------------------------------------
+
+
+@pytest.fixture
+def run_files(tmp_path: Path) -> dict[str, Path]:
+    profile = Profile(
+        "toy",
+        8,
+        "cpu",
+        "float32",
+        (LayerProfile("a", "Linear", 2.0, 4.0, 8, 8), LayerProfile("b", "Linear", 3.0, 5.0, 8, 8)),
+    )
+    save_profile(profile, tmp_path / "profile.yaml")
+    save_plan(PLAN, tmp_path / "plan.yaml")
+    for rank in range(2):
+        payload = {
+            "format": "pipedream/trace@1",
+            "rank": rank,
+            "stage": rank,
+            "world_size": 2,
+            "clock": "unix seconds",
+            "events": [
+                {"action": n, "start": 1e9 + s, "end": 1e9 + e} for n, s, e in events(rank, 6)
+            ],
+        }
+        path = tmp_path / "run" / "traces" / f"rank-{rank:03d}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(payload))
+    return {"plan": tmp_path / "plan.yaml", "profile": tmp_path / "profile.yaml", "run": tmp_path}
+
+
+def test_simulate_sets_the_run_beside_the_prediction(run_files, capsys) -> None:
+    argv = ["simulate", str(run_files["plan"]), "--profile", str(run_files["profile"])]
+    argv += ["--bandwidth", "1e12", "--trace", str(run_files["run"] / "run"), "--trace-skip", "2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    # the profile says 2 + 4 and 3 + 5 ms: the simulation runs at 8 ms per minibatch, the run
+    # took 10, and replaying the run's own costs (updates of 1 ms added) gives 9
+    assert "simulated time per minibatch: 8.000 ms" in out
+    assert (
+        "measured by the run in " + str(run_files["run"] / "run") + ": 10.000 ms per minibatch "
+        "(the mean of 3 interval(s) between minibatches 2 and 5; the first 2 left out); "
+        "simulated / measured = 0.800"
+    ) in out
+    assert "  stage 0: forward 2.00 / 2.00 (x1.00), backward 4.00 / 4.00 (x1.00)" in out
+    assert "  stage 1: forward 3.00 / 3.00 (x1.00), backward 5.00 / 5.00 (x1.00)" in out
+    assert (
+        "simulated with the run's own forward, backward and update times: 9.000 ms per "
+        "minibatch (simulated / measured = 0.900)"
+    ) in out
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--trace-skip", "1"], "--trace-skip 1 needs --trace RUN_DIR"),
+        (["--trace", "{run}/run", "--trace-skip", "-1"], "--trace-skip -1: must be >= 0"),
+        (["--trace", "{run}/run", "--trace-skip", "5"], "train longer"),
+        (["--trace", "{run}/nowhere"], "no such run directory"),
+        (["--trace", "{run}"], "no traces/rank-NNN.json files"),
+    ],
+)
+def test_simulate_trace_mistakes_fail_in_one_line(run_files, capsys, extra, message) -> None:
+    argv = ["simulate", str(run_files["plan"]), "--profile", str(run_files["profile"])]
+    argv += [a.format(run=run_files["run"]) for a in extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_simulate_trace_does_not_import_torch(run_files) -> None:
+    argv = [str(run_files["plan"]), "--profile", str(run_files["profile"])]
+    argv += ["--trace", str(run_files["run"] / "run")]
+    code = (
+        "import sys\n"
+        "from pipedream.cli import main\n"
+        f"assert main(['simulate', *{argv!r}]) == 0\n"
+        "assert 'torch' not in sys.modules, 'simulate --trace imported torch'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
