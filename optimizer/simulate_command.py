@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-from collections.abc import Sequence
 
 from pipedream.errors import PlanningError
 from pipedream.formats.plan import Plan, load_plan, profile_path
@@ -33,7 +32,6 @@ from pipedream.formats.units import parse_bandwidth
 from pipedream.optimizer.measured import MeasuredRun, measure_run, measured_work
 from pipedream.optimizer.simulator import (
     Network,
-    StageWork,
     Timeline,
     simulate,
     stage_work,
@@ -161,10 +159,14 @@ _ACTIONS = (("F", "forward"), ("B", "backward"), ("U", "update"), ("S", "send"))
 
 
 def _simulated_means(timeline: Timeline, stage: int) -> dict[str, float]:
-    """Mean milliseconds of each kind of action the simulation charged ``stage``."""
+    """Mean milliseconds of each kind of action the simulation charged ``stage`` in its steady
+    window (as the run's are measured in its own)."""
+    first, last = timeline.measured
+    start = timeline.completions_ms[first] if first > 0 else 0.0
+    end = timeline.completions_ms[last]
     durations: dict[str, list[float]] = {}
     for event in timeline.events:
-        if event.stage == stage:
+        if event.stage == stage and start <= event.start_ms and event.end_ms <= end:
             durations.setdefault(event.kind, []).append(event.end_ms - event.start_ms)
     return {kind: statistics.fmean(values) for kind, values in durations.items()}
 
@@ -201,12 +203,6 @@ def format_measured(timeline: Timeline, replay: Timeline, run: MeasuredRun, run_
         "schedule and the network for what remains"
     )
     return "\n".join(lines)
-
-
-def _replay(
-    plan: Plan, work: Sequence[StageWork], network: Network, run: MeasuredRun, steps: int | None
-) -> Timeline:
-    return simulate(plan, measured_work(work, run), network, num_minibatches=steps)
 
 
 def concurrency_note(profile: Profile, plan: Plan, topology: Topology) -> str:
@@ -267,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
     print(format_report(timeline, plan))
     if measured is not None:
         print()
-        replay = _replay(plan, work, network, measured, steps)
+        replay = simulate(plan, measured_work(work, measured), network, num_minibatches=steps)
         print(format_measured(timeline, replay, measured, str(run_dir)))
     if args.png is not None:
         draw_timeline(timeline, plan, args.png)
