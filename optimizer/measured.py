@@ -9,8 +9,10 @@ left between that replay and the measurement belongs to the model.
 
 The measurement follows the benchmarks' definition: the time per minibatch is the mean
 interval between the completions of consecutive minibatches, a minibatch completing when the
-last stage's optimizer update for it ends (on every replica of that stage), after leaving out
-the first ``skip`` minibatches (process start-up and the pipeline's fill). A stage's costs are
+last stage's optimizer update for it ends, after leaving out the first ``skip`` minibatches
+(process start-up and the pipeline's fill). A last stage with ``r`` replicas updates once per
+``r`` minibatches (one each, then an allreduce, on every replica): its updates are counted
+instead, and the interval between two is divided by ``r``. A stage's costs are
 the means of its forward, backward and update actions, and of the posting of its sends, that
 start and end within the same window; means rather than medians, because the time per
 minibatch is a sum of them. A backward's mean includes the adding of its gradients into
@@ -53,10 +55,13 @@ class MeasuredRun:
 
     time_per_minibatch_ms: float
     first_minibatch: int
-    """The completion that opens the window (minibatches before it were left out)."""
+    """The completion that opens the window (minibatches before it were left out); with a
+    replicated last stage, the update."""
     last_minibatch: int
     """The completion that closes it."""
     stages: tuple[MeasuredStage, ...]
+    minibatches_per_update: int = 1
+    """The last stage's replicas: the minibatches one of its updates completes."""
 
     @property
     def intervals(self) -> int:
@@ -151,7 +156,9 @@ def measure_run(traces: Sequence[RankTrace], plan: Plan, *, skip: int | None = N
                 send_ms=_mean(durations["S"]),
             )
         )
-    return MeasuredRun((end - start) * 1000 / (last - first), first, last, tuple(stages))
+    per_update = plan.stages[-1].replicas
+    per_minibatch = (end - start) * 1000 / (last - first) / per_update
+    return MeasuredRun(per_minibatch, first, last, tuple(stages), per_update)
 
 
 def measured_work(work: Sequence[StageWork], run: MeasuredRun) -> list[StageWork]:

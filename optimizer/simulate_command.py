@@ -176,9 +176,12 @@ def format_measured(timeline: Timeline, replay: Timeline, run: MeasuredRun, run_
     minibatch, each stage's simulated and measured mean action times, and the ``replay``
     (the plan simulated with the measured ones)."""
     measured = run.time_per_minibatch_ms
+    unit = "minibatches"
+    if run.minibatches_per_update > 1:
+        unit = f"updates of the last stage ({run.minibatches_per_update} minibatches each)"
     lines = [
         f"measured by the run in {run_dir}: {measured:.3f} ms per minibatch (the mean of "
-        f"{run.intervals} interval(s) between minibatches {run.first_minibatch} and "
+        f"{run.intervals} interval(s) between {unit} {run.first_minibatch} and "
         f"{run.last_minibatch}; the first {run.first_minibatch} left out); simulated / measured "
         f"= {timeline.time_per_minibatch_ms / measured:.3f}",
         "mean ms per action, simulated from the profile / measured by the run:",

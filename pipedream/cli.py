@@ -266,8 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="minibatches at the start of the run left out of the measurement (default: the "
-        "first third, at least one, leaving two to measure between)",
+        help="minibatches (updates, if the last stage is replicated) at the start of the run "
+        "left out of the measurement (default: the first third, at least one, leaving two to "
+        "measure between)",
     )
 
     export = verbs.add_parser("export", help="write a checkpoint's full model state dict")

@@ -106,6 +106,26 @@ def test_a_cost_the_window_did_not_see_keeps_the_profiled_value() -> None:
     assert measured_work([profiled, profiled], run)[0].update_ms == 7.0
 
 
+def test_a_replicated_last_stage_completes_one_minibatch_per_replica_per_update() -> None:
+    # stage 1 on ranks 1 and 2: each update (every 20 ms, on both) completes 2 minibatches
+    plan = Plan(
+        "toy", "pipedream", 8, 1, 3, (StagePlan("a", "a", 1, (0,)), StagePlan("b", "b", 2, (1, 2)))
+    )
+
+    def updates(rank: int) -> tuple[TraceEvent, ...]:
+        op = parse_action("1U0").op
+        return tuple(
+            TraceEvent(f"1U{k}", op, 1, k, 0.020 * k, 0.020 * k + 0.001 * rank) for k in range(6)
+        )
+
+    traces_ = [RankTrace(0, 0, 3, (), "r0")]
+    traces_ += [RankTrace(rank, 1, 3, updates(rank), f"r{rank}") for rank in (1, 2)]
+    run = measure_run(traces_, plan, skip=1)
+    assert (run.first_minibatch, run.last_minibatch, run.minibatches_per_update) == (1, 5, 2)
+    assert run.time_per_minibatch_ms == pytest.approx(10.0)
+    assert run.stages[1].update_ms == pytest.approx(1.5)
+
+
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
