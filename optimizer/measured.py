@@ -98,8 +98,9 @@ def _check_matches(traces: Sequence[RankTrace], plan: Plan) -> None:
         )
 
 
-def _completions(traces: Sequence[RankTrace], last_stage: int) -> list[float]:
-    """When each minibatch completed: the end of its last update on the last stage."""
+def _completions(traces: Sequence[RankTrace], last_stage: int, unit: str) -> list[float]:
+    """When each minibatch (``unit``: each update of a replicated last stage) completed: the
+    end of its last update on the last stage."""
     ends: dict[int, float] = {}
     for trace in traces:
         if trace.stage != last_stage:
@@ -112,7 +113,8 @@ def _completions(traces: Sequence[RankTrace], last_stage: int) -> list[float]:
     complete = max(ends) + 1
     if sorted(ends) != list(range(complete)):
         missing = sorted(set(range(complete)) - set(ends))[:5]
-        raise TraceError(f"the last stage's traces lack the updates of minibatches {missing}")
+        what = "updates" if unit == "updates" else f"the updates of {unit}"
+        raise TraceError(f"the last stage's traces lack {what} {missing}")
     return [ends[index] for index in range(complete)]
 
 
@@ -124,14 +126,16 @@ def measure_run(traces: Sequence[RankTrace], plan: Plan, *, skip: int | None = N
     """The steady-state time per minibatch of ``plan``'s run and each stage's mean action
     times, leaving out the first ``skip`` minibatches (default: :func:`default_skip`)."""
     _check_matches(traces, plan)
-    completions = _completions(traces, len(plan.stages) - 1)
+    per_update = plan.stages[-1].replicas
+    unit = "minibatches" if per_update == 1 else "updates"  # what skip counts
+    completions = _completions(traces, len(plan.stages) - 1, unit)
     if skip is None:
         skip = default_skip(len(completions))
     if skip < 0:
-        raise TraceError(f"cannot leave out {skip} minibatches; give 0 or more")
+        raise TraceError(f"cannot leave out {skip} {unit}; give 0 or more")
     if len(completions) - skip < 2:
         raise TraceError(
-            f"the run completed {len(completions)} minibatches; leaving out the first {skip} "
+            f"the run completed {len(completions)} {unit}; leaving out the first {skip} "
             "leaves fewer than 2 to measure between: train longer, or leave out fewer"
         )
     first, last = skip, len(completions) - 1
@@ -156,7 +160,6 @@ def measure_run(traces: Sequence[RankTrace], plan: Plan, *, skip: int | None = N
                 send_ms=_mean(durations["S"]),
             )
         )
-    per_update = plan.stages[-1].replicas
     per_minibatch = (end - start) * 1000 / (last - first) / per_update
     return MeasuredRun(per_minibatch, first, last, tuple(stages), per_update)
 

@@ -124,6 +124,11 @@ def test_a_replicated_last_stage_completes_one_minibatch_per_replica_per_update(
     assert (run.first_minibatch, run.last_minibatch, run.minibatches_per_update) == (1, 5, 2)
     assert run.time_per_minibatch_ms == pytest.approx(10.0)
     assert run.stages[1].update_ms == pytest.approx(1.5)
+    # there, what --trace-skip leaves out and what the errors count are updates
+    with pytest.raises(TraceError, match="completed 6 updates; leaving out the first 5 "):
+        measure_run(traces_, plan, skip=5)
+    with pytest.raises(TraceError, match=r"lack updates \[0\]"):
+        measure_run([traces_[0], *(RankTrace(r, 1, 3, updates(r)[1:], "r") for r in (1, 2))], plan)
 
 
 @pytest.mark.parametrize(
