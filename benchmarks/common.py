@@ -36,6 +36,7 @@ __all__ = [
     "profile_workload",
     "run_command",
     "steady_period_ms",
+    "update_intervals_ms",
     "write_plan",
     "write_section",
 ]
@@ -156,11 +157,18 @@ def steady_period_ms(traces: Sequence[RankTrace], *, skip: int) -> tuple[float, 
     stage are the minibatches leaving the pipeline; the first ``skip`` updates (the fill of an
     asynchronous pipeline, process start-up) are left out.
     """
+    intervals = update_intervals_ms(traces, skip=skip)
+    return sum(intervals) / len(intervals), len(intervals)
+
+
+def update_intervals_ms(traces: Sequence[RankTrace], *, skip: int) -> list[float]:
+    """The intervals between consecutive optimizer updates of the last stage after ``skip``
+    (milliseconds; their mean is :func:`steady_period_ms`)."""
     last = max(traces, key=lambda t: t.stage)
     ends = [e.end for e in last.events if e.op is Op.UPDATE][skip:]
     if len(ends) < 2:
         raise RuntimeError(f"{last.path}: only {len(ends)} updates after skipping {skip}")
-    return (ends[-1] - ends[0]) * 1000 / (len(ends) - 1), len(ends) - 1
+    return [(b - a) * 1000 for a, b in zip(ends, ends[1:])]
 
 
 def machine_lines() -> list[str]:

@@ -32,7 +32,7 @@ from common import (
     machine_lines,
     profile_workload,
     run_command,
-    steady_period_ms,
+    update_intervals_ms,
     write_section,
 )
 from real_compute import (
@@ -166,12 +166,28 @@ def duplex_factor(hosts: list[dict[str, Any]]) -> float:
     return min(2.0, max(1.0, statistics.mean(factors)))
 
 
-def _measured(run_dir: Path, skip: int) -> float | None:
+def _measured(run_dir: Path, skip: int) -> list[float] | None:
+    """The run's intervals between minibatches in its steady window (ms), None if it has
+    none."""
     try:
-        return steady_period_ms(load_traces(run_dir), skip=skip)[0]
+        return update_intervals_ms(load_traces(run_dir), skip=skip)
     except Exception as exc:  # a case that failed or was not run
         print(f"  {run_dir}: no measurement ({exc})", file=sys.stderr)
         return None
+
+
+def spread(rounds: list[list[float]]) -> str:
+    """How much single minibatches varied: each interval against its run's mean, the lowest
+    and the highest over the rounds, after how many intervals were measured in each.
+
+    >>> spread([[90.0, 110.0], [100.0, 100.0]])
+    '2 x 2: -10% .. +10%'
+    """
+    relative = [value / statistics.fmean(values) - 1 for values in rounds for value in values]
+    counts = sorted({len(values) for values in rounds})
+    count = "/".join(str(n) for n in counts)
+    prefix = f"{len(rounds)} x {count}" if len(rounds) > 1 else count
+    return f"{prefix}: {min(relative):+.0%} .. {max(relative):+.0%}"
 
 
 def main() -> int:
@@ -193,12 +209,14 @@ def main() -> int:
         todo.append((name, rounds, skip, MICROBATCH_SIZE))
     for name, directories, skip, microbatch_size in todo:
         pairs = []  # (measured, simulated, replayed) of each round
+        intervals = []  # each round's minibatch intervals
         networks = set()
         for directory in directories:
             plan_path = directory / "plan.yaml"
             if not plan_path.exists():
                 continue
-            measured = _measured(directory / "run", skip)
+            window = _measured(directory / "run", skip)
+            measured = statistics.fmean(window) if window else None
             plan = yaml.safe_load(plan_path.read_text())
             profiles = _profiles(directory, plan, microbatch_size, commands)
             options, described = network(directory, latency_ms, large_ms, post)
@@ -208,6 +226,7 @@ def main() -> int:
             if measured is not None and found and len(found) == len(each):
                 simulated = statistics.mean(s for s, _ in found)
                 pairs.append((measured, simulated, statistics.mean(r for _, r in found)))
+                intervals.append(window)
         if not pairs:
             continue
         measured = statistics.median(m for m, _, _ in pairs)
@@ -218,7 +237,8 @@ def main() -> int:
         verdict = "met" if abs(error) <= 0.10 else f"**missed by {abs(error) - 0.10:.2f}**"
         each = ", ".join(f"{s / m - 1:+.1%}" for m, s, _ in pairs) if len(pairs) > 1 else ""
         rows.append(
-            f"| {name} | {'; '.join(sorted(networks))} | {measured:.1f} | {simulated:.1f} | "
+            f"| {name} | {'; '.join(sorted(networks))} | {measured:.1f} | {spread(intervals)} | "
+            f"{simulated:.1f} | "
             f"{error:+.1%} | {each} | {replayed:.1f} | {replay_error:+.1%} | {verdict} |"
         )
         print(
@@ -261,11 +281,13 @@ def main() -> int:
         "(`pipedream simulate --trace RUN_DIR --trace-skip N`, the median of the rounds): what "
         "the replay misses is the model's (schedule, network), the step from the simulated "
         f"error to the replay's is the profile's. Replay within 10% in {replays_within} of "
-        f"{len(rows)} cases.",
+        f"{len(rows)} cases. Single minibatches = the intervals the measured time averages "
+        "(per round), the lowest and the highest against their run's mean: how much the "
+        "measurement itself varied.",
         "",
-        "| case | network | measured ms | simulated ms | error | error of each round "
-        "| replayed ms | replay error | target (within 10%) |",
-        "|---|---|---:|---:|---:|---|---:|---:|---|",
+        "| case | network | measured ms | single minibatches | simulated ms | error "
+        "| error of each round | replayed ms | replay error | target (within 10%) |",
+        "|---|---|---:|---|---:|---:|---|---:|---:|---|",
         *rows,
         "",
         "<details><summary>Commands run</summary>",

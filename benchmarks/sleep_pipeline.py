@@ -82,16 +82,21 @@ class Case:
         so updates are also skipped until every link has carried that many (``2 m`` per
         minibatch). PipeDream minibatches are short and vary a lot
         one by one when 32 MiB messages share 2 cores (66-389 ms around a mean of ~150 ms), so
-        20 of them are averaged.
+        20 of them are averaged. Flushing and 2bw runs measure the 2 minibatches after the
+        skipped ones with 32 KiB messages (they vary by about 1%), and 7 with 32 MiB messages:
+        there single minibatches vary by up to -12% and +23% around their run's mean, and two
+        runs of large-S4-gpipe-m16 measuring 2 each took 2203 and 1656 ms per minibatch.
         """
         m = self.microbatches
-        warm = math.ceil(WARM_MESSAGES / (2 * m)) if self.size == "large" else 0
+        large = self.size == "large"
+        warm = math.ceil(WARM_MESSAGES / (2 * m)) if large else 0
+        measured = 8 if large else 3
         if self.schedule in FLUSHING:
             skip = max(1, warm)
-            return skip + 3, skip
+            return skip + measured, skip
         if self.schedule == "2bw":
             skip = max(2, warm + 1)
-            return skip + 3, skip
+            return skip + measured, skip
         skip = self.stages + 2 + warm
         return skip + 20, skip
 
