@@ -17,6 +17,9 @@ the means of its forward, backward and update actions, and of the posting of its
 start and end within the same window; means rather than medians, because the time per
 minibatch is a sum of them. A backward's mean includes the adding of its gradients into
 ``.grad`` and an update's mean the copying of a stashed weight version, as the run spent them.
+The time between actions (from the end of one to the start of the next, counted for the
+actions that start in the window) is the runtime's own, which no action and no simulated
+cost holds; it is reported as a share of the window.
 Pure Python: no torch.
 """
 
@@ -47,6 +50,10 @@ class MeasuredStage:
     update_ms: float | None
     send_ms: float | None
     """Posting a send (activation or gradient): what holds the sending rank."""
+    between: float | None = None
+    """Share of the window the stage's ranks spent between actions, in none (the executor's
+    own work: posting receives ahead, reclaiming finished sends, bookkeeping). The simulator
+    charges no time there."""
 
 
 @dataclass(frozen=True)
@@ -143,21 +150,27 @@ def measure_run(traces: Sequence[RankTrace], plan: Plan, *, skip: int | None = N
     stages = []
     for number in range(len(plan.stages)):
         durations: dict[str, list[float]] = {"F": [], "B": [], "U": [], "S": []}
+        between = []
         for trace in traces:
             if trace.stage != number:
                 continue
-            for event in trace.events:
+            gaps = 0.0
+            for previous, event in zip((None, *trace.events), trace.events):
                 if event.start < start or event.end > end:
                     continue
+                if previous is not None:
+                    gaps += max(0.0, event.start - previous.end)
                 key = "S" if event.op in _SENDS else event.op.value
                 if key in durations:
                     durations[key].append(event.end - event.start)
+            between.append(gaps / (end - start))
         stages.append(
             MeasuredStage(
                 forward_ms=_mean(durations["F"]),
                 backward_ms=_mean(durations["B"]),
                 update_ms=_mean(durations["U"]),
                 send_ms=_mean(durations["S"]),
+                between=statistics.fmean(between) if between else None,
             )
         )
     per_minibatch = (end - start) * 1000 / (last - first) / per_update

@@ -184,7 +184,9 @@ def format_measured(timeline: Timeline, replay: Timeline, run: MeasuredRun, run_
         f"{run.intervals} interval(s) between {unit} {run.first_minibatch} and "
         f"{run.last_minibatch}; the first {run.first_minibatch} left out); simulated / measured "
         f"= {timeline.time_per_minibatch_ms / measured:.3f}",
-        "mean ms per action, simulated from the profile / measured by the run:",
+        "mean ms per action, simulated from the profile / measured by the run (and the "
+        "share of the time the run spent between actions, in the executor's own work: not "
+        "simulated):",
     ]
     for number, stage in enumerate(run.stages):
         simulated = _simulated_means(timeline, number)
@@ -197,6 +199,8 @@ def format_measured(timeline: Timeline, replay: Timeline, run: MeasuredRun, run_
                 continue
             ratio = f" (x{got / expected:.2f})" if expected > 0 else ""
             parts.append(f"{name} {expected:.2f} / {got:.2f}{ratio}")
+        if stage.between is not None and parts:
+            parts.append(f"between actions -- / {stage.between:.1%} of the time")
         lines.append(f"  stage {number}: " + (", ".join(parts) or "no actions in the window"))
     replayed = replay.time_per_minibatch_ms
     lines.append(

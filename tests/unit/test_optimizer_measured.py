@@ -70,6 +70,9 @@ def test_measures_the_steady_window_after_the_skipped_minibatches() -> None:
     assert (last.forward_ms, last.backward_ms, last.update_ms, last.send_ms) == pytest.approx(
         (3.0, 5.0, 1.0, 0.5)
     )
+    # stage 0 idles 1 ms after each update, before the next forward (3 of the window's 30 ms);
+    # stage 1's actions follow each other without a gap
+    assert (first.between, last.between) == pytest.approx((0.1, 0.0))
 
 
 def test_by_default_a_third_of_the_minibatches_is_left_out() -> None:
@@ -201,6 +204,8 @@ def test_simulate_sets_the_run_beside_the_prediction(run_files, capsys) -> None:
     ) in out
     assert "  stage 0: forward 2.00 / 2.00 (x1.00), backward 4.00 / 4.00 (x1.00)" in out
     assert "  stage 1: forward 3.00 / 3.00 (x1.00), backward 5.00 / 5.00 (x1.00)" in out
+    assert "update 0.00 / 1.00, between actions -- / 10.0% of the time\n  stage 1" in out
+    assert "update 0.00 / 1.00, between actions -- / 0.0% of the time\nsimulated with" in out
     assert (
         "simulated with the run's own forward, backward and update times: 9.000 ms per "
         "minibatch (simulated / measured = 0.900)"
