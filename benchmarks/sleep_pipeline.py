@@ -84,8 +84,8 @@ class Case:
         one by one when 32 MiB messages share 2 cores (66-389 ms around a mean of ~150 ms), so
         20 of them are averaged. Flushing and 2bw runs measure the 2 minibatches after the
         skipped ones with 32 KiB messages (they vary by about 1%), and 7 with 32 MiB messages:
-        there single minibatches vary by up to -12% and +23% around their run's mean, and two
-        runs of large-S4-gpipe-m16 measuring 2 each took 2203 and 1656 ms per minibatch.
+        there single minibatches vary by up to -12% and +23% around their run's mean, and runs
+        of large-S4-gpipe-m16 hours apart took 2203 ms (2 intervals) and 1641 ms (7).
         """
         m = self.microbatches
         large = self.size == "large"

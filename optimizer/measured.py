@@ -17,8 +17,8 @@ the means of its forward, backward and update actions, and of the posting of its
 start and end within the same window; means rather than medians, because the time per
 minibatch is a sum of them. A backward's mean includes the adding of its gradients into
 ``.grad`` and an update's mean the copying of a stashed weight version, as the run spent them.
-The time between actions (from the end of one to the start of the next, counted for the
-actions that start in the window) is the runtime's own, which no action and no simulated
+The time between actions (from the end of one to the start of the next, counted before each
+action in the window) is the runtime's own, which no action and no simulated
 cost holds; it is reported as a share of the window.
 Pure Python: no torch.
 """
@@ -163,7 +163,7 @@ def measure_run(traces: Sequence[RankTrace], plan: Plan, *, skip: int | None = N
                 key = "S" if event.op in _SENDS else event.op.value
                 if key in durations:
                     durations[key].append(event.end - event.start)
-            between.append(gaps / (end - start))
+            between.append(gaps / (end - start) if end > start else 0.0)
         stages.append(
             MeasuredStage(
                 forward_ms=_mean(durations["F"]),
