@@ -1,7 +1,7 @@
 """The distributed interpreter of one rank's action table.
 
 It walks the table in order: receives and sends go through :class:`~pipedream.runtime.comm.P2P`
-(receives posted ``lookahead`` messages ahead), compute goes to the
+(receives posted ahead, :mod:`~pipedream.runtime.posting`), compute goes to the
 :class:`~pipedream.runtime.worker.StageWorker`, allreduces average the gradients of a stage's
 replicas in the stage's own process group. Any wait that outlasts the timeout raises an error
 naming the rank, the stage and the action that was waiting.
@@ -21,6 +21,7 @@ from torch import Tensor
 from pipedream.graph.layers import StageIO
 from pipedream.runtime.actions import Action, Op
 from pipedream.runtime.comm import P2P, PeerTimeoutError
+from pipedream.runtime.posting import RECEIVE_WINDOW, receives_posted_before
 from pipedream.runtime.routing import (
     gather_inputs,
     gather_output_grads,
@@ -53,7 +54,7 @@ class Executor:
         replica_group: Any = None,
         num_replicas: int = 1,
         check_versions: bool = False,
-        lookahead: int = 8,
+        receive_window: int = RECEIVE_WINDOW,
         timeout: float = 300.0,
         on_update: Callable[[Action, list[int]], None] | None = None,
         trace: list[tuple[str, float, float]] | None = None,
@@ -67,7 +68,7 @@ class Executor:
         self.replica_group = replica_group
         self.num_replicas = num_replicas
         self.check_versions = check_versions
-        self.lookahead = lookahead
+        self.receive_window = receive_window
         self.timeout = timeout
         self.on_update = on_update
         self.trace = trace
@@ -81,14 +82,11 @@ class Executor:
         """Seconds spent in forward, backward and update actions."""
 
     def run(self) -> None:
-        receives = [p for p, a in enumerate(self.table) if a.op in _RECVS]
-        posted = 0
+        posts = receives_posted_before(self.table, self.receive_window)
         for position, action in enumerate(self.table):
-            while posted < len(receives) and receives[posted] < position + self.lookahead * 4:
-                ahead = self.table[receives[posted]]
+            for ahead in (self.table[p] for p in posts[position]):
                 assert ahead.peer is not None
                 self.p2p.post_recv(_RECVS[ahead.op], ahead.index, ahead.peer)
-                posted += 1
             self.p2p.poll()
             start = time.perf_counter()
             self._execute(position, action)
