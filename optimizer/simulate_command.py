@@ -4,7 +4,8 @@
 
     pipedream simulate PLAN [--profile PROFILE] [--topology TOPO | --bandwidth B]
                             [--latency MS] [--host-bandwidth B] [--duplex F]
-                            [--send-overhead MS] [--send-overhead-per-mib MS] [--steps K]
+                            [--send-overhead MS] [--send-overhead-per-mib MS]
+                            [--recv-overhead MS] [--steps K]
                             [--width SLOTS] [--png FILE] [--trace RUN_DIR [--trace-skip N]]
 
 The per-layer costs come from ``--profile``, else from the profile the plan records (written
@@ -31,6 +32,7 @@ from pipedream.formats.topology import DEFAULT_BANDWIDTH, Topology, load_topolog
 from pipedream.formats.units import parse_bandwidth
 from pipedream.optimizer.measured import MeasuredRun, measure_run, measured_work
 from pipedream.optimizer.simulator import (
+    Event,
     Network,
     Timeline,
     simulate,
@@ -158,17 +160,33 @@ def format_report(timeline: Timeline, plan: Plan) -> str:
 _ACTIONS = (("F", "forward"), ("B", "backward"), ("U", "update"), ("S", "send"))
 
 
-def _simulated_means(timeline: Timeline, stage: int) -> dict[str, float]:
-    """Mean milliseconds of each kind of action the simulation charged ``stage`` in its steady
-    window (as the run's are measured in its own)."""
+def _window_events(timeline: Timeline, stage: int) -> tuple[list[Event], float]:
+    """The events of ``stage`` inside the simulation's steady window, and its length (ms)."""
     first, last = timeline.measured
     start = timeline.completions_ms[first] if first > 0 else 0.0
     end = timeline.completions_ms[last]
+    events = [
+        e for e in timeline.events if e.stage == stage and start <= e.start_ms and e.end_ms <= end
+    ]
+    return events, end - start
+
+
+def _simulated_means(timeline: Timeline, stage: int) -> dict[str, float]:
+    """Mean milliseconds of each kind of action the simulation charged ``stage`` in its steady
+    window (as the run's are measured in its own)."""
     durations: dict[str, list[float]] = {}
-    for event in timeline.events:
-        if event.stage == stage and start <= event.start_ms and event.end_ms <= end:
-            durations.setdefault(event.kind, []).append(event.end_ms - event.start_ms)
+    for event in _window_events(timeline, stage)[0]:
+        durations.setdefault(event.kind, []).append(event.end_ms - event.start_ms)
     return {kind: statistics.fmean(values) for kind, values in durations.items()}
+
+
+def _simulated_between(timeline: Timeline, stage: int) -> float:
+    """Share of the steady window ``stage``'s ranks spend posting receives ahead in the
+    simulation (the part of the run's time between actions that it models)."""
+    events, length = _window_events(timeline, stage)
+    ranks = {e.rank for e in events}
+    posting = sum(e.end_ms - e.start_ms for e in events if e.kind == "R")
+    return posting / length / len(ranks) if ranks and length > 0 else 0.0
 
 
 def format_measured(timeline: Timeline, replay: Timeline, run: MeasuredRun, run_dir: str) -> str:
@@ -185,8 +203,8 @@ def format_measured(timeline: Timeline, replay: Timeline, run: MeasuredRun, run_
         f"{run.last_minibatch}; the first {run.first_minibatch} left out); simulated / measured "
         f"= {timeline.time_per_minibatch_ms / measured:.3f}",
         "mean ms per action, simulated from the profile / measured by the run (and the "
-        "share of the time the run spent between actions, in the executor's own work: not "
-        "simulated):",
+        "share of the time spent between actions, in the executor's own work, of which the "
+        "simulation charges posting receives ahead, --recv-overhead):",
     ]
     for number, stage in enumerate(run.stages):
         simulated = _simulated_means(timeline, number)
@@ -200,7 +218,8 @@ def format_measured(timeline: Timeline, replay: Timeline, run: MeasuredRun, run_
             ratio = f" (x{got / expected:.2f})" if expected > 0 else ""
             parts.append(f"{name} {expected:.2f} / {got:.2f}{ratio}")
         if stage.between is not None and parts:
-            parts.append(f"between actions -- / {stage.between:.1%} of the time")
+            between = _simulated_between(timeline, number)
+            parts.append(f"between actions {between:.1%} / {stage.between:.1%} of the time")
         lines.append(f"  stage {number}: " + (", ".join(parts) or "no actions in the window"))
     replayed = replay.time_per_minibatch_ms
     lines.append(
@@ -233,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
         ("--latency", args.latency),
         ("--send-overhead", args.send_overhead),
         ("--send-overhead-per-mib", args.send_overhead_per_mib),
+        ("--recv-overhead", args.recv_overhead),
     ):
         if value < 0 or not math.isfinite(value):
             raise PlanningError(f"{option} {value}: must be >= 0 milliseconds")
@@ -254,6 +274,7 @@ def run(args: argparse.Namespace) -> int:
         send_ms=args.send_overhead,
         send_ms_per_mib=args.send_overhead_per_mib,
         duplex=_duplex(args),
+        recv_ms=args.recv_overhead,
     )
     timeline = simulate(plan, work, network, num_minibatches=steps)
     print(

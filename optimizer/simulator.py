@@ -20,6 +20,9 @@ with profiled costs instead of tensors:
   with a ``unit_capacity`` the transfers touching one innermost unit (a host) also share that
   many bytes/s in total; with a ``duplex`` factor a link's two directions move at once and
   share that many times its bandwidth (:mod:`~pipedream.optimizer.transfers`);
+* the runtime posts its receives ahead (on gloo), a few before each action by the rule of
+  :mod:`~pipedream.runtime.posting`; posting one holds the receiving rank ``recv_ms`` there,
+  an ``R`` event;
 * ``A``: the replicas of a stage wait for each other, then spend a hierarchical ring allreduce
   ``sum over levels of 4 (k - 1) / k * P / (bandwidth * workers below)``, ``k`` the replicas'
   units at that level (one level: the cost model's ``4 (r - 1) P / (bandwidth r)``).
@@ -51,6 +54,7 @@ from pipedream.formats.profile import ActionOverhead, Profile
 from pipedream.formats.topology import Topology
 from pipedream.optimizer.transfers import Transfer, TransferPool
 from pipedream.runtime.actions import Action, Op
+from pipedream.runtime.posting import RECEIVE_WINDOW, receives_posted_before
 from pipedream.runtime.schedule import PipelineSpec, build_tables
 from pipedream.runtime.versions import version_use
 
@@ -108,9 +112,12 @@ class Network:
     """What one link moves in both directions together, in multiples of its bandwidth: messages
     in opposite directions then move at once and share it (1: they share the link, 2: full
     duplex); None: a link carries one message at a time, either way."""
+    recv_ms: float = 0.0
+    """Time posting one receive ahead holds the receiving rank (gloo; NCCL posts none)."""
 
     def __post_init__(self) -> None:
         assert self.send_ms >= 0 and self.send_ms_per_mib >= 0, (self.send_ms, self.send_ms_per_mib)
+        assert self.recv_ms >= 0, self.recv_ms
         assert self.duplex is None or 1 <= self.duplex <= 2, self.duplex
 
     @classmethod
@@ -123,6 +130,7 @@ class Network:
         send_ms: float = 0.0,
         send_ms_per_mib: float = 0.0,
         duplex: float | None = None,
+        recv_ms: float = 0.0,
     ) -> Network:
         sizes, size = [], 1
         for level in topology.levels:
@@ -137,6 +145,7 @@ class Network:
             send_ms,
             send_ms_per_mib,
             duplex,
+            recv_ms,
         )
 
     def post_ms(self, num_bytes: float) -> float:
@@ -183,9 +192,9 @@ class Event:
     stage: int
     """Its stage."""
     kind: str
-    """``F``, ``B``, ``A``, ``U``, or ``S`` (posting a send)."""
+    """``F``, ``B``, ``A``, ``U``, ``S`` (posting a send) or ``R`` (posting receives ahead)."""
     index: int
-    """Microbatch (F, B, S) or update (A, U) index."""
+    """Microbatch (F, B, S; R: of the first receive posted) or update (A, U) index."""
     start_ms: float
     """Start time."""
     end_ms: float
@@ -197,7 +206,8 @@ class Timeline:
     """The simulated run."""
 
     events: tuple[Event, ...]
-    """Compute, allreduce, update and send-posting actions of every rank, by start time."""
+    """Compute, allreduce, update, send-posting and receive-posting events of every rank, by
+    start time."""
     num_minibatches: int
     """Minibatches simulated."""
     completions_ms: tuple[float, ...]
@@ -216,7 +226,8 @@ class Timeline:
         return max(event.end_ms for event in self.events)
 
     def busy_fraction(self, rank: int) -> float:
-        """Share of the run the rank spends computing, allreducing, updating or posting sends."""
+        """Share of the run the rank spends computing, allreducing, updating or posting sends
+        and receives."""
         busy = sum(e.end_ms - e.start_ms for e in self.events if e.rank == rank)
         return busy / self.makespan_ms if self.makespan_ms > 0 else 1.0
 
@@ -265,15 +276,22 @@ def _period(plan: Plan) -> int:
     return math.lcm(*(stage.replicas for stage in plan.stages))
 
 
-def _margin(plan: Plan) -> int:
+def _margin(plan: Plan, network: Network | None = None) -> int:
     """Minibatches of the pipeline's fill, and of its drain: ``S`` times the replica period.
 
     That bounds the minibatches in flight (``r`` replicas of the input stage with
     ``ceil(W / r)`` each under PipeDream), whose absence at the end of a run changes the
     completions before them: on VGG-16 over 4 workers, a 3-1 split, the last 6 minibatches
-    complete faster than the steady state.
+    complete faster than the steady state. Where posting a receive costs time, the ranks post
+    none in their tables' last :data:`~pipedream.runtime.posting.RECEIVE_WINDOW` actions,
+    which a longer run would fill: those actions lie within ``ceil(RECEIVE_WINDOW / 2m)``
+    periods (every rank runs a forward and a backward per microbatch of at least one
+    minibatch per period), added to the margin.
     """
-    return plan.num_stages * _period(plan)
+    margin = plan.num_stages * _period(plan)
+    if network is not None and network.recv_ms > 0:
+        margin += _period(plan) * math.ceil(RECEIVE_WINDOW / (2 * plan.microbatches))
+    return margin
 
 
 STEADY_TOLERANCE = 1e-3
@@ -305,10 +323,11 @@ def steady_window(completions: Sequence[float], margin: int, period: int) -> tup
     return None
 
 
-def default_steps(plan: Plan) -> int:
-    """Enough minibatches for the fill, three periods of steady state and the drain."""
+def default_steps(plan: Plan, network: Network | None = None) -> int:
+    """Enough minibatches for the fill, three periods of steady state and the drain (on
+    ``network``: see :func:`_margin`)."""
     period = _period(plan)
-    return period * math.ceil(max(8, 2 * _margin(plan) + 3 * period + 1) / period)
+    return period * math.ceil(max(8, 2 * _margin(plan, network) + 3 * period + 1) / period)
 
 
 def simulate(
@@ -327,7 +346,7 @@ def simulate(
     """
     if num_minibatches is not None:
         return _simulate(plan, work, network, num_minibatches)
-    steps = default_steps(plan)
+    steps = default_steps(plan, network)
     timeline = _simulate(plan, work, network, steps)
     for _ in range(MAX_DOUBLINGS):
         steps *= 2
@@ -354,7 +373,7 @@ def _simulate(
     for t in range(num_minibatches):
         ends = [run.backward_end[(0, t * m + j)] for j in range(m)]
         completions.append(max(ends))
-    margin, period = _margin(plan), _period(plan)
+    margin, period = _margin(plan, network), _period(plan)
     window = steady_window(completions, margin, period)
     last = num_minibatches - 1 - margin
     periods = max(1, (last - margin) // 2 // period)
@@ -400,6 +419,9 @@ class _Run:
         self.pool_version = 0  # heap entries (t, -1 - version) are the pool's completions
         self.uses = {rank: version_use(table, initial_version=0) for rank, table in tables.items()}
         self.updates_done = {rank: 0 for rank in tables}
+        self.posts = {rank: receives_posted_before(table) for rank, table in tables.items()}
+        for rank in tables:
+            self.clock[rank] = self._reach(rank, 0.0)
 
     def execute(self) -> None:
         while self.heap:
@@ -417,6 +439,21 @@ class _Run:
             self._run_next(rank, ready)
         stuck = [r for r, pos in self.position.items() if pos < len(self.tables[r])]
         assert not stuck, f"the tables deadlock at ranks {stuck}"  # validated tables never do
+
+    def _reach(self, rank: int, now: float) -> float:
+        """``rank`` reaches its next action at ``now`` and posts the receives the runtime posts
+        there (an ``R`` event); when it is free to run the action."""
+        position = self.position[rank]
+        table = self.tables[rank]
+        if position >= len(table) or not self.network.recv_ms:
+            return now
+        receives = self.posts[rank][position]
+        if not receives:
+            return now
+        end = now + len(receives) * self.network.recv_ms
+        first = table[receives[0]]
+        self.events.append(Event(rank, table[position].stage, "R", first.index, now, end))
+        return end
 
     def _ready(self, rank: int) -> float | None:
         """When ``rank``'s next action can start (None: not yet known)."""
@@ -488,7 +525,7 @@ class _Run:
             end = start + self.network.allreduce_ms(self.work[stage].parameter_bytes, group)
             for member in group:
                 self.events.append(Event(member, stage, "A", action.index, start, end))
-                self.clock[member] = end
+                self.clock[member] = self._reach(member, end)
                 self.waiting.discard(member)
                 self._wake(member)
             return
@@ -508,5 +545,5 @@ class _Run:
             now += duration
             if op is Op.BACKWARD:
                 self.backward_end[(stage, action.index)] = now
-        self.clock[rank] = now
+        self.clock[rank] = self._reach(rank, now)
         self._wake(rank)

@@ -22,8 +22,16 @@ from pipedream.optimizer.simulator import Event, Timeline
 
 __all__ = ["COLOURS", "draw_timeline", "format_timeline", "slot_ms"]
 
-COLOURS = {"F": "#4c72b0", "B": "#55a868", "A": "#c44e52", "U": "#8c8c8c", "S": "#dd8452"}
-"""Bar colours: forward blue, backward green, allreduce red, update grey, send orange."""
+COLOURS = {
+    "F": "#4c72b0",
+    "B": "#55a868",
+    "A": "#c44e52",
+    "U": "#8c8c8c",
+    "S": "#dd8452",
+    "R": "#937860",
+}
+"""Bar colours: forward blue, backward green, allreduce red, update grey, send orange,
+receives posted ahead brown."""
 
 
 def slot_ms(timeline: Timeline) -> float:
@@ -120,13 +128,20 @@ def draw_timeline(timeline: Timeline, plan: Plan, path: str | os.PathLike[str]) 
         f"microbatch(es)/minibatch; simulated {timeline.time_per_minibatch_ms:.3f} ms per "
         "minibatch (white: bubbles)"
     )
-    names = {"F": "forward", "B": "backward", "A": "allreduce", "U": "update", "S": "send"}
+    names = {
+        "F": "forward",
+        "B": "backward",
+        "A": "allreduce",
+        "U": "update",
+        "S": "send",
+        "R": "receives posted",
+    }
     shown = {event.kind for event in timeline.events} | {"F", "B"}
     axes.legend(
         handles=[Patch(color=c, label=names[k]) for k, c in COLOURS.items() if k in shown],
         loc="upper center",
         bbox_to_anchor=(0.5, -0.12 - 1.5 / (4 + len(ranks))),
-        ncol=5,
+        ncol=6,
         fontsize=8,
         frameon=False,
     )

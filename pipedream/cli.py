@@ -239,6 +239,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="... plus this per MiB of the message (ms; default 0)",
     )
     simulate.add_argument(
+        "--recv-overhead",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="time posting one receive ahead holds the receiving rank, as the runtime does on "
+        "gloo (ms; default 0)",
+    )
+    simulate.add_argument(
         "--steps",
         type=int,
         default=None,

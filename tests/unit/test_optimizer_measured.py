@@ -204,8 +204,8 @@ def test_simulate_sets_the_run_beside_the_prediction(run_files, capsys) -> None:
     ) in out
     assert "  stage 0: forward 2.00 / 2.00 (x1.00), backward 4.00 / 4.00 (x1.00)" in out
     assert "  stage 1: forward 3.00 / 3.00 (x1.00), backward 5.00 / 5.00 (x1.00)" in out
-    assert "update 0.00 / 1.00, between actions -- / 10.0% of the time\n  stage 1" in out
-    assert "update 0.00 / 1.00, between actions -- / 0.0% of the time\nsimulated with" in out
+    assert "update 0.00 / 1.00, between actions 0.0% / 10.0% of the time\n  stage 1" in out
+    assert "update 0.00 / 1.00, between actions 0.0% / 0.0% of the time\nsimulated with" in out
     assert (
         "simulated with the run's own forward, backward and update times: 9.000 ms per "
         "minibatch (simulated / measured = 0.900)"
@@ -241,3 +241,16 @@ def test_simulate_trace_does_not_import_torch(run_files) -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_simulate_charges_the_receives_posted_ahead_between_actions(run_files, capsys) -> None:
+    argv = ["simulate", str(run_files["plan"]), "--profile", str(run_files["profile"])]
+    argv += ["--bandwidth", "1e12", "--recv-overhead", "0.5"]
+    argv += ["--trace", str(run_files["run"] / "run"), "--trace-skip", "2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    # each stage receives one message per minibatch and posts its receive ahead (0.5 ms): the
+    # slower stage 1 (3 + 5 ms) then sets 8.5 ms per minibatch, 0.5 / 8.5 of each stage's time
+    assert "simulated time per minibatch: 8.500 ms" in out
+    assert "update 0.00 / 1.00, between actions 5.9% / 10.0% of the time\n  stage 1" in out
+    assert "update 0.00 / 1.00, between actions 5.9% / 0.0% of the time\nsimulated with" in out

@@ -89,6 +89,27 @@ def test_posting_a_send_holds_the_sender(send_ms: float, per_mib: float) -> None
     assert len([e for e in posts if e.rank == 1]) == 2 * 24
 
 
+def test_posting_receives_ahead_holds_the_receiver() -> None:
+    # pipedream, 3 stages, F = 1, B = 2: the middle stage receives two messages per minibatch
+    # (activations, gradients) and posts each receive ahead for 0.5 ms: 3 + 2 * 0.5 per
+    # minibatch. Before its first action each rank posts the receives of its first
+    # RECEIVE_WINDOW (32) actions at once: 6 on rank 0 (gradients), 10 on rank 1, 7 on rank 2.
+    network = Network((64,), (1e15,), recv_ms=0.5)
+    work = [StageWork(1.0, 2.0, 0.0, 1.0)] * 3
+    timeline = simulate(plan_of("pipedream", [1, 1, 1]), work, network)
+    assert timeline.time_per_minibatch_ms == pytest.approx(4.0)
+    posts = [e for e in timeline.events if e.kind == "R"]
+    assert [(e.rank, e.start_ms, e.end_ms) for e in posts[:3]] == [
+        (0, 0.0, 3.0),
+        (1, 0.0, 5.0),
+        (2, 0.0, 3.5),
+    ]
+    steps = timeline.num_minibatches
+    for rank, receives in ((0, steps), (1, 2 * steps), (2, steps)):
+        posted = sum(e.end_ms - e.start_ms for e in posts if e.rank == rank)
+        assert posted == pytest.approx(0.5 * receives)
+
+
 def test_a_send_posted_while_its_transfer_runs_is_off_the_critical_path_of_a_flush() -> None:
     # gpipe, 2 stages, 1 microbatch: the message leaves when it is posted, so posting it
     # (0.2 ms here) only delays the sender, who has nothing else to do: the same 4 + 2 * 0.75
@@ -240,6 +261,12 @@ def test_later_microbatches_of_a_minibatch_accumulate_their_gradients() -> None:
 def test_default_steps_cover_fill_drain_and_three_periods() -> None:
     assert default_steps(plan_of("pipedream", [1, 1, 1, 1])) == 12  # 2 S + 3 + 1
     assert default_steps(plan_of("pipedream", [2, 3])) == 48  # 2 * 2 S * 6 + 3 * 6 + 1, rounded up
+    # posting receives costs time: the last 32 actions of a table, which post none, within
+    # ceil(32 / 2m) periods, join the fill and the drain
+    posting = Network((64,), (1e12,), recv_ms=0.1)
+    assert default_steps(plan_of("pipedream", [1, 1, 1, 1]), posting) == 44  # 2 (4 + 16) + 3 + 1
+    assert default_steps(plan_of("gpipe", [1, 1], 8), posting) == 12  # 2 (2 + 2) + 3 + 1
+    assert default_steps(plan_of("pipedream", [1, 1, 1, 1]), FAST) == 12  # no posting cost
 
 
 @pytest.mark.parametrize("stages", [2, 4, 8])
