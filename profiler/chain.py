@@ -158,12 +158,14 @@ def time_chain(
     warmup: int,
     repeats: int,
     after_backward: Callable[[], None] | None = None,
+    passes: list[tuple[float, float]] | None = None,
 ) -> list[tuple[float, float]]:
     """Median forward and backward milliseconds of every layer over ``repeats`` whole passes
     (after ``warmup`` untimed ones). Gradients are reset to None before each pass, as after
     ``optimizer.zero_grad()``, and left None at the end. ``after_backward`` is called after every
     pass's backward, with the gradients in place (to time the optimizer step where training
-    runs it)."""
+    runs it). Each timed pass's whole forward and backward milliseconds are appended to
+    ``passes`` when given (how much the passes varied: :class:`~pipedream.formats.PassSpread`)."""
     params = list(parameters)
     clock = _Clock(device)
     forward: list[list[float]] = [[] for _ in layers]
@@ -179,6 +181,8 @@ def time_chain(
                 for index in range(len(layers)):
                     forward[index].append(f[index])
                     backward[index].append(b[index])
+                if passes is not None:
+                    passes.append((sum(f), sum(b)))
     for param in params:
         param.grad = None
     return [(statistics.median(f), statistics.median(b)) for f, b in zip(forward, backward)]

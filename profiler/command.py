@@ -26,7 +26,13 @@ import torch
 from torch import nn
 
 from pipedream.data import MicrobatchStream
-from pipedream.formats.profile import ActionOverhead, LayerProfile, Profile, save_profile
+from pipedream.formats.profile import (
+    ActionOverhead,
+    LayerProfile,
+    PassSpread,
+    Profile,
+    save_profile,
+)
 from pipedream.host_memory import configure_host_memory
 from pipedream.profiler.corunners import Corunners, CorunnerSpec
 from pipedream.profiler.graph_profile import layer_graph, measure_graph
@@ -120,6 +126,13 @@ def format_table(profile: Profile) -> str:
             f"a microbatch: inputs {extra.inputs_ms:.3f} ms (first stage), targets "
             f"{extra.targets_ms:.3f} ms (last stage)"
         )
+    if profile.spread is not None:
+        spread = profile.spread
+        table.append(
+            f"whole passes varied (pass_spread, for simulate --spread): forward "
+            f"{min(spread.forward):.2f}-{max(spread.forward):.2f} x the median, backward "
+            f"{min(spread.backward):.2f}-{max(spread.backward):.2f} x"
+        )
     return "\n".join(table)
 
 
@@ -139,7 +152,8 @@ def profile_workload(
 
     An ``nn.Sequential`` is measured child by child; any other model, or any model with
     ``depth``/``patterns`` (``--depth``, ``--layers``), through its ``torch.export`` graph.
-    The runtime's own cost per action is measured too (:mod:`pipedream.profiler.overhead`).
+    The runtime's own cost per action is measured too (:mod:`pipedream.profiler.overhead`), and
+    how much the whole passes varied (:class:`~pipedream.formats.PassSpread`).
     With ``concurrent`` K > 1 (CPU only), K - 1 co-runner processes train the same workload
     meanwhile, as the other ranks of a host do (:mod:`pipedream.profiler.corunners`).
     """
@@ -166,7 +180,7 @@ def profile_workload(
         name, dict(workload_args), microbatch_size, torch.get_num_threads(), tuple(sys.path)
     )
     with Corunners(spec, num_corunners=concurrent - 1):
-        layers, cut_bytes, overhead = _measure(
+        layers, cut_bytes, overhead, spread = _measure(
             workload, device, warmup=warmup, repeats=repeats, depth=depth, patterns=patterns
         )
     param = next(iter(workload.model.parameters()), None)
@@ -181,6 +195,7 @@ def profile_workload(
         workload_args=dict(workload_args),
         overhead=overhead,
         concurrent=concurrent,
+        spread=spread,
     )
 
 
@@ -192,20 +207,19 @@ def _measure(
     repeats: int,
     depth: int | None,
     patterns: Sequence[str],
-) -> tuple[list[LayerProfile], tuple[int, ...] | None, ActionOverhead]:
-    """The layers' costs, the bytes across every cut of a traced model, the runtime's costs."""
+) -> tuple[list[LayerProfile], tuple[int, ...] | None, ActionOverhead, PassSpread | None]:
+    """The layers' costs, the bytes across every cut of a traced model, the runtime's costs,
+    how much the whole passes varied."""
     model = workload.model.to(device)
     example = workload.example_input.to(device)
     cut_bytes = None
+    passes: list[tuple[float, float]] = []
+    options = {"warmup": warmup, "repeats": repeats, "optimizer": workload.optimizer}
     if isinstance(model, nn.Sequential) and depth is None and not patterns:
-        layers = measure_sequential(
-            model, example, warmup=warmup, repeats=repeats, optimizer=workload.optimizer
-        )
+        layers = measure_sequential(model, example, passes=passes, **options)
     else:
         graph = layer_graph(model, example, depth=depth, patterns=patterns)
-        layers = measure_graph(
-            graph, model, example, warmup=warmup, repeats=repeats, optimizer=workload.optimizer
-        )
+        layers = measure_graph(graph, model, example, passes=passes, **options)
         cut_bytes = tuple(graph.cut_bytes())
     overhead = measure_overhead(workload.optimizer, device=device, warmup=warmup, repeats=repeats)
     stream = MicrobatchStream(workload.dataset, int(workload.example_input.shape[0]), seed=0)
@@ -213,7 +227,7 @@ def _measure(
         stream, device=device, warmup=warmup, repeats=repeats
     )
     overhead = dataclasses.replace(overhead, inputs_ms=inputs_ms, targets_ms=targets_ms)
-    return list(layers), cut_bytes, overhead
+    return list(layers), cut_bytes, overhead, PassSpread.from_passes(passes)
 
 
 def _share_the_host_like_ranks(concurrent: int, out: TextIO) -> None:

@@ -66,11 +66,13 @@ def measure_graph(
     warmup: int = 3,
     repeats: int = 10,
     optimizer: OptimizerFactory | None = None,
+    passes: list[tuple[float, float]] | None = None,
 ) -> list[LayerProfile]:
     """Measure every layer of ``graph`` on the values it sees when ``example_input`` runs.
 
     Bytes and memory come from each layer module alone, the times from whole passes through the
-    chain of layer modules (:mod:`pipedream.profiler.chain`).
+    chain of layer modules (:mod:`pipedream.profiler.chain`); each timed pass's forward and
+    backward milliseconds are appended to ``passes`` when given.
     """
     check_repetitions(warmup, repeats)
     count = len(graph.layers)
@@ -105,6 +107,7 @@ def measure_graph(
         warmup=warmup,
         repeats=repeats,
         after_backward=timer,
+        passes=passes,
     )
     updates: list[float | None] = [None] * count
     if timer is not None:

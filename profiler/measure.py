@@ -257,10 +257,13 @@ def measure_sequential(
     repeats: int = 10,
     optimizer: OptimizerFactory | None = None,
     progress: Callable[[int, int, str], None] | None = None,
+    passes: list[tuple[float, float]] | None = None,
 ) -> list[LayerProfile]:
     """Measure every child of ``model`` (an ``nn.Sequential``) on the device of its parameters.
 
     ``example_input`` is moved to that device. ``progress(i, n, name)`` is called before each layer.
+    Each timed whole pass's forward and backward milliseconds are appended to ``passes`` when
+    given.
     """
     if not isinstance(model, nn.Sequential):
         raise ProfilerError(
@@ -296,6 +299,7 @@ def measure_sequential(
         warmup=warmup,
         repeats=repeats,
         after_backward=timer,
+        passes=passes,
     )
     updates: list[float | None] = [None] * len(profiles)
     if timer is not None:

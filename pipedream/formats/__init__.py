@@ -9,6 +9,7 @@ from pipedream.formats.plan import Plan, Prediction, StagePlan, load_plan, save_
 from pipedream.formats.profile import (
     ActionOverhead,
     LayerProfile,
+    PassSpread,
     Profile,
     load_profile,
     save_profile,
@@ -19,6 +20,7 @@ __all__ = [
     "ActionOverhead",
     "LayerProfile",
     "Level",
+    "PassSpread",
     "Plan",
     "Prediction",
     "Profile",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +15,7 @@ __all__ = [
     "PROFILE_FORMAT",
     "ActionOverhead",
     "LayerProfile",
+    "PassSpread",
     "Profile",
     "load_profile",
     "save_profile",
@@ -145,6 +148,56 @@ class ActionOverhead:
 
 
 @dataclass(frozen=True)
+class PassSpread:
+    """How much the profiler's whole passes varied: each timed pass's forward (backward) time
+    over the median of them.
+
+    The layers' times are medians; a pipeline's actions vary around them (a busy host, caches,
+    interrupts), and a stage that runs late holds up its neighbours, which a simulation with
+    fixed times does not see. ``pipedream simulate --spread`` draws every forward and backward
+    from these ratios.
+    """
+
+    forward: tuple[float, ...]
+    """Per timed pass: its forward time / the median forward time."""
+    backward: tuple[float, ...]
+    """Per timed pass: its backward time / the median backward time."""
+
+    def __post_init__(self) -> None:
+        assert self.forward and self.backward, self
+        assert min(self.forward) > 0 and min(self.backward) > 0, self
+
+    @classmethod
+    def from_passes(cls, passes: Sequence[tuple[float, float]]) -> PassSpread | None:
+        """From each pass's (forward ms, backward ms); None if a median is not positive (a
+        model too fast for the clock)."""
+        if not passes:
+            return None
+        forward = statistics.median(f for f, _ in passes)
+        backward = statistics.median(b for _, b in passes)
+        if forward <= 0 or backward <= 0 or min(min(f, b) for f, b in passes) <= 0:
+            return None
+        return cls(tuple(f / forward for f, _ in passes), tuple(b / backward for _, b in passes))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "forward": [round(ratio, 4) for ratio in self.forward],
+            "backward": [round(ratio, 4) for ratio in self.backward],
+        }
+
+    @classmethod
+    def from_reader(cls, reader: MappingReader) -> PassSpread:
+        ratios = []
+        for key in ("forward", "backward"):
+            raw = reader.list(key)
+            entries = {f"{key}[{i}]": value for i, value in enumerate(raw)}
+            items = MappingReader(entries, source=reader.source, path=reader.path)
+            ratios.append(tuple(items.number(name, positive=True) for name in entries))
+        reader.finish()
+        return cls(*ratios)
+
+
+@dataclass(frozen=True)
 class Profile:
     """Per-layer costs of a workload, layers in execution (topological) order."""
 
@@ -167,6 +220,8 @@ class Profile:
     concurrent: int = 1
     """Processes training on the host while it was measured, the measuring one included
     (``pipedream profile --concurrent``: CPU ranks sharing a host); optional, default 1."""
+    spread: PassSpread | None = None
+    """How much the profiler's whole passes varied (``pass_spread``); optional."""
 
     def __post_init__(self) -> None:
         assert self.cut_bytes is None or len(self.cut_bytes) == len(self.layers) - 1
@@ -209,6 +264,8 @@ class Profile:
             out["cut_bytes"] = list(self.cut_bytes)
         if self.overhead is not None:
             out["overhead_ms"] = self.overhead.to_dict()
+        if self.spread is not None:
+            out["pass_spread"] = self.spread.to_dict()
         return out
 
     @classmethod
@@ -255,6 +312,10 @@ class Profile:
         overhead = None
         if raw_overhead is not None:
             overhead = ActionOverhead.from_reader(reader.child(raw_overhead, "overhead_ms"))
+        raw_spread = reader.mapping("pass_spread", None)
+        spread = None
+        if raw_spread is not None:
+            spread = PassSpread.from_reader(reader.child(raw_spread, "pass_spread"))
         reader.finish()
         return cls(
             workload=workload,
@@ -266,6 +327,7 @@ class Profile:
             workload_args=args,
             overhead=overhead,
             concurrent=concurrent,
+            spread=spread,
         )
 
 

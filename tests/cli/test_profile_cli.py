@@ -55,8 +55,11 @@ def test_profile_mlp_writes_a_loadable_profile(tmp_path: Path, capsys) -> None:
     assert profile.layers[0].parameter_bytes == (16 * 64 + 64) * 4
     assert all(layer.forward_ms > 0 and layer.backward_ms > 0 for layer in profile.layers)
     assert all(layer.optimizer_state_bytes == 0 for layer in profile.layers)  # plain SGD
+    assert profile.spread is not None  # one timed pass: its own median
+    assert (profile.spread.forward, profile.spread.backward) == ((1.0,), (1.0,))
     printed = capsys.readouterr().out
     assert "total" in printed and str(out) in printed
+    assert "whole passes varied (pass_spread, for simulate --spread): forward 1.00-1.00" in printed
 
 
 def test_microbatch_size_option(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from pipedream.errors import FormatError, PipedreamError
 from pipedream.formats import (
     ActionOverhead,
     Level,
+    PassSpread,
     Plan,
     Prediction,
     Profile,
@@ -194,6 +195,21 @@ def test_profile_concurrent_defaults_to_one_and_round_trips() -> None:
     profile = Profile.from_dict(data)
     assert profile.concurrent == 2
     assert profile.to_dict() == data
+
+
+def test_profile_pass_spread_is_optional_and_round_trips() -> None:
+    assert Profile.from_dict(PROFILE).spread is None
+    data = {**copy.deepcopy(PROFILE), "pass_spread": {"forward": [1.0, 1.25], "backward": [0.5]}}
+    profile = Profile.from_dict(data)
+    assert profile.spread == PassSpread((1.0, 1.25), (0.5,))
+    assert profile.to_dict() == data
+
+
+def test_pass_spread_from_passes_divides_by_the_medians() -> None:
+    spread = PassSpread.from_passes([(2.0, 4.0), (3.0, 8.0), (4.0, 6.0)])
+    assert spread == PassSpread((2 / 3, 1.0, 4 / 3), (4 / 6, 8 / 6, 1.0))
+    assert PassSpread.from_passes([]) is None
+    assert PassSpread.from_passes([(0.0, 1.0)]) is None  # too fast for the clock
 
 
 def test_profile_save_load(tmp_path: Path) -> None:
@@ -513,6 +529,11 @@ CASES: list[tuple[str, str, Edit, str, str, str]] = [
      "overhead_ms.fwd_ms", "unknown key", "remove it or use one of: accumulate_ms_per_mib"),
     ("profile-overhead-type", "profile", _set("overhead_ms", value=[1, 2]),
      "overhead_ms", "expected a mapping, got list", "write it as 'key: value' lines"),
+    ("profile-spread-zero", "profile",
+     _set("pass_spread", value={"forward": [1, 0], "backward": [1]}),
+     "pass_spread.forward[1]", "must be > 0, got 0", "use a positive value"),
+    ("profile-spread-missing", "profile", _set("pass_spread", value={"forward": [1]}),
+     "pass_spread.backward", "required field is missing", "add 'backward: ...'"),
     ("profile-cut-bytes-length", "profile", _set("cut_bytes", value=[1024]), "cut_bytes",
      "has 1 entries but the profile has 3 layers", "number of layers - 1"),
     ("profile-cut-bytes-negative", "profile", _set("cut_bytes", value=[1024, -1]),

@@ -134,3 +134,11 @@ def test_bad_inputs() -> None:
         measure_sequential(_tiny(), torch.randn(2, 4), repeats=0)
     with pytest.raises(PipedreamError, match="warmup"):
         measure_sequential(_tiny(), torch.randn(2, 4), warmup=-1)
+
+
+def test_every_timed_pass_is_reported_once() -> None:
+    passes: list[tuple[float, float]] = []
+    layers = measure_sequential(_tiny(), torch.randn(2, 4), warmup=2, repeats=5, passes=passes)
+    assert len(passes) == 5  # the timed ones, not the warm-up
+    assert all(forward > 0 and backward > 0 for forward, backward in passes)
+    assert len(layers) == 4
