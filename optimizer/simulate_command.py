@@ -5,7 +5,7 @@
     pipedream simulate PLAN [--profile PROFILE] [--topology TOPO | --bandwidth B]
                             [--latency MS] [--host-bandwidth B] [--duplex F]
                             [--send-overhead MS] [--send-overhead-per-mib MS]
-                            [--recv-overhead MS] [--steps K]
+                            [--recv-overhead MS] [--spread] [--steps K]
                             [--width SLOTS] [--png FILE] [--trace RUN_DIR [--trace-skip N]]
 
 The per-layer costs come from ``--profile``, else from the profile the plan records (written
@@ -27,7 +27,7 @@ import statistics
 
 from pipedream.errors import PlanningError
 from pipedream.formats.plan import Plan, load_plan, profile_path
-from pipedream.formats.profile import Profile, load_profile
+from pipedream.formats.profile import PassSpread, Profile, load_profile
 from pipedream.formats.topology import DEFAULT_BANDWIDTH, Topology, load_topology
 from pipedream.formats.units import parse_bandwidth
 from pipedream.optimizer.measured import MeasuredRun, measure_run, measured_work
@@ -129,14 +129,29 @@ def _trace_skip(args: argparse.Namespace) -> int | None:
     return skip
 
 
+def _spread(args: argparse.Namespace, profile: Profile) -> PassSpread | None:
+    """The profile's spread of whole passes with ``--spread``, else None."""
+    if not getattr(args, "spread", False):
+        return None
+    if profile.spread is None:
+        raise PlanningError(
+            f"--spread: the profile of {profile.workload} records no pass_spread (imported, or "
+            "written by an older pipedream profile); profile it again, or leave --spread out"
+        )
+    return profile.spread
+
+
 def format_report(timeline: Timeline, plan: Plan) -> str:
     """The simulated time next to the plan's prediction, and the busy share of each rank."""
     first, last = timeline.measured
+    where = "the mean" if timeline.drawn else "steady state"
     lines = [
-        f"simulated time per minibatch: {timeline.time_per_minibatch_ms:.3f} ms (steady state "
+        f"simulated time per minibatch: {timeline.time_per_minibatch_ms:.3f} ms ({where} "
         f"between minibatches {first} and {last} of {timeline.num_minibatches})"
     ]
-    if not timeline.steady:
+    if timeline.drawn:
+        lines.append("every forward and backward drawn from the profile's pass_spread (--spread)")
+    elif not timeline.steady:
         lines.append(
             "no steady cycle showed (the average over the window above): simulate more "
             "minibatches with --steps"
@@ -276,7 +291,8 @@ def run(args: argparse.Namespace) -> int:
         duplex=_duplex(args),
         recv_ms=args.recv_overhead,
     )
-    timeline = simulate(plan, work, network, num_minibatches=steps)
+    spread = _spread(args, profile)
+    timeline = simulate(plan, work, network, num_minibatches=steps, spread=spread)
     print(
         f"{plan.workload}: schedule {plan.schedule}, {plan.num_stages} stages on "
         f"{plan.world_size} ranks, {plan.microbatches} microbatch(es) per minibatch, "
@@ -291,7 +307,8 @@ def run(args: argparse.Namespace) -> int:
     print(format_report(timeline, plan))
     if measured is not None:
         print()
-        replay = simulate(plan, measured_work(work, measured), network, num_minibatches=steps)
+        replayed = measured_work(work, measured)
+        replay = simulate(plan, replayed, network, num_minibatches=steps, spread=spread)
         print(format_measured(timeline, replay, measured, str(run_dir)))
     if args.png is not None:
         draw_timeline(timeline, plan, args.png)

@@ -247,6 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
         "gloo (ms; default 0)",
     )
     simulate.add_argument(
+        "--spread",
+        action="store_true",
+        help="draw every forward and backward time from how much the profiler's whole passes "
+        "varied (the profile's pass_spread; seeded), and report the mean time per minibatch",
+    )
+    simulate.add_argument(
         "--steps",
         type=int,
         default=None,

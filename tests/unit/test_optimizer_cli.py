@@ -233,6 +233,10 @@ def hand_written(tmp_path: Path, replicas: tuple[int, ...] = (1, 1)) -> Path:
             ["simulate", "{hand}", "--profile", "{profile}", "--recv-overhead", "-1"],
             "--recv-overhead -1.0: must be >= 0",
         ),
+        (
+            ["simulate", "{hand}", "--profile", "{profile}", "--spread"],
+            "--spread: the profile of toy records no pass_spread",
+        ),
         (["simulate", "{hand}", "--profile", "{profile}", "--width", "0"], "--width 0"),
         (
             ["simulate", "{hand}", "--profile", "{profile}", "--duplex", "0.5"],

@@ -8,12 +8,14 @@ from pipedream.formats import (
     ActionOverhead,
     LayerProfile,
     Level,
+    PassSpread,
     Plan,
     Profile,
     StagePlan,
     Topology,
 )
 from pipedream.optimizer.simulator import (
+    SPREAD_MINIBATCHES,
     Network,
     StageWork,
     default_steps,
@@ -108,6 +110,33 @@ def test_posting_receives_ahead_holds_the_receiver() -> None:
     for rank, receives in ((0, steps), (1, 2 * steps), (2, steps)):
         posted = sum(e.end_ms - e.start_ms for e in posts if e.rank == rank)
         assert posted == pytest.approx(0.5 * receives)
+
+
+def test_a_spread_of_one_ratio_scales_every_forward_and_backward_by_it() -> None:
+    # pipedream, 2 stages, F = 1, B = 2: 3 ms per minibatch; forwards drawn at 2x: 4 ms
+    plan, work = plan_of("pipedream", [1, 1]), equal(2, 1.0, 2.0)
+    same = simulate(plan, work, FAST, spread=PassSpread((1.0,), (1.0,)))
+    assert same.time_per_minibatch_ms == pytest.approx(3.0)
+    assert same.drawn and not same.steady
+    first, last = same.measured
+    assert (first, last) == (2, 2 + SPREAD_MINIBATCHES - 1)  # after the fill, before the drain
+    doubled = simulate(plan, work, FAST, spread=PassSpread((2.0,), (1.0,)))
+    assert doubled.time_per_minibatch_ms == pytest.approx(4.0)
+    forwards = [e.end_ms - e.start_ms for e in doubled.events if e.kind == "F"]
+    assert forwards == pytest.approx([2.0] * len(forwards))
+
+
+def test_stages_that_vary_hold_each_other_up() -> None:
+    # 2 stages, each action 0.5x or 1.5x its time (a mean of 1x): a stage that runs late
+    # makes the other wait, so the pipeline is slower than with every action at its mean
+    plan, work = plan_of("pipedream", [1, 1]), equal(2, 1.0, 2.0)
+    spread = PassSpread((0.5, 1.5), (0.5, 1.5))
+    drawn = simulate(plan, work, FAST, spread=spread, seed=1)
+    assert drawn.time_per_minibatch_ms > 3.0 * 1.05
+    again = simulate(plan, work, FAST, spread=spread, seed=1)
+    assert again.time_per_minibatch_ms == drawn.time_per_minibatch_ms  # seeded
+    other = simulate(plan, work, FAST, spread=spread, seed=2)
+    assert other.time_per_minibatch_ms != drawn.time_per_minibatch_ms
 
 
 def test_a_send_posted_while_its_transfer_runs_is_off_the_critical_path_of_a_flush() -> None:
