@@ -42,8 +42,9 @@ the second half of the run between the fill and the drain (each ``S`` times the 
 pattern's period, a bound on the minibatches in flight), over whole repetitions of the
 shortest cycle (a multiple of that period) all of whose repetitions there take the same time
 (:func:`steady_window`); without a length given, the simulation doubles the minibatches until
-such a cycle shows. With a spread there is no cycle: the time is the mean over
-:data:`SPREAD_MINIBATCHES` minibatches between the fill and the drain.
+such a cycle shows. With a spread there is no cycle: the time is the mean over the last
+:data:`SPREAD_MINIBATCHES` minibatches before the drain, after as many more past the fill
+(a backlog of transfers can take that long to build up).
 Pure Python: no torch.
 """
 
@@ -311,8 +312,9 @@ MAX_DOUBLINGS = 4
 """How often a simulation without a given length doubles its minibatches to find the cycle."""
 
 SPREAD_MINIBATCHES = 64
-"""Minibatches between the fill and the drain over which a simulation with a spread averages
-(with 10% spread per action, repeated runs of a 2-stage pipeline agree within about 1%)."""
+"""Minibatches before the drain over which a simulation with a spread averages, after as many
+more past the fill (with 10% spread per action, the seeds of a 2-stage pipeline's simulation
+agree within about 1%)."""
 
 
 def steady_window(completions: Sequence[float], margin: int, period: int) -> tuple[int, int] | None:
@@ -358,7 +360,7 @@ def simulate(
 
     Without ``num_minibatches``, from :func:`default_steps` on, doubling (at most
     :data:`MAX_DOUBLINGS` times, and never beyond ``max_minibatches``) until the steady
-    state's cycle shows (module docstring); with a ``spread``, the fill, the drain and
+    state's cycle shows (module docstring); with a ``spread``, the fill, the drain and twice
     :data:`SPREAD_MINIBATCHES` between them, every forward and backward drawn from it with
     the random generator seeded by ``seed``.
     """
@@ -366,7 +368,7 @@ def simulate(
         return _simulate(plan, work, network, num_minibatches, spread, seed)
     if spread is not None:
         period = _period(plan)
-        steps = 2 * _margin(plan, network) + SPREAD_MINIBATCHES
+        steps = 2 * (_margin(plan, network) + SPREAD_MINIBATCHES)
         return _simulate(plan, work, network, period * math.ceil(steps / period), spread, seed)
     steps = default_steps(plan, network)
     timeline = _simulate(plan, work, network, steps)
@@ -404,8 +406,9 @@ def _simulate(
     window = None if spread is not None else steady_window(completions, margin, period)
     last = num_minibatches - 1 - margin
     periods = max(1, (last - margin) // 2 // period)
-    if spread is not None and last - margin >= period:  # drawn: all between fill and drain
-        first = last - (last - margin) // period * period
+    if spread is not None and last - margin >= period:  # drawn: the second half, at most
+        span = min(last - margin, max(SPREAD_MINIBATCHES, (last - margin) // 2))
+        first = last - max(period, span // period * period)
     elif window is not None:
         first, last = window
     elif last - periods * period >= margin:  # no cycle: whole periods of the second half

@@ -119,7 +119,9 @@ def test_a_spread_of_one_ratio_scales_every_forward_and_backward_by_it() -> None
     assert same.time_per_minibatch_ms == pytest.approx(3.0)
     assert same.drawn and not same.steady
     first, last = same.measured
-    assert (first, last) == (2, 2 + SPREAD_MINIBATCHES - 1)  # after the fill, before the drain
+    # 2 (fill) + 2 x 64 + 2 (drain) minibatches: the mean over the 64 before the drain
+    assert same.num_minibatches == 2 + 2 * SPREAD_MINIBATCHES + 2
+    assert (first, last) == (129 - SPREAD_MINIBATCHES, 129)
     doubled = simulate(plan, work, FAST, spread=PassSpread((2.0,), (1.0,)))
     assert doubled.time_per_minibatch_ms == pytest.approx(4.0)
     forwards = [e.end_ms - e.start_ms for e in doubled.events if e.kind == "F"]
