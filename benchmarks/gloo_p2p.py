@@ -1,5 +1,5 @@
 """One-way time of a gloo message between two processes on this machine, and what posting one
-costs the sender.
+costs the sender and posting its receive ahead the receiver.
 
 Launched with torchrun by the benchmarks::
 
@@ -9,10 +9,22 @@ Rank 0 sends a float32 tensor of each size to rank 1, which receives it into a f
 (as the runtime does), after ``WARM_MESSAGES`` (``common.py``) untimed messages of that size
 (a fresh link is slow at first). Then the same messages go through the runtime's own transport
 (:class:`pipedream.runtime.comm.P2P`: a header and the payload, the receive posted ahead), and
-the time ``P2P.send`` holds the sender is taken: the main thread packs the message and hands it
-to gloo, which writes the first megabytes into the socket right there (the simulator's
-``--send-overhead``). The medians over repeats are written to ``OUT.json`` as
-``{"one_way_ms": {bytes: ms}, "post_ms": {bytes: ms}}``.
+two times are taken:
+
+- the time ``P2P.post_recv`` holds the receiver: it posts the header's and the payload's
+  receives (the simulator's ``--recv-overhead``);
+- the time ``P2P.send`` holds the sender: the main thread packs the message and hands it to
+  gloo, which writes the first megabytes into the socket right there (the simulator's
+  ``--send-overhead``).
+
+The two ends then play a 2-stage pipeline: each in turn sleeps ``QUIET_MS`` (its action),
+posts the receive of the next message ahead and sends its message, as the runtime does after an
+action. The context matters on this machine: for 32 KiB, a post right after a barrier took
+0.13-0.25 ms, after 20 ms of sleep 0.3-0.7 ms; in this pattern the receive's post takes about
+0.45 ms and the send's 0.2 ms, against 0.15-0.4 ms per receive posted (the gaps before the
+actions they precede) and 0.34-0.46 ms per send in the sleep pipelines' runs. The medians over
+repeats (both ends' for the posts) are written to ``OUT.json`` as ``{"one_way_ms": {bytes: ms},
+"post_ms": {bytes: ms}, "recv_post_ms": {bytes: ms}, "quiet_ms": QUIET_MS}``.
 """
 
 from __future__ import annotations
@@ -36,6 +48,10 @@ __all__ = ["SIZES", "main"]
 SIZES = (32 * 1024, 32 * 1024 * 1024)
 """Message sizes of the sleep benchmark (bytes)."""
 REPEATS = 9
+POST_REPEATS = 16
+"""Exchanges timed per size and rank: single posts vary 2-5x."""
+QUIET_MS = 20.0
+"""The action before each post: the sleep benchmark's forward (the mlp's take about 10 ms)."""
 
 
 def _one_way_ms(payload: torch.Tensor) -> float:
@@ -52,28 +68,43 @@ def _one_way_ms(payload: torch.Tensor) -> float:
     return statistics.median(times) * 1000
 
 
-def _post_ms(payload: torch.Tensor, first: int) -> float:
-    """Median time ``P2P.send`` holds rank 0 (messages numbered from ``first``); 0 on rank 1.
+def _post_ms(payload: torch.Tensor, first: int) -> tuple[list[float], list[float]]:
+    """Times ``P2P.post_recv`` and ``P2P.send`` held this rank (ms) in the 2-stage exchange,
+    messages numbered from ``first``.
 
     A transport of its own per size: its first message (untimed) defines the channel's
-    reference, so the timed ones take the runtime's steady path (the receives posted ahead).
+    reference, so the timed ones take the runtime's steady path (header and payload posted
+    ahead). Rank 0 sends "act" messages, rank 1 answers each with a "grad"; a last activation,
+    untimed, meets the receive rank 1 posted ahead in the last exchange.
     """
     rank = dist.get_rank()
+    peer = 1 - rank
     p2p = P2P(rank=rank, device=torch.device("cpu"), timeout=120.0, post_early=True)
-    times = []
-    for index in range(first, first + REPEATS + 1):
+    incoming, outgoing = ("grad", "act") if rank == 0 else ("act", "grad")
+    receives, sends = [], []
+    last = first + POST_REPEATS + 1
+    if rank == 1:
+        p2p.post_recv("act", first, 0)
+    dist.barrier()
+    for index in range(first, last):
         if rank == 1:
-            p2p.post_recv("act", index, 0)  # ahead, as the runtime posts its receives
-        dist.barrier()
+            p2p.recv("act", index, 0, what="the calibration's activation")
+        time.sleep(QUIET_MS / 1000)  # the action
         start = time.perf_counter()
+        p2p.post_recv(incoming, index + rank, peer)  # rank 1: the next activation
+        posted = time.perf_counter()
+        p2p.send(outgoing, index, peer, [payload], version=0)
+        if index > first:
+            receives.append((posted - start) * 1000)
+            sends.append((time.perf_counter() - posted) * 1000)
         if rank == 0:
-            p2p.send("act", index, 1, [payload], version=0)
-            if index > first:
-                times.append(time.perf_counter() - start)
-            p2p.drain(what="the calibration's send")
-        else:
-            p2p.recv("act", index, 0, what="the calibration's message")
-    return statistics.median(times) * 1000 if times else 0.0
+            p2p.recv("grad", index, 1, what="the calibration's gradient")
+    if rank == 0:
+        p2p.send("act", last, 1, [payload], version=0)
+    else:
+        p2p.recv("act", last, 0, what="the calibration's last activation")
+    p2p.drain(what="the calibration's sends")
+    return receives, sends
 
 
 def main(argv: list[str]) -> int:
@@ -81,7 +112,7 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    one_way, post = {}, {}
+    one_way, receives, sends = {}, {}, {}  # the posts' times on this rank
     for number, size in enumerate(SIZES):
         payload = torch.zeros(size // 4)
         for _ in range(WARM_MESSAGES):  # a fresh link is slow for its first gigabyte or so
@@ -90,11 +121,16 @@ def main(argv: list[str]) -> int:
             else:
                 dist.recv(torch.empty_like(payload), 0)
         one_way[size] = _one_way_ms(payload)
-        post[size] = _post_ms(payload, first=number * (REPEATS + 1))
+        receives[size], sends[size] = _post_ms(payload, first=number * (POST_REPEATS + 2))
     gathered: list[Any] = [None, None]
-    dist.all_gather_object(gathered, post)  # the sender's post times, the receiver's one-way
+    dist.all_gather_object(gathered, (receives, sends))
     if rank == 1:
-        result = {"one_way_ms": one_way, "post_ms": gathered[0]}
+        result = {
+            "one_way_ms": one_way,
+            "post_ms": {n: statistics.median(gathered[0][1][n] + sends[n]) for n in SIZES},
+            "recv_post_ms": {n: statistics.median(gathered[0][0][n] + receives[n]) for n in SIZES},
+            "quiet_ms": QUIET_MS,
+        }
         Path(argv[0]).write_text(json.dumps(result, indent=1))
     dist.destroy_process_group()
     return 0

@@ -7,9 +7,11 @@ For every plan those two benchmarks ran, the layers are profiled with ``pipedrea
 action) and the plan is simulated with ``pipedream simulate --profile`` on a network calibrated
 on this machine by ``sleep_pipeline.py`` (:func:`network`): latency = the one-way time of a
 32 KiB gloo message (``gloo_p2p.py``), bandwidth = 32 MiB / the one-way time of a 32 MiB one,
-and the host's copy capacity shared by concurrent messages (``gloo_host.py``,
-``--host-bandwidth``). A 32 MiB case's message time and capacity come from calibrations with
-as many processes as its ranks right before and right after it. The measured time is read
+the host's copy capacity shared by concurrent messages (``gloo_host.py``,
+``--host-bandwidth``), and what posting a send and a receive ahead holds a rank
+(``gloo_p2p.py``, ``--send-overhead``, ``--recv-overhead``). A 32 MiB case's message time
+and capacity come from calibrations with as many processes as its ranks right before and
+right after it. The measured time is read
 again from the runs' traces (for the mlp cases, which ran in several rounds, the medians of
 the rounds). Target: within 10%. Each case is also replayed: simulated again with the costs
 its run's actions took (``pipedream simulate --trace``), which tells the profile's share of an
@@ -86,12 +88,20 @@ def _profiles(
 
 
 def _simulate(
-    plan_path: Path, profile: Path, network: list[str], skip: int, commands: list[str]
+    plan_path: Path,
+    profile: Path,
+    network: list[str],
+    skip: int,
+    commands: list[str],
+    *,
+    drawn: bool,
 ) -> tuple[float, float] | None:
     """The simulated time per minibatch, and the replay: the plan simulated again with the
     forward, backward and update times its run measured (``--trace``; the same window as
-    :func:`_measured`)."""
+    :func:`_measured`). ``drawn``: every forward and backward drawn from the profile's spread
+    of whole passes (``--spread``), else at the profile's times."""
     argv = [*PIPEDREAM, "simulate", str(plan_path), "--profile", str(profile), *network]
+    argv += ["--spread"] if drawn else []
     argv += ["--trace", str(plan_path.parent / "run"), "--trace-skip", str(skip)]
     command = run_command(argv, timeout=300)
     commands.append(command.shell())
@@ -119,6 +129,7 @@ def network(
     latency_ms: float,
     large_ms: float,
     post: tuple[float, float] = (0.0, 0.0),
+    recv_post_ms: float = 0.0,
 ) -> tuple[list[str], str]:
     """``pipedream simulate``'s network options for the case run in ``directory``, and what
     they are: ``latency_ms`` (the 32 KiB time of ``gloo_p2p.py``); the 32 MiB time (after
@@ -127,7 +138,8 @@ def network(
     of the ``gloo_host.py`` runs right before and after the case (their means) if
     ``sleep_pipeline.py`` took them (its 32 MiB cases), else ``large_ms`` (the 32 MiB time of
     ``gloo_p2p.py``) and links of their own (messages of a few KiB do not load the host); the
-    time posting a message holds the sender, ``post`` (:func:`send_overhead`)."""
+    time posting a message holds the sender, ``post`` (:func:`send_overhead`), and posting its
+    receive ahead the receiver, ``recv_post_ms``."""
     hosts = []
     if directory is not None:
         paths = [host_calibration_path(directory, when) for when in HOST_CALIBRATIONS]
@@ -144,6 +156,7 @@ def network(
     bandwidth = SIZES["large"] / (large_ms / 1000)
     argv = ["--bandwidth", f"{bandwidth:.0f}", "--latency", f"{latency_ms:.3f}"]
     argv += ["--send-overhead", f"{post[0]:.4f}", "--send-overhead-per-mib", f"{post[1]:.4f}"]
+    argv += ["--recv-overhead", f"{recv_post_ms:.4f}"]
     described = f"32 MiB in {large_ms:.1f} ms" + (" after quiet" if message != "one" else "")
     if capacity is not None:
         argv += ["--host-bandwidth", f"{capacity:.0f}"]
@@ -192,12 +205,14 @@ def spread(rounds: list[list[float]]) -> str:
 
 def main() -> int:
     shutil.rmtree(RUNS / "simulator", ignore_errors=True)  # profile afresh on every run
-    message, post_ms = read_gloo_p2p(gloo_p2p_path())
-    latency_ms, large_ms = message[SIZES["small"]], message[SIZES["large"]]
-    post = send_overhead(post_ms)
+    p2p = read_gloo_p2p(gloo_p2p_path())
+    latency_ms, large_ms = p2p.one_way_ms[SIZES["small"]], p2p.one_way_ms[SIZES["large"]]
+    post = send_overhead(p2p.post_ms)
+    recv_post_ms = p2p.recv_post_ms[SIZES["small"]]
     commands: list[str] = []
     rows = []
     replays_within = 0
+    drawn_errors: list[float] = []
     todo: list[tuple[str, list[Path], int, int]] = []
     for case in cases([2, 4, 8], ["small", "large"]):
         todo.append(
@@ -208,7 +223,7 @@ def main() -> int:
         rounds = [case_directory(name, r) for r in range(ROUNDS)]
         todo.append((name, rounds, skip, MICROBATCH_SIZE))
     for name, directories, skip, microbatch_size in todo:
-        pairs = []  # (measured, simulated, replayed) of each round
+        pairs = []  # (measured, simulated, replayed, simulated with --spread) of each round
         intervals = []  # each round's minibatch intervals
         networks = set()
         for directory in directories:
@@ -219,33 +234,42 @@ def main() -> int:
             measured = statistics.fmean(window) if window else None
             plan = yaml.safe_load(plan_path.read_text())
             profiles = _profiles(directory, plan, microbatch_size, commands)
-            options, described = network(directory, latency_ms, large_ms, post)
+            options, described = network(directory, latency_ms, large_ms, post, recv_post_ms)
             networks.add(described)
-            each = [_simulate(plan_path, path, options, skip, commands) for path in profiles]
+            each = [
+                _simulate(plan_path, path, options, skip, commands, drawn=drawn)
+                for drawn in (False, True)
+                for path in profiles
+            ]
             found = [value for value in each if value is not None]
             if measured is not None and found and len(found) == len(each):
-                simulated = statistics.mean(s for s, _ in found)
-                pairs.append((measured, simulated, statistics.mean(r for _, r in found)))
+                fixed, drawn = found[: len(profiles)], found[len(profiles) :]
+                simulated = statistics.mean(s for s, _ in fixed)
+                replayed = statistics.mean(r for _, r in fixed)
+                pairs.append((measured, simulated, replayed, statistics.mean(s for s, _ in drawn)))
                 intervals.append(window)
         if not pairs:
             continue
-        measured = statistics.median(m for m, _, _ in pairs)
-        simulated = statistics.median(s for _, s, _ in pairs)
-        replayed = statistics.median(r for _, _, r in pairs)
+        measured = statistics.median(m for m, _, _, _ in pairs)
+        simulated = statistics.median(s for _, s, _, _ in pairs)
+        replayed = statistics.median(r for _, _, r, _ in pairs)
+        drawn = statistics.median(d for _, _, _, d in pairs)
+        drawn_errors.append(drawn / measured - 1)
         error, replay_error = simulated / measured - 1, replayed / measured - 1
         replays_within += abs(replay_error) <= 0.10
         verdict = "met" if abs(error) <= 0.10 else f"**missed by {abs(error) - 0.10:.2f}**"
-        each = ", ".join(f"{s / m - 1:+.1%}" for m, s, _ in pairs) if len(pairs) > 1 else ""
+        each = ", ".join(f"{s / m - 1:+.1%}" for m, s, _, _ in pairs) if len(pairs) > 1 else ""
         rows.append(
             f"| {name} | {'; '.join(sorted(networks))} | {measured:.1f} | {spread(intervals)} | "
-            f"{simulated:.1f} | "
-            f"{error:+.1%} | {each} | {replayed:.1f} | {replay_error:+.1%} | {verdict} |"
+            f"{simulated:.1f} | {error:+.1%} | {each} | {drawn:.1f} ({drawn / measured - 1:+.1%}) "
+            f"| {replayed:.1f} | {replay_error:+.1%} | {verdict} |"
         )
         print(
             f"  {name}: measured {measured:.1f} ms, simulated {simulated:.1f} ms ({error:+.1%}), "
             f"replayed {replayed:.1f} ms ({replay_error:+.1%})"
         )
     within = sum("| met |" in row for row in rows)
+    drawn_within = sum(abs(error) <= 0.10 for error in drawn_errors)
     body = [
         "## Simulator accuracy: predicted vs measured time per minibatch",
         "",
@@ -258,7 +282,7 @@ def main() -> int:
         "`--concurrent` = the run's ranks: a co-runner trains beside the profiler as the other "
         "stage does in the run; the simulated time is the mean of the two) and the network "
         "calibrated on this machine (gloo, one way): "
-        f"{latency_ms:.2f} ms latency per message (`gloo_p2p.py`, at the start), and for the "
+        f"{latency_ms:.2f} ms latency per message (`gloo_p2p.py`), and for the "
         "32 MiB cases the time of one message after 40 ms of quiet on its link (ping-pong, "
         "each end holding the message 40 ms; these sleep pipelines' links are quiet between "
         "messages; with 2 processes that was a median 1.27x one sent right after a barrier), the "
@@ -270,13 +294,23 @@ def main() -> int:
         f"{large_ms:.1f} ms (`gloo_p2p.py`) and do not load the host. Posting a message "
         f"holds the sender {post[0]:.3f} ms plus {post[1]:.4f} ms per MiB "
         "(`--send-overhead`, `--send-overhead-per-mib`: the line through the times the "
-        "runtime's `P2P.send` took for a 32 KiB and a 32 MiB message in `gloo_p2p.py`). "
-        "The profiles carry each layer's optimizer step and the runtime's cost per action. "
+        "runtime's `P2P.send` took for a 32 KiB and a 32 MiB message in `gloo_p2p.py`'s "
+        "exchange between 2 processes, in which each end, after a "
+        f"{p2p.quiet_ms:.0f} ms sleep (its action), posts the receive of its next message "
+        "ahead and then its send, as the runtime does after an action), and posting a receive "
+        f"ahead holds the receiver {recv_post_ms:.3f} ms (`--recv-overhead`: "
+        "`P2P.post_recv` of a 32 KiB message there; "
+        f"{p2p.recv_post_ms[SIZES['large']]:.3f} ms for 32 MiB). "
+        "The profiles carry each layer's optimizer step and the runtime's cost per action, "
+        "and how much their whole passes varied; with spread = the same simulation with "
+        "every forward and backward drawn from that spread (`--spread`, seeded; the mean over "
+        "64 minibatches after the fill), as a pipeline's stages vary and hold each other up. "
         "Measured = the same steady-state time per minibatch as "
         f"above, from the traces. The mlp cases ran {ROUNDS} times (see above): measured and "
         "simulated are the medians of the rounds, each round simulated with the profiles "
         "taken right before and after it. "
-        f"Within 10% in {within} of {len(rows)} cases. Replayed = the plan simulated again "
+        f"Within 10% in {within} of {len(rows)} cases (with spread: {drawn_within}). "
+        "Replayed = the plan simulated again "
         "with the forward, backward and update times its run measured, in the same window "
         "(`pipedream simulate --trace RUN_DIR --trace-skip N`, the median of the rounds): what "
         "the replay misses is the model's (schedule, network), the step from the simulated "
@@ -286,8 +320,9 @@ def main() -> int:
         "measurement itself varied.",
         "",
         "| case | network | measured ms | single minibatches | simulated ms | error "
-        "| error of each round | replayed ms | replay error | target (within 10%) |",
-        "|---|---|---:|---|---:|---:|---|---:|---:|---|",
+        "| error of each round | with spread ms (error) | replayed ms | replay error "
+        "| target (within 10%) |",
+        "|---|---|---:|---|---:|---:|---|---:|---:|---:|---|",
         *rows,
         "",
         "<details><summary>Commands run</summary>",

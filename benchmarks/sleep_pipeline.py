@@ -224,11 +224,26 @@ def gloo_p2p_path() -> Path:
     return RUNS / "sleep" / "gloo-p2p.json"
 
 
-def read_gloo_p2p(path: Path) -> tuple[dict[int, float], dict[int, float]]:
-    """``gloo_p2p.py``'s one-way time and ``P2P.send``'s post time per message size (ms)."""
+@dataclass(frozen=True)
+class GlooP2P:
+    """``gloo_p2p.py``'s calibration: milliseconds per message size (bytes)."""
+
+    one_way_ms: dict[int, float]
+    """One message, rank to rank."""
+    post_ms: dict[int, float]
+    """``P2P.send`` posting it, after the quiet of an action."""
+    recv_post_ms: dict[int, float]
+    """``P2P.post_recv`` posting its receive ahead, after the quiet of an action."""
+    quiet_ms: float
+    """The quiet before each timed post."""
+
+
+def read_gloo_p2p(path: Path) -> GlooP2P:
+    """``gloo_p2p.py``'s calibration from ``path``."""
     data = json.loads(path.read_text())
-    one_way, post = data["one_way_ms"], data["post_ms"]
-    return {int(k): v for k, v in one_way.items()}, {int(k): v for k, v in post.items()}
+    sizes = ("one_way_ms", "post_ms", "recv_post_ms")
+    per_size = ({int(k): v for k, v in data[key].items()} for key in sizes)
+    return GlooP2P(*per_size, quiet_ms=float(data["quiet_ms"]))
 
 
 def gloo_message_ms(*, reuse: bool = False) -> tuple[dict[int, float], Command]:
@@ -237,10 +252,10 @@ def gloo_message_ms(*, reuse: bool = False) -> tuple[dict[int, float], Command]:
     out.parent.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     argv += ["2", "benchmarks/gloo_p2p.py", str(out)]
-    if reuse and out.exists() and "post_ms" in json.loads(out.read_text()):
-        return read_gloo_p2p(out)[0], Command(tuple(argv), 0, 0.0, "")
+    if reuse and out.exists() and "recv_post_ms" in json.loads(out.read_text()):
+        return read_gloo_p2p(out).one_way_ms, Command(tuple(argv), 0, 0.0, "")
     command = run_command(argv, timeout=120)
-    return (read_gloo_p2p(out)[0] if command.returncode == 0 else {}), command
+    return (read_gloo_p2p(out).one_way_ms if command.returncode == 0 else {}), command
 
 
 HOST_CALIBRATIONS = ("before", "after")
