@@ -12,11 +12,13 @@ The per-layer costs come from ``--profile``, else from the profile the plan reco
 by ``pipedream plan``, relative to the plan file); the bandwidths from ``--topology`` or
 ``--bandwidth``, else the cluster the plan records, else one level at 1e9 bytes/s. It prints
 the grid (ranks x time slots, bubbles as ``.``), the simulated steady-state time per minibatch
-next to the plan's own prediction, and each rank's busy share. With ``--trace`` it also sets
+next to the plan's own prediction, and each rank's busy share (with ``--spread``, every
+forward and backward drawn from the profile's ``pass_spread``, the mean time per minibatch
+instead: :mod:`~pipedream.optimizer.simulator`). With ``--trace`` it also sets
 the simulation beside the run of the plan it predicts (``pipedream train --trace``): the run's
 time per minibatch, each stage's profiled and measured action times, and the plan simulated
-again with the measured ones (:mod:`~pipedream.optimizer.measured`), which tells a profile that
-was off from a model that is. No torch.
+again with the measured ones (:mod:`~pipedream.optimizer.measured`; drawn from the same spread
+with ``--spread``), which tells a profile that was off from a model that is. No torch.
 """
 
 from __future__ import annotations

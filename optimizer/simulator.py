@@ -230,7 +230,7 @@ class Timeline:
     average over the second half of the run, or over all of it; or its times were drawn)."""
     drawn: bool = False
     """Whether the forwards' and backwards' times were drawn from a spread (the time per
-    minibatch is then the mean between the fill and the drain)."""
+    minibatch is then the mean over the ``measured`` window)."""
 
     @property
     def makespan_ms(self) -> float:
@@ -406,7 +406,7 @@ def _simulate(
     window = None if spread is not None else steady_window(completions, margin, period)
     last = num_minibatches - 1 - margin
     periods = max(1, (last - margin) // 2 // period)
-    if spread is not None and last - margin >= period:  # drawn: the second half, at most
+    if spread is not None and last - margin >= period:  # drawn: the last 64, or half if more
         span = min(last - margin, max(SPREAD_MINIBATCHES, (last - margin) // 2))
         first = last - max(period, span // period * period)
     elif window is not None:
