@@ -243,25 +243,26 @@ def main() -> int:
             ]
             found = [value for value in each if value is not None]
             if measured is not None and found and len(found) == len(each):
-                fixed, drawn = found[: len(profiles)], found[len(profiles) :]
+                fixed, with_spread = found[: len(profiles)], found[len(profiles) :]
                 simulated = statistics.mean(s for s, _ in fixed)
                 replayed = statistics.mean(r for _, r in fixed)
-                pairs.append((measured, simulated, replayed, statistics.mean(s for s, _ in drawn)))
+                drawn_ms = statistics.mean(s for s, _ in with_spread)
+                pairs.append((measured, simulated, replayed, drawn_ms))
                 intervals.append(window)
         if not pairs:
             continue
         measured = statistics.median(m for m, _, _, _ in pairs)
         simulated = statistics.median(s for _, s, _, _ in pairs)
         replayed = statistics.median(r for _, _, r, _ in pairs)
-        drawn = statistics.median(d for _, _, _, d in pairs)
-        drawn_errors.append(drawn / measured - 1)
+        drawn_ms = statistics.median(d for _, _, _, d in pairs)
+        drawn_errors.append(drawn_ms / measured - 1)
         error, replay_error = simulated / measured - 1, replayed / measured - 1
         replays_within += abs(replay_error) <= 0.10
         verdict = "met" if abs(error) <= 0.10 else f"**missed by {abs(error) - 0.10:.2f}**"
         each = ", ".join(f"{s / m - 1:+.1%}" for m, s, _, _ in pairs) if len(pairs) > 1 else ""
         rows.append(
             f"| {name} | {'; '.join(sorted(networks))} | {measured:.1f} | {spread(intervals)} | "
-            f"{simulated:.1f} | {error:+.1%} | {each} | {drawn:.1f} ({drawn / measured - 1:+.1%}) "
+            f"{simulated:.1f} | {error:+.1%} | {each} | {drawn_ms:.1f} ({drawn_errors[-1]:+.1%}) "
             f"| {replayed:.1f} | {replay_error:+.1%} | {verdict} |"
         )
         print(
@@ -304,7 +305,8 @@ def main() -> int:
         "The profiles carry each layer's optimizer step and the runtime's cost per action, "
         "and how much their whole passes varied; with spread = the same simulation with "
         "every forward and backward drawn from that spread (`--spread`, seeded; the mean over "
-        "64 minibatches after the fill), as a pipeline's stages vary and hold each other up. "
+        "the last 64 minibatches before the drain, after 64 more past the fill), as a "
+        "pipeline's stages vary and hold each other up. "
         "Measured = the same steady-state time per minibatch as "
         f"above, from the traces. The mlp cases ran {ROUNDS} times (see above): measured and "
         "simulated are the medians of the rounds, each round simulated with the profiles "

@@ -169,14 +169,12 @@ class PassSpread:
 
     @classmethod
     def from_passes(cls, passes: Sequence[tuple[float, float]]) -> PassSpread | None:
-        """From each pass's (forward ms, backward ms); None if a median is not positive (a
-        model too fast for the clock)."""
-        if not passes:
+        """From each pass's (forward ms, backward ms); None without passes, or if one took no
+        time (a model too fast for the clock)."""
+        if not passes or min(min(f, b) for f, b in passes) <= 0:
             return None
         forward = statistics.median(f for f, _ in passes)
         backward = statistics.median(b for _, b in passes)
-        if forward <= 0 or backward <= 0 or min(min(f, b) for f, b in passes) <= 0:
-            return None
         return cls(tuple(f / forward for f, _ in passes), tuple(b / backward for _, b in passes))
 
     def to_dict(self) -> dict[str, Any]:
