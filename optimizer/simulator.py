@@ -23,6 +23,10 @@ with profiled costs instead of tensors:
 * the runtime posts its receives ahead (on gloo), a few before each action by the rule of
   :mod:`~pipedream.runtime.posting`; posting one holds the receiving rank ``recv_ms`` there,
   an ``R`` event;
+* before each action a rank waits until at most
+  :data:`~pipedream.runtime.posting.MAX_SENDS_IN_FLIGHT` parts of its sent messages (each a
+  header and one tensor here: :data:`SEND_PARTS`) have not left it, as the runtime reclaims
+  its send buffers; a message leaves its sender when its transfer ends;
 * ``A``: the replicas of a stage wait for each other, then spend a hierarchical ring allreduce
   ``sum over levels of 4 (k - 1) / k * P / (bandwidth * workers below)``, ``k`` the replicas'
   units at that level (one level: the cost model's ``4 (r - 1) P / (bandwidth r)``).
@@ -53,6 +57,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -62,7 +67,7 @@ from pipedream.formats.profile import ActionOverhead, PassSpread, Profile
 from pipedream.formats.topology import Topology
 from pipedream.optimizer.transfers import Transfer, TransferPool
 from pipedream.runtime.actions import Action, Op
-from pipedream.runtime.posting import RECEIVE_WINDOW, receives_posted_before
+from pipedream.runtime.posting import MAX_SENDS_IN_FLIGHT, RECEIVE_WINDOW, receives_posted_before
 from pipedream.runtime.schedule import PipelineSpec, build_tables
 from pipedream.runtime.versions import version_use
 
@@ -305,6 +310,10 @@ def _margin(plan: Plan, network: Network | None = None) -> int:
     return margin
 
 
+SEND_PARTS = 2
+"""Parts of one simulated message the runtime waits on: its header and one tensor (the profile
+gives a stage's output as bytes, not as tensors)."""
+
 STEADY_TOLERANCE = 1e-3
 """Relative difference below which repetitions of a cycle count as taking the same time."""
 
@@ -461,6 +470,9 @@ class _Run:
         self.uses = {rank: version_use(table, initial_version=0) for rank, table in tables.items()}
         self.updates_done = {rank: 0 for rank in tables}
         self.posts = {rank: receives_posted_before(table) for rank, table in tables.items()}
+        # each rank's messages sent and not yet waited on, oldest first, and when each left it
+        self.unwaited: dict[int, deque[tuple[Op, int, int, int]]] = {r: deque() for r in tables}
+        self.left: dict[tuple[Op, int, int, int], float] = {}
         for rank in tables:
             self.clock[rank] = self._reach(rank, 0.0)
 
@@ -501,11 +513,32 @@ class _Run:
         table = self.tables[rank]
         if self.position[rank] >= len(table) or rank in self.waiting:
             return None
+        ready = self._sends_reclaimed(rank)
+        if ready is None:
+            return None
         action = table[self.position[rank]]
         if action.op in (Op.RECV_ACT, Op.RECV_GRAD):
             arrival = self.messages.get((action.op, action.index, action.peer or 0, rank))
-            return None if arrival is None else max(self.clock[rank], arrival)
-        return self.clock[rank]
+            return None if arrival is None else max(ready, arrival)
+        return ready
+
+    def _sends_reclaimed(self, rank: int) -> float | None:
+        """When ``rank`` has waited for its oldest sends beyond the runtime's bound (None: one
+        of them is still moving, with no end known yet)."""
+        unwaited = self.unwaited[rank]
+        excess = len(unwaited) - MAX_SENDS_IN_FLIGHT // SEND_PARTS
+        if excess <= 0:
+            return self.clock[rank]
+        ends = [self.left.get(unwaited[i]) for i in range(excess)]
+        if any(end is None for end in ends):
+            return None
+        return max(self.clock[rank], *(end for end in ends if end is not None))
+
+    def _reclaim(self, rank: int) -> None:
+        """Forget the sends ``rank`` waited for before the action it starts now."""
+        unwaited = self.unwaited[rank]
+        while len(unwaited) > MAX_SENDS_IN_FLIGHT // SEND_PARTS:
+            del self.left[unwaited.popleft()]
 
     def _schedule_pool(self) -> None:
         assert self.pool is not None
@@ -519,7 +552,9 @@ class _Run:
         for transfer in self.pool.complete(when):
             key: tuple[Op, int, int, int] = transfer.key
             self.messages[key] = when + self.network.latency_ms
+            self.left[key] = when
             self._wake(key[3])
+            self._wake(key[2])  # its sender may wait to reclaim it
         self._schedule_pool()
 
     def _wake(self, rank: int) -> None:
@@ -532,6 +567,7 @@ class _Run:
         action = self.tables[rank][self.position[rank]]
         op, stage = action.op, action.stage
         self.position[rank] += 1
+        self._reclaim(rank)
         if op in (Op.RECV_ACT, Op.RECV_GRAD):
             del self.messages[(op, action.index, action.peer or 0, rank)]
         elif op in (Op.SEND_ACT, Op.SEND_GRAD):
@@ -540,6 +576,7 @@ class _Run:
             size = self.work[stage if op is Op.SEND_ACT else stage - 1].output_bytes
             recv = Op.RECV_ACT if op is Op.SEND_ACT else Op.RECV_GRAD
             key = (recv, action.index, rank, peer)
+            self.unwaited[rank].append(key)
             if self.pool is not None:
                 rate = self.network.bandwidths[self.network.level_of(link)] / 1e3  # bytes per ms
                 units = self.network.units_of(rank, peer)
@@ -550,6 +587,7 @@ class _Run:
                 end = start + self.network.transfer_ms(size, rank, peer)
                 self.link_free[link] = end
                 self.messages[key] = end + self.network.latency_ms
+                self.left[key] = end
                 self._wake(peer)
             posting = self.network.post_ms(size)
             if posting > 0:

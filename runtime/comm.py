@@ -54,6 +54,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pipedream.errors import RunFailure
+from pipedream.runtime.posting import MAX_SENDS_IN_FLIGHT
 
 __all__ = [
     "CHANGED",
@@ -74,8 +75,6 @@ __all__ = [
 ]
 
 HEADER_LEN = 64
-MAX_SENDS_IN_FLIGHT = 16
-"""Message parts (headers and tensors) sent but not yet waited on, at most."""
 MAX_TENSORS = 31
 """Tensors in one message, at most (the slow and the fast payload tags each have 31 parts)."""
 PARTS = 64

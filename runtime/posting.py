@@ -1,5 +1,5 @@
-"""Which receives the executor posts ahead, and before which action: one rule for the runtime
-and the simulator.
+"""Which receives the executor posts ahead, and before which action, and how many of its sends
+it leaves in flight: one rule for the runtime and the simulator.
 
 On gloo a message is read only once its receive is posted, so the executor posts receives
 before it reaches them (:meth:`pipedream.runtime.comm.P2P.post_recv`): a message that arrives
@@ -8,6 +8,13 @@ it runs the action at position ``p`` of its table, the executor posts every rece
 position below ``p + window`` that it has not posted yet. Posting costs the rank's main thread
 time (on this project's CPU host 0.1-0.4 ms per receive, more while a large message streams
 in on the same pair), which the simulator charges where the runtime spends it.
+
+Sends are not waited on when they are posted, but their buffers must be reclaimed: before each
+action the executor waits for its oldest sends until at most :data:`MAX_SENDS_IN_FLIGHT`
+message parts (a message's header and each of its tensors) are left unwaited
+(:meth:`pipedream.runtime.comm.P2P.poll`; gloo reports a send complete only once waited on). A
+rank whose messages move slower than it computes therefore stops there until the oldest has
+left, which the simulator models as well.
 Pure Python: no torch.
 """
 
@@ -17,10 +24,14 @@ from collections.abc import Sequence
 
 from pipedream.runtime.actions import Action, Op
 
-__all__ = ["RECEIVE_WINDOW", "receives_posted_before"]
+__all__ = ["MAX_SENDS_IN_FLIGHT", "RECEIVE_WINDOW", "receives_posted_before"]
 
 RECEIVE_WINDOW = 32
 """Actions ahead of the current one within which the executor has posted every receive."""
+
+MAX_SENDS_IN_FLIGHT = 16
+"""Message parts (headers and tensors) sent but not yet waited on when an action starts, at
+most."""
 
 _RECVS = (Op.RECV_ACT, Op.RECV_GRAD)
 

@@ -161,6 +161,24 @@ def test_a_send_posted_while_its_transfer_runs_is_off_the_critical_path_of_a_flu
     ]
 
 
+@pytest.mark.parametrize(
+    "network",
+    [
+        Network((2,), (1e5,)),  # 1000 B take 10 ms; a message's end is known when it is sent
+        Network((2,), (1e5,), duplex=1.0),  # the same through the transfer pool: known later
+    ],
+)
+def test_a_rank_waits_for_its_oldest_sends_beyond_the_runtimes_bound(network: Network) -> None:
+    # gpipe, 2 stages, 12 microbatches: stage 0 forwards in 1 ms each and sends, message k
+    # leaves it at 11 + 10 k. Before each action the runtime waits for its oldest sends until
+    # 16 parts (8 messages of a header and a tensor) are left: after F8's message (9 sent),
+    # F9 waits for message 0 (11 ms), F10 for message 1 (21 ms), F11 for message 2 (31 ms)
+    work = [StageWork(1.0, 1.0, 0, 1000.0), StageWork(1.0, 1.0, 0, 0)]
+    timeline = simulate(plan_of("gpipe", [1, 1], 12), work, network, num_minibatches=2)
+    starts = [e.start_ms for e in timeline.events if e.rank == 0 and e.kind == "F"]
+    assert starts[:12] == pytest.approx([0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 21, 31])
+
+
 def test_replicas_allreduce_once_per_own_minibatch() -> None:
     # data parallel on 2 workers: each does F + B = 3 ms, then allreduces 1 MB:
     # 4 * (2 - 1) / 2 * 1e6 B / 1e9 B/s = 2 ms; two minibatches per 5 ms
