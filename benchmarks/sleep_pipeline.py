@@ -144,7 +144,13 @@ def run_ours(case: Case, *, reuse: bool = False) -> dict[str, Any]:
     result: dict[str, Any] = {"case": case}
     if reuse and done.exists() and done.read_text() == " ".join(argv):
         command = None
-        result["commands"] = [Command(tuple(argv), 0, 0.0, "").shell()]
+        result["commands"] = [shell_line(argv)]
+        if case.size == "large":  # the calibrations it ran between, read back with it
+            before, after = (
+                shell_line(calibration_argv(case.stages, host_calibration_path(directory, when)))
+                for when in HOST_CALIBRATIONS
+            )
+            result["commands"] = [before, *result["commands"], after]
     else:
         for _ in range(2):  # a port clash or a shared machine's hiccup should not lose a case
             shutil.rmtree(directory, ignore_errors=True)
@@ -270,12 +276,21 @@ def host_calibration_path(directory: Path, when: str) -> Path:
     return directory / f"gloo-host-{when}.json"
 
 
+def shell_line(argv: list[str]) -> str:
+    """``argv`` as the results file lists a command (one read back rather than run now)."""
+    return Command(tuple(argv), 0, 0.0, "").shell()
+
+
+def calibration_argv(stages: int, out: Path) -> list[str]:
+    """The command of ``gloo_host.py`` with ``stages`` processes, writing into ``out``."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    return [*argv, str(stages), "benchmarks/gloo_host.py", str(out)]
+
+
 def calibrate_host(stages: int, out: Path) -> str:
     """Run ``gloo_host.py`` with ``stages`` processes (they share the cores and the cache as
     the pipeline's ranks do) into ``out``; return the command. Raises if it fails."""
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
-    argv += [str(stages), "benchmarks/gloo_host.py", str(out)]
-    command = run_command(argv, timeout=300)
+    command = run_command(calibration_argv(stages, out), timeout=300)
     if command.returncode != 0:
         raise RuntimeError(command.output[-2000:])
     return command.shell()
