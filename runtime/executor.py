@@ -28,6 +28,7 @@ from pipedream.runtime.routing import (
     scatter_input_grads,
     scatter_outputs,
 )
+from pipedream.runtime.tracing import TracedAction
 from pipedream.runtime.worker import StageWorker
 
 __all__ = ["SKIP_TAG", "Executor"]
@@ -57,7 +58,7 @@ class Executor:
         receive_window: int = RECEIVE_WINDOW,
         timeout: float = 300.0,
         on_update: Callable[[Action, list[int]], None] | None = None,
-        trace: list[tuple[str, float, float]] | None = None,
+        trace: list[TracedAction] | None = None,
     ) -> None:
         self.worker = worker
         self.table = table
@@ -84,9 +85,11 @@ class Executor:
     def run(self) -> None:
         posts = receives_posted_before(self.table, self.receive_window)
         for position, action in enumerate(self.table):
+            posting = time.perf_counter()
             for ahead in (self.table[p] for p in posts[position]):
                 assert ahead.peer is not None
                 self.p2p.post_recv(_RECVS[ahead.op], ahead.index, ahead.peer)
+            reclaiming = time.perf_counter()
             self.p2p.poll()
             start = time.perf_counter()
             self._execute(position, action)
@@ -94,7 +97,8 @@ class Executor:
             if action.op in (Op.FORWARD, Op.BACKWARD, Op.UPDATE):
                 self.compute_s += end - start
             if self.trace is not None:
-                self.trace.append((str(action), start, end))
+                spent = (reclaiming - posting, start - reclaiming)
+                self.trace.append((str(action), start, end, *spent))
         self.p2p.drain(what=f"the last sends of stage {self.worker.config.stage}")
 
     def _execute(self, position: int, action: Action) -> None:

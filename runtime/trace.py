@@ -69,6 +69,12 @@ class TraceEvent:
     """Start, Unix seconds (one clock for all ranks of a node)."""
     end: float
     """End, Unix seconds."""
+    posting: float | None = None
+    """Seconds the executor spent posting receives ahead right before the action (None: a
+    trace written before it was recorded)."""
+    reclaiming: float | None = None
+    """Seconds it spent right before the action waiting for earlier sends to complete (None:
+    not recorded)."""
 
     @property
     def category(self) -> str:
@@ -129,6 +135,10 @@ def _read_rank(path: Path) -> RankTrace:
         try:
             action = parse_action(item["action"])
             start, end = float(item["start"]), float(item["end"])
+            posting, reclaiming = (
+                None if item.get(key) is None else float(item[key])
+                for key in ("posting", "reclaiming")
+            )
         except (TypeError, KeyError, ValueError) as exc:
             raise FormatError(
                 source,
@@ -138,7 +148,27 @@ def _read_rank(path: Path) -> RankTrace:
             ) from None
         if not (math.isfinite(start) and math.isfinite(end)) or end < start:
             raise FormatError(source, where, f"ends before it starts ({start} > {end})")
-        events.append(TraceEvent(str(action), action.op, action.stage, action.index, start, end))
+        spent = [s for s in (posting, reclaiming) if s is not None]
+        if not all(math.isfinite(s) and s >= 0 for s in spent):
+            raise FormatError(
+                source,
+                where,
+                f"spent a negative or non-finite time before it (posting {posting}, "
+                f"reclaiming {reclaiming})",
+                "the file is damaged; re-run the training with --trace",
+            )
+        events.append(
+            TraceEvent(
+                str(action),
+                action.op,
+                action.stage,
+                action.index,
+                start,
+                end,
+                posting,
+                reclaiming,
+            )
+        )
     return RankTrace(rank, stage, world_size, tuple(events), source)
 
 
@@ -174,7 +204,9 @@ def load_traces(run_dir: str | os.PathLike[str]) -> list[RankTrace]:
 
 
 def chrome_trace(traces: Sequence[RankTrace]) -> dict[str, Any]:
-    """The merged Chrome trace: one process per rank, one complete event per action.
+    """The merged Chrome trace: one process per rank, one complete event per action (its
+    arguments say what the executor spent right before it posting receives and waiting for
+    sends, where the trace recorded it).
 
     Times are microseconds since the earliest action of the run.
     """
@@ -204,6 +236,10 @@ def chrome_trace(traces: Sequence[RankTrace]) -> dict[str, Any]:
         )
         for event in trace.events:
             unit = "minibatch" if event.op in (Op.UPDATE, Op.ALLREDUCE) else "microbatch"
+            args: dict[str, Any] = {"stage": event.stage, unit: event.index}
+            if event.posting is not None and event.reclaiming is not None:  # right before it
+                args["posting receives ms"] = round(event.posting * 1e3, 4)
+                args["waiting for sends ms"] = round(event.reclaiming * 1e3, 4)
             events.append(
                 {
                     "name": event.action,
@@ -213,7 +249,7 @@ def chrome_trace(traces: Sequence[RankTrace]) -> dict[str, Any]:
                     "dur": round((event.end - event.start) * 1e6, 3),
                     "pid": trace.rank,
                     "tid": 0,
-                    "args": {"stage": event.stage, unit: event.index},
+                    "args": args,
                 }
             )
     return {

@@ -1,4 +1,12 @@
-"""Writing a rank's action timeline (``--trace``): ``RUN_DIR/traces/rank-NNN.json``."""
+"""Writing a rank's action timeline (``--trace``): ``RUN_DIR/traces/rank-NNN.json``.
+
+Each event is one action of the rank's table: its ``action`` (compact form), ``start`` and
+``end``, and what the executor did right before it, between the previous action and this one:
+``posting`` (seconds spent posting receives ahead, :mod:`~pipedream.runtime.posting`) and
+``reclaiming`` (seconds spent waiting for earlier sends to complete, so that at most
+``MAX_SENDS_IN_FLIGHT`` parts stay in flight). Traces written before those two were recorded
+lack them.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +14,19 @@ import json
 import time
 from pathlib import Path
 
-__all__ = ["TRACE_FORMAT", "write_trace"]
+__all__ = ["TRACE_FORMAT", "TracedAction", "write_trace"]
 
 TRACE_FORMAT = "pipedream/trace@1"
+
+TracedAction = tuple[str, float, float, float, float]
+"""What the executor records per action: its compact form, start and end
+(``time.perf_counter()``), and the seconds it spent right before it posting receives ahead and
+reclaiming sends."""
 
 
 def write_trace(
     run_dir: Path,
-    trace: list[tuple[str, float, float]],
+    trace: list[TracedAction],
     *,
     rank: int,
     stage: int,
@@ -32,8 +45,14 @@ def write_trace(
         "world_size": world_size,
         "clock": "unix seconds",
         "events": [
-            {"action": name, "start": start + offset, "end": end + offset}
-            for name, start, end in trace
+            {
+                "action": name,
+                "start": start + offset,
+                "end": end + offset,
+                "posting": posting,
+                "reclaiming": reclaiming,
+            }
+            for name, start, end, posting, reclaiming in trace
         ],
     }
     directory = run_dir / "traces"

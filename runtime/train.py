@@ -36,7 +36,7 @@ from pipedream.runtime.plan_check import plan_spec, validate_plan_schedule
 from pipedream.runtime.schedule import build_tables
 from pipedream.runtime.stage import StageLayout, stage_layout
 from pipedream.runtime.summary import RankStats, peak_memory_bytes, report
-from pipedream.runtime.tracing import write_trace
+from pipedream.runtime.tracing import TracedAction, write_trace
 from pipedream.runtime.worker import StageWorker, WorkerConfig
 from pipedream.workload import Workload, load_workload
 
@@ -242,7 +242,7 @@ class _RankJob:
         todo: list[tuple[int, int]],
         worker: StageWorker,
         logger: MetricsLogger | None,
-        trace: list[tuple[str, float, float]] | None,
+        trace: list[TracedAction] | None,
         peaks: dict[str, int],
     ) -> float:
         """Run the segments between checkpoints, writing one after each; returns the seconds
@@ -288,7 +288,7 @@ class _RankJob:
                 worker.versions.table, initial_version=worker.versions.live_version
             )
         logger = self._logger()
-        trace: list[tuple[str, float, float]] | None = [] if self.options.trace else None
+        trace: list[TracedAction] | None = [] if self.options.trace else None
         peaks = {"max_versions": 0, "max_copies": 0, "max_in_flight": 0}
         with frozen_heap():  # no full collection pauses the loop (runtime/collector.py)
             start = time.perf_counter()
@@ -334,7 +334,7 @@ class _RankJob:
         self,
         worker: StageWorker,
         logger: MetricsLogger | None,
-        trace: list[tuple[str, float, float]] | None,
+        trace: list[TracedAction] | None,
     ) -> Executor:
         def on_update(action: Action, microbatches: list[int]) -> None:
             losses = [worker.losses.pop(mb) for mb in microbatches if mb in worker.losses]

@@ -111,6 +111,7 @@ def test_output_paths(tmp_path: Path) -> None:
         ("wrong-format", ("rank-000.json", "format", "pipedream/trace@1")),
         ("bad-action", ("rank-001.json", "events[1]")),
         ("backwards-time", ("rank-000.json", "events[0]", "ends before it starts")),
+        ("negative-posting", ("rank-000.json", "events[0]", "posting -0.001")),
         ("missing-rank", ("missing [1]",)),
         ("bad-rank-type", ("rank-000.json", "rank", "expected int")),
     ],
@@ -125,12 +126,14 @@ def test_bad_input_exits_2_with_one_line(tmp_path: Path, setup: str, needles: tu
             path.unlink()
     elif setup == "bad-json":
         (traces / "rank-001.json").write_text("{not json")
-    elif setup in ("wrong-format", "bad-rank-type", "backwards-time"):
+    elif setup in ("wrong-format", "bad-rank-type", "backwards-time", "negative-posting"):
         data = json.loads((traces / "rank-000.json").read_text())
         if setup == "wrong-format":
             data["format"] = "something/else@1"
         elif setup == "bad-rank-type":
             data["rank"] = "zero"
+        elif setup == "negative-posting":
+            data["events"][0]["posting"] = -0.001
         else:
             data["events"][0]["end"] = data["events"][0]["start"] - 1
         (traces / "rank-000.json").write_text(json.dumps(data))

@@ -59,6 +59,13 @@ def test_trace_has_every_action_once(
         starts = [event.start for event in trace.events]
         assert starts == sorted(starts)
         assert all(event.end >= event.start for event in trace.events)
+        # what the executor did right before each action lies between it and the one before
+        for previous, event in zip(trace.events, trace.events[1:]):
+            assert event.posting is not None and event.reclaiming is not None
+            spent = event.posting + event.reclaiming
+            assert 0 <= spent <= event.start - previous.end + 1e-6, (previous, event)
+        if any(event.op.value in ("RF", "RB") for event in trace.events):  # posted ahead
+            assert sum(event.posting or 0.0 for event in trace.events) > 0
     assert any(event.op.value == "A" for t in traces for event in t.events) == (max(replicas) > 1)
 
     png = tmp_path / "timeline.png"
