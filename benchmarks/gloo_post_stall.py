@@ -14,8 +14,9 @@ On this project's 2-core machine (2026-11-25), in 4 runs with the runtime's host
 settings: medians 0.9-5.9 ms and maxima 10-65 ms while the message streamed in, against
 0.14-0.17 ms on the idle pair; without those settings (``PIPEDREAM_KEEP_HOST_MEMORY=0``: the
 receive buffer faults in page by page while it is read) 28.9 ms, about the whole message. The
-simulator charges nothing for posting receives; ``pipedream simulate --trace`` shows what such
-waits cost a run as each stage's share of time between actions.
+simulator charges every posting the same ``--recv-overhead`` (``gloo_p2p.py`` measures it on a
+pair at rest); ``pipedream simulate --trace`` shows what postings cost a run, as each stage's
+share of time spent posting receives between actions, beside the simulated share.
 """
 
 from __future__ import annotations

@@ -18,8 +18,9 @@ start and end within the same window; means rather than medians, because the tim
 minibatch is a sum of them. A backward's mean includes the adding of its gradients into
 ``.grad`` and an update's mean the copying of a stashed weight version, as the run spent them.
 The time between actions (from the end of one to the start of the next, counted before each
-action in the window) is the runtime's own, which no action and no simulated
-cost holds; it is reported as a share of the window.
+action in the window) is the runtime's own, which no action holds; it is reported as a share
+of the window, and so are the two parts of it that the trace records and the simulator
+models: posting receives ahead and waiting for earlier sends to complete (reclaiming them).
 Pure Python: no torch.
 """
 
@@ -52,8 +53,13 @@ class MeasuredStage:
     """Posting a send (activation or gradient): what holds the sending rank."""
     between: float | None = None
     """Share of the window the stage's ranks spent between actions, in none (the executor's
-    own work: posting receives ahead, reclaiming finished sends, bookkeeping). The simulator
-    charges no time there."""
+    own work: posting receives ahead, reclaiming finished sends, bookkeeping)."""
+    posting: float | None = None
+    """Of ``between``, the share spent posting receives ahead (None: the trace did not record
+    it)."""
+    reclaiming: float | None = None
+    """Of ``between``, the share spent waiting for earlier sends to complete (None: not
+    recorded)."""
 
 
 @dataclass(frozen=True)
@@ -150,20 +156,29 @@ def measure_run(traces: Sequence[RankTrace], plan: Plan, *, skip: int | None = N
     stages = []
     for number in range(len(plan.stages)):
         durations: dict[str, list[float]] = {"F": [], "B": [], "U": [], "S": []}
-        between = []
+        between, posting, reclaiming = [], [], []
+        recorded = True  # whether every event in the window says what came before it
         for trace in traces:
             if trace.stage != number:
                 continue
-            gaps = 0.0
+            gaps = posted = reclaimed = 0.0
             for previous, event in zip((None, *trace.events), trace.events):
                 if event.start < start or event.end > end:
                     continue
                 if previous is not None:
                     gaps += max(0.0, event.start - previous.end)
+                    if event.posting is None or event.reclaiming is None:
+                        recorded = False
+                    else:
+                        posted += event.posting
+                        reclaimed += event.reclaiming
                 key = "S" if event.op in _SENDS else event.op.value
                 if key in durations:
                     durations[key].append(event.end - event.start)
-            between.append(gaps / (end - start) if end > start else 0.0)
+            length = end - start
+            between.append(gaps / length if length > 0 else 0.0)
+            posting.append(posted / length if length > 0 else 0.0)
+            reclaiming.append(reclaimed / length if length > 0 else 0.0)
         stages.append(
             MeasuredStage(
                 forward_ms=_mean(durations["F"]),
@@ -171,6 +186,8 @@ def measure_run(traces: Sequence[RankTrace], plan: Plan, *, skip: int | None = N
                 update_ms=_mean(durations["U"]),
                 send_ms=_mean(durations["S"]),
                 between=statistics.fmean(between) if between else None,
+                posting=statistics.fmean(posting) if posting and recorded else None,
+                reclaiming=statistics.fmean(reclaiming) if reclaiming and recorded else None,
             )
         )
     per_minibatch = (end - start) * 1000 / (last - first) / per_update

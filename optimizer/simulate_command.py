@@ -197,13 +197,14 @@ def _simulated_means(timeline: Timeline, stage: int) -> dict[str, float]:
     return {kind: statistics.fmean(values) for kind, values in durations.items()}
 
 
-def _simulated_between(timeline: Timeline, stage: int) -> float:
-    """Share of the steady window ``stage``'s ranks spend posting receives ahead in the
-    simulation (the part of the run's time between actions that it models)."""
+def _simulated_share(timeline: Timeline, stage: int, kind: str) -> float:
+    """Share of the steady window ``stage``'s ranks spend in events of ``kind`` in the
+    simulation: ``R`` posting receives ahead, ``W`` waiting for earlier sends to leave (the
+    parts of the run's time between actions that it models)."""
     events, length = _window_events(timeline, stage)
     ranks = {e.rank for e in events}
-    posting = sum(e.end_ms - e.start_ms for e in events if e.kind == "R")
-    return posting / length / len(ranks) if ranks and length > 0 else 0.0
+    spent = sum(e.end_ms - e.start_ms for e in events if e.kind == kind)
+    return spent / length / len(ranks) if ranks and length > 0 else 0.0
 
 
 def format_measured(timeline: Timeline, replay: Timeline, run: MeasuredRun, run_dir: str) -> str:
@@ -221,7 +222,8 @@ def format_measured(timeline: Timeline, replay: Timeline, run: MeasuredRun, run_
         f"= {timeline.time_per_minibatch_ms / measured:.3f}",
         "mean ms per action, simulated from the profile / measured by the run (and the "
         "share of the time spent between actions, in the executor's own work, of which the "
-        "simulation charges posting receives ahead, --recv-overhead):",
+        "simulation models posting receives ahead, --recv-overhead, and waiting for earlier "
+        "sends to leave; the run's trace records both):",
     ]
     for number, stage in enumerate(run.stages):
         simulated = _simulated_means(timeline, number)
@@ -235,8 +237,15 @@ def format_measured(timeline: Timeline, replay: Timeline, run: MeasuredRun, run_
             ratio = f" (x{got / expected:.2f})" if expected > 0 else ""
             parts.append(f"{name} {expected:.2f} / {got:.2f}{ratio}")
         if stage.between is not None and parts:
-            between = _simulated_between(timeline, number)
-            parts.append(f"between actions {between:.1%} / {stage.between:.1%} of the time")
+            posting = _simulated_share(timeline, number, "R")
+            reclaiming = _simulated_share(timeline, number, "W")
+            text = f"between actions {posting + reclaiming:.1%} / {stage.between:.1%} of the time"
+            if stage.posting is not None and stage.reclaiming is not None:
+                text += (
+                    f" (posting receives {posting:.1%} / {stage.posting:.1%}, waiting for "
+                    f"sends {reclaiming:.1%} / {stage.reclaiming:.1%})"
+                )
+            parts.append(text)
         lines.append(f"  stage {number}: " + (", ".join(parts) or "no actions in the window"))
     replayed = replay.time_per_minibatch_ms
     lines.append(

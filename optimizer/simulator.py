@@ -26,7 +26,7 @@ with profiled costs instead of tensors:
 * before each action a rank waits until at most
   :data:`~pipedream.runtime.posting.MAX_SENDS_IN_FLIGHT` parts of its sent messages (each a
   header and one tensor here: :data:`SEND_PARTS`) have not left it, as the runtime reclaims
-  its send buffers; a message leaves its sender when its transfer ends;
+  its send buffers; a message leaves its sender when its transfer ends; a ``W`` event;
 * ``A``: the replicas of a stage wait for each other, then spend a hierarchical ring allreduce
   ``sum over levels of 4 (k - 1) / k * P / (bandwidth * workers below)``, ``k`` the replicas'
   units at that level (one level: the cost model's ``4 (r - 1) P / (bandwidth r)``).
@@ -205,7 +205,8 @@ class Event:
     stage: int
     """Its stage."""
     kind: str
-    """``F``, ``B``, ``A``, ``U``, ``S`` (posting a send) or ``R`` (posting receives ahead)."""
+    """``F``, ``B``, ``A``, ``U``, ``S`` (posting a send), ``R`` (posting receives ahead) or
+    ``W`` (waiting for earlier sends to leave; not busy)."""
     index: int
     """Microbatch (F, B, S; R: of the first receive posted) or update (A, U) index."""
     start_ms: float
@@ -219,8 +220,8 @@ class Timeline:
     """The simulated run."""
 
     events: tuple[Event, ...]
-    """Compute, allreduce, update, send-posting and receive-posting events of every rank, by
-    start time."""
+    """Compute, allreduce, update, send-posting, receive-posting and send-waiting events of
+    every rank, by start time."""
     num_minibatches: int
     """Minibatches simulated."""
     completions_ms: tuple[float, ...]
@@ -243,8 +244,8 @@ class Timeline:
 
     def busy_fraction(self, rank: int) -> float:
         """Share of the run the rank spends computing, allreducing, updating or posting sends
-        and receives."""
-        busy = sum(e.end_ms - e.start_ms for e in self.events if e.rank == rank)
+        and receives (not waiting for its sends to leave)."""
+        busy = sum(e.end_ms - e.start_ms for e in self.events if e.rank == rank and e.kind != "W")
         return busy / self.makespan_ms if self.makespan_ms > 0 else 1.0
 
 
@@ -567,6 +568,10 @@ class _Run:
         action = self.tables[rank][self.position[rank]]
         op, stage = action.op, action.stage
         self.position[rank] += 1
+        reclaimed = self._sends_reclaimed(rank)
+        assert reclaimed is not None and reclaimed <= now, (reclaimed, now)  # _ready waited
+        if reclaimed > self.clock[rank]:
+            self.events.append(Event(rank, stage, "W", action.index, self.clock[rank], reclaimed))
         self._reclaim(rank)
         if op in (Op.RECV_ACT, Op.RECV_GRAD):
             del self.messages[(op, action.index, action.peer or 0, rank)]

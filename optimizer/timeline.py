@@ -2,8 +2,10 @@
 
 The grid has one row per rank and one column per time slot; a cell shows what the rank does
 in the middle of the slot (``F3``/``B3``: forward/backward of microbatch 3, ``A``: allreduce,
-``U``: update, ``S``: posting a send, where the network charges it) and ``.`` when it waits:
-the bubbles. GPipe, 2 stages, 2 microbatches, F = B::
+``U``: update, ``S``: posting a send, where the network charges it, ``R``: posting receives
+ahead, ``W``: waiting for its earlier sends to leave, beyond the runtime's bound on sends in
+flight) and ``.`` when it waits for anything else: the bubbles. GPipe, 2 stages, 2
+microbatches, F = B::
 
     rank (stage) | 0  1  2  3  4  5
        0 (0)     | F0 F1 .  .  B0 B1
@@ -29,9 +31,10 @@ COLOURS = {
     "U": "#8c8c8c",
     "S": "#dd8452",
     "R": "#937860",
+    "W": "#e5c494",
 }
 """Bar colours: forward blue, backward green, allreduce red, update grey, send orange,
-receives posted ahead brown."""
+receives posted ahead brown, waiting for sends to leave sand."""
 
 
 def slot_ms(timeline: Timeline) -> float:
@@ -135,13 +138,14 @@ def draw_timeline(timeline: Timeline, plan: Plan, path: str | os.PathLike[str]) 
         "U": "update",
         "S": "send",
         "R": "receives posted",
+        "W": "waiting for sends",
     }
     shown = {event.kind for event in timeline.events} | {"F", "B"}
     axes.legend(
         handles=[Patch(color=c, label=names[k]) for k, c in COLOURS.items() if k in shown],
         loc="upper center",
         bbox_to_anchor=(0.5, -0.12 - 1.5 / (4 + len(ranks))),
-        ncol=6,
+        ncol=7,
         fontsize=8,
         frameon=False,
     )

@@ -73,6 +73,8 @@ def test_measures_the_steady_window_after_the_skipped_minibatches() -> None:
     # stage 0 idles 1 ms after each update, before the next forward (3 of the window's 30 ms);
     # stage 1's actions follow each other without a gap
     assert (first.between, last.between) == pytest.approx((0.1, 0.0))
+    # these traces do not say what the executor did between actions
+    assert (first.posting, first.reclaiming, last.posting, last.reclaiming) == (None,) * 4
 
 
 def test_by_default_a_third_of_the_minibatches_is_left_out() -> None:
@@ -241,6 +243,35 @@ def test_simulate_trace_does_not_import_torch(run_files) -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_simulate_splits_the_time_between_actions_as_the_trace_records_it(
+    run_files, capsys
+) -> None:
+    # stage 0's 1 ms before each forward: 0.4 ms posting receives ahead and 0.5 ms waiting for
+    # its earlier sends, as the executor records them; stage 1 spends nothing between actions
+    for rank in range(2):
+        path = run_files["run"] / "run" / "traces" / f"rank-{rank:03d}.json"
+        payload = json.loads(path.read_text())
+        for event in payload["events"]:
+            spent = rank == 0 and event["action"].startswith("0F")
+            event["posting"], event["reclaiming"] = (0.0004, 0.0005) if spent else (0.0, 0.0)
+        path.write_text(json.dumps(payload))
+    argv = ["simulate", str(run_files["plan"]), "--profile", str(run_files["profile"])]
+    argv += ["--bandwidth", "1e12", "--recv-overhead", "0.5"]
+    argv += ["--trace", str(run_files["run"] / "run"), "--trace-skip", "2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    # over the window's 30 ms: 1.2 ms posting (4.0%), 1.5 ms waiting for sends (5.0%); the
+    # simulation posts 0.5 of every 8.5 ms and never waits for a send
+    assert (
+        "between actions 5.9% / 10.0% of the time (posting receives 5.9% / 4.0%, waiting for "
+        "sends 0.0% / 5.0%)\n  stage 1"
+    ) in out
+    assert (
+        "between actions 5.9% / 0.0% of the time (posting receives 5.9% / 0.0%, waiting for "
+        "sends 0.0% / 0.0%)\nsimulated with"
+    ) in out
 
 
 def test_simulate_charges_the_receives_posted_ahead_between_actions(run_files, capsys) -> None:

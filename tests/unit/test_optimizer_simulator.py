@@ -177,6 +177,8 @@ def test_a_rank_waits_for_its_oldest_sends_beyond_the_runtimes_bound(network: Ne
     timeline = simulate(plan_of("gpipe", [1, 1], 12), work, network, num_minibatches=2)
     starts = [e.start_ms for e in timeline.events if e.rank == 0 and e.kind == "F"]
     assert starts[:12] == pytest.approx([0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 21, 31])
+    waits = [(e.index, e.start_ms, e.end_ms) for e in timeline.events if e.kind == "W"]
+    assert waits[:3] == [(9, 9.0, 11.0), (10, 12.0, 21.0), (11, 22.0, 31.0)]
 
 
 def test_replicas_allreduce_once_per_own_minibatch() -> None:
