@@ -197,14 +197,16 @@ def _simulated_means(timeline: Timeline, stage: int) -> dict[str, float]:
     return {kind: statistics.fmean(values) for kind, values in durations.items()}
 
 
-def _simulated_share(timeline: Timeline, stage: int, kind: str) -> float:
-    """Share of the steady window ``stage``'s ranks spend in events of ``kind`` in the
-    simulation: ``R`` posting receives ahead, ``W`` waiting for earlier sends to leave (the
-    parts of the run's time between actions that it models)."""
+def _simulated_shares(timeline: Timeline, stage: int) -> tuple[float, float]:
+    """Shares of the steady window ``stage``'s ranks spend posting receives ahead (``R``) and
+    waiting for earlier sends to leave (``W``) in the simulation: the parts of the run's time
+    between actions that it models."""
     events, length = _window_events(timeline, stage)
     ranks = {e.rank for e in events}
-    spent = sum(e.end_ms - e.start_ms for e in events if e.kind == kind)
-    return spent / length / len(ranks) if ranks and length > 0 else 0.0
+    if not ranks or length <= 0:
+        return 0.0, 0.0
+    spent = {kind: sum(e.end_ms - e.start_ms for e in events if e.kind == kind) for kind in "RW"}
+    return spent["R"] / length / len(ranks), spent["W"] / length / len(ranks)
 
 
 def format_measured(timeline: Timeline, replay: Timeline, run: MeasuredRun, run_dir: str) -> str:
@@ -237,8 +239,7 @@ def format_measured(timeline: Timeline, replay: Timeline, run: MeasuredRun, run_
             ratio = f" (x{got / expected:.2f})" if expected > 0 else ""
             parts.append(f"{name} {expected:.2f} / {got:.2f}{ratio}")
         if stage.between is not None and parts:
-            posting = _simulated_share(timeline, number, "R")
-            reclaiming = _simulated_share(timeline, number, "W")
+            posting, reclaiming = _simulated_shares(timeline, number)
             text = f"between actions {posting + reclaiming:.1%} / {stage.between:.1%} of the time"
             if stage.posting is not None and stage.reclaiming is not None:
                 text += (

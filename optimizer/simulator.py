@@ -55,6 +55,7 @@ Pure Python: no torch.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import random
 from collections import deque
@@ -315,6 +316,9 @@ SEND_PARTS = 2
 """Parts of one simulated message the runtime waits on: its header and one tensor (the profile
 gives a stage's output as bytes, not as tensors)."""
 
+_MESSAGES_IN_FLIGHT = MAX_SENDS_IN_FLIGHT // SEND_PARTS
+"""Messages a rank leaves unwaited when an action starts, at most."""
+
 STEADY_TOLERANCE = 1e-3
 """Relative difference below which repetitions of a cycle count as taking the same time."""
 
@@ -527,18 +531,18 @@ class _Run:
         """When ``rank`` has waited for its oldest sends beyond the runtime's bound (None: one
         of them is still moving, with no end known yet)."""
         unwaited = self.unwaited[rank]
-        excess = len(unwaited) - MAX_SENDS_IN_FLIGHT // SEND_PARTS
-        if excess <= 0:
-            return self.clock[rank]
-        ends = [self.left.get(unwaited[i]) for i in range(excess)]
-        if any(end is None for end in ends):
-            return None
-        return max(self.clock[rank], *(end for end in ends if end is not None))
+        ready = self.clock[rank]
+        for key in itertools.islice(unwaited, max(0, len(unwaited) - _MESSAGES_IN_FLIGHT)):
+            left = self.left.get(key)
+            if left is None:
+                return None
+            ready = max(ready, left)
+        return ready
 
     def _reclaim(self, rank: int) -> None:
         """Forget the sends ``rank`` waited for before the action it starts now."""
         unwaited = self.unwaited[rank]
-        while len(unwaited) > MAX_SENDS_IN_FLIGHT // SEND_PARTS:
+        while len(unwaited) > _MESSAGES_IN_FLIGHT:
             del self.left[unwaited.popleft()]
 
     def _schedule_pool(self) -> None:
