@@ -5,7 +5,8 @@
     pipedream simulate PLAN [--profile PROFILE] [--topology TOPO | --bandwidth B]
                             [--latency MS] [--host-bandwidth B] [--duplex F]
                             [--send-overhead MS] [--send-overhead-per-mib MS]
-                            [--recv-overhead MS] [--spread] [--steps K]
+                            [--recv-overhead MS] [--spread] [--message-spread R,R,...]
+                            [--steps K]
                             [--width SLOTS] [--png FILE] [--trace RUN_DIR [--trace-skip N]]
 
 The per-layer costs come from ``--profile``, else from the profile the plan records (written
@@ -13,7 +14,8 @@ by ``pipedream plan``, relative to the plan file); the bandwidths from ``--topol
 ``--bandwidth``, else the cluster the plan records, else one level at 1e9 bytes/s. It prints
 the grid (ranks x time slots, bubbles as ``.``), the simulated steady-state time per minibatch
 next to the plan's own prediction, and each rank's busy share (with ``--spread``, every
-forward and backward drawn from the profile's ``pass_spread``, the mean time per minibatch
+forward and backward drawn from the profile's ``pass_spread``, and with ``--message-spread``
+every message's transfer time drawn from the ratios given, the mean time per minibatch
 instead: :mod:`~pipedream.optimizer.simulator`). With ``--trace`` it also sets
 the simulation beside the run of the plan it predicts (``pipedream train --trace``): the run's
 time per minibatch, each stage's profiled and measured action times, and the plan simulated
@@ -131,6 +133,39 @@ def _trace_skip(args: argparse.Namespace) -> int | None:
     return skip
 
 
+def _message_spread(args: argparse.Namespace) -> tuple[float, ...] | None:
+    """``--message-spread``'s ratios, else None; one clear error for a bad one."""
+    text = getattr(args, "message_spread", None)
+    if text is None:
+        return None
+    ratios = []
+    for item in text.split(","):
+        try:
+            ratio = float(item)
+        except ValueError:
+            ratio = math.nan
+        if not math.isfinite(ratio) or ratio <= 0:
+            raise PlanningError(
+                f"--message-spread {text!r}: {item.strip()!r} is not a positive ratio; give "
+                "each message time over their median, comma-separated, e.g. 0.9,1.0,1.4"
+            )
+        ratios.append(ratio)
+    return tuple(ratios)
+
+
+def _drawn_description(spread: PassSpread | None, messages: tuple[float, ...] | None) -> str:
+    """What a drawn simulation drew, for the report."""
+    parts = []
+    if spread is not None:
+        parts.append("every forward and backward drawn from the profile's pass_spread (--spread)")
+    if messages is not None:
+        parts.append(
+            f"every message's transfer time from {len(messages)} ratio(s), "
+            f"{min(messages):.2f}x-{max(messages):.2f}x (--message-spread)"
+        )
+    return "; ".join(parts)
+
+
 def _spread(args: argparse.Namespace, profile: Profile) -> PassSpread | None:
     """The profile's spread of whole passes with ``--spread``, else None."""
     if not getattr(args, "spread", False):
@@ -143,8 +178,9 @@ def _spread(args: argparse.Namespace, profile: Profile) -> PassSpread | None:
     return profile.spread
 
 
-def format_report(timeline: Timeline, plan: Plan) -> str:
-    """The simulated time next to the plan's prediction, and the busy share of each rank."""
+def format_report(timeline: Timeline, plan: Plan, drawn: str = "") -> str:
+    """The simulated time next to the plan's prediction, and the busy share of each rank
+    (``drawn``: what the simulation drew from a spread, said when it did)."""
     first, last = timeline.measured
     where = "the mean" if timeline.drawn else "steady state"
     lines = [
@@ -152,7 +188,7 @@ def format_report(timeline: Timeline, plan: Plan) -> str:
         f"between minibatches {first} and {last} of {timeline.num_minibatches})"
     ]
     if timeline.drawn:
-        lines.append("every forward and backward drawn from the profile's pass_spread (--spread)")
+        lines.append(drawn)
     elif not timeline.steady:
         lines.append(
             "no steady cycle showed (the average over the window above): simulate more "
@@ -285,6 +321,7 @@ def run(args: argparse.Namespace) -> int:
             raise PlanningError(f"{option} {value}: must be >= 0 milliseconds")
     if args.width < 1:
         raise PlanningError(f"--width {args.width}: must be at least 1 slot")
+    message_spread = _message_spread(args)
     profile = _profile(args, plan)
     topology = _topology(args, plan)
     steps = _steps(args, plan)
@@ -302,6 +339,7 @@ def run(args: argparse.Namespace) -> int:
         send_ms_per_mib=args.send_overhead_per_mib,
         duplex=_duplex(args),
         recv_ms=args.recv_overhead,
+        message_spread=message_spread,
     )
     spread = _spread(args, profile)
     timeline = simulate(plan, work, network, num_minibatches=steps, spread=spread)
@@ -316,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(format_timeline(timeline, plan, width=args.width))
     print()
-    print(format_report(timeline, plan))
+    print(format_report(timeline, plan, _drawn_description(spread, network.message_spread)))
     if measured is not None:
         print()
         replayed = measured_work(work, measured)

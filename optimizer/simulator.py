@@ -34,7 +34,10 @@ with profiled costs instead of tensors:
 With a ``spread`` (:class:`~pipedream.formats.PassSpread`, how much the profiler's whole passes
 varied), every forward and backward takes its time times a ratio drawn from the spread (seeded:
 the same run every time): a stage that runs late holds up its neighbours, which fixed times do
-not show, so a pipeline of varying stages is slower than one of their means.
+not show, so a pipeline of varying stages is slower than one of their means. With a
+``message_spread`` (:attr:`Network.message_spread`), every message's transfer likewise moves
+its bytes times a ratio drawn from it: on a loaded host one message takes 0.8x the median and
+the next 1.5x, and a late message holds up its receiver as a late stage does.
 
 Actions run in global time order (a heap), so link contention is first come, first served.
 The time per minibatch is the steady-state slope of the minibatches' completion times (the end
@@ -46,7 +49,7 @@ the second half of the run between the fill and the drain (each ``S`` times the 
 pattern's period, a bound on the minibatches in flight), over whole repetitions of the
 shortest cycle (a multiple of that period) all of whose repetitions there take the same time
 (:func:`steady_window`); without a length given, the simulation doubles the minibatches until
-such a cycle shows. With a spread there is no cycle: the time is the mean over the last
+such a cycle shows. With either spread there is no cycle: the time is the mean over the last
 :data:`SPREAD_MINIBATCHES` minibatches before the drain, after as many more past the fill
 (a backlog of transfers can take that long to build up).
 Pure Python: no torch.
@@ -128,11 +131,19 @@ class Network:
     duplex); None: a link carries one message at a time, either way."""
     recv_ms: float = 0.0
     """Time posting one receive ahead holds the receiving rank (gloo; NCCL posts none)."""
+    message_spread: tuple[float, ...] | None = None
+    """Ratios of one message's transfer time to the calibrated one (e.g. each repeat of a
+    calibration over their median): every message moves its bytes times one drawn from them,
+    as if that much bigger (its link and its host's capacity carry that many); None: every
+    message moves exactly its bytes."""
 
     def __post_init__(self) -> None:
         assert self.send_ms >= 0 and self.send_ms_per_mib >= 0, (self.send_ms, self.send_ms_per_mib)
         assert self.recv_ms >= 0, self.recv_ms
         assert self.duplex is None or 1 <= self.duplex <= 2, self.duplex
+        assert self.message_spread is None or (
+            self.message_spread and min(self.message_spread) > 0
+        ), self.message_spread
 
     @classmethod
     def from_topology(
@@ -145,6 +156,7 @@ class Network:
         send_ms_per_mib: float = 0.0,
         duplex: float | None = None,
         recv_ms: float = 0.0,
+        message_spread: tuple[float, ...] | None = None,
     ) -> Network:
         sizes, size = [], 1
         for level in topology.levels:
@@ -160,6 +172,7 @@ class Network:
             send_ms_per_mib,
             duplex,
             recv_ms,
+            message_spread,
         )
 
     def post_ms(self, num_bytes: float) -> float:
@@ -236,8 +249,8 @@ class Timeline:
     """Whether a steady cycle showed (False: the run was too short for one, and the time is the
     average over the second half of the run, or over all of it; or its times were drawn)."""
     drawn: bool = False
-    """Whether the forwards' and backwards' times were drawn from a spread (the time per
-    minibatch is then the mean over the ``measured`` window)."""
+    """Whether the forwards' and backwards' times, or the messages', were drawn from a spread
+    (the time per minibatch is then the mean over the ``measured`` window)."""
 
     @property
     def makespan_ms(self) -> float:
@@ -376,11 +389,12 @@ def simulate(
     :data:`MAX_DOUBLINGS` times, and never beyond ``max_minibatches``) until the steady
     state's cycle shows (module docstring); with a ``spread``, the fill, the drain and twice
     :data:`SPREAD_MINIBATCHES` between them, every forward and backward drawn from it with
-    the random generator seeded by ``seed``.
+    the random generator seeded by ``seed`` (and so with the network's ``message_spread``,
+    every message).
     """
     if num_minibatches is not None:
         return _simulate(plan, work, network, num_minibatches, spread, seed)
-    if spread is not None:
+    if _drawn(spread, network):
         period = _period(plan)
         steps = 2 * (_margin(plan, network) + SPREAD_MINIBATCHES)
         return _simulate(plan, work, network, period * math.ceil(steps / period), spread, seed)
@@ -392,6 +406,11 @@ def simulate(
             break
         timeline = _simulate(plan, work, network, steps)
     return timeline
+
+
+def _drawn(spread: PassSpread | None, network: Network) -> bool:
+    """Whether a simulation draws times from a spread (then it has no steady cycle)."""
+    return spread is not None or network.message_spread is not None
 
 
 def _simulate(
@@ -417,10 +436,11 @@ def _simulate(
         ends = [run.backward_end[(0, t * m + j)] for j in range(m)]
         completions.append(max(ends))
     margin, period = _margin(plan, network), _period(plan)
-    window = None if spread is not None else steady_window(completions, margin, period)
+    drawn = _drawn(spread, network)
+    window = None if drawn else steady_window(completions, margin, period)
     last = num_minibatches - 1 - margin
     periods = max(1, (last - margin) // 2 // period)
-    if spread is not None and last - margin >= period:  # drawn: the last 64, or half if more
+    if drawn and last - margin >= period:  # drawn: the last 64, or half if more
         span = min(last - margin, max(SPREAD_MINIBATCHES, (last - margin) // 2))
         first = last - max(period, span // period * period)
     elif window is not None:
@@ -439,7 +459,7 @@ def _simulate(
         per,
         (max(first, 0), last),
         window is not None,
-        drawn=spread is not None,
+        drawn=drawn,
     )
 
 
@@ -586,14 +606,17 @@ class _Run:
             recv = Op.RECV_ACT if op is Op.SEND_ACT else Op.RECV_GRAD
             key = (recv, action.index, rank, peer)
             self.unwaited[rank].append(key)
+            moved = size  # the bytes its transfer takes as long as
+            if self.network.message_spread is not None:
+                moved *= self.rng.choice(self.network.message_spread)
             if self.pool is not None:
                 rate = self.network.bandwidths[self.network.level_of(link)] / 1e3  # bytes per ms
                 units = self.network.units_of(rank, peer)
-                self.pool.start(now, Transfer(key, link, units, size, rate, source=rank))
+                self.pool.start(now, Transfer(key, link, units, moved, rate, source=rank))
                 self._schedule_pool()
             else:
                 start = max(now, self.link_free.get(link, 0.0))
-                end = start + self.network.transfer_ms(size, rank, peer)
+                end = start + self.network.transfer_ms(moved, rank, peer)
                 self.link_free[link] = end
                 self.messages[key] = end + self.network.latency_ms
                 self.left[key] = end

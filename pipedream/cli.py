@@ -253,6 +253,13 @@ def build_parser() -> argparse.ArgumentParser:
         "varied (the profile's pass_spread; seeded), and report the mean time per minibatch",
     )
     simulate.add_argument(
+        "--message-spread",
+        metavar="R,R,...",
+        help="draw every message's transfer time as its modelled time times one of these "
+        "ratios (e.g. each repeat of a network calibration over their median; seeded), and "
+        "report the mean time per minibatch",
+    )
+    simulate.add_argument(
         "--steps",
         type=int,
         default=None,

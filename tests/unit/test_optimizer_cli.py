@@ -189,6 +189,27 @@ def test_simulate_duplex_links_let_activations_and_gradients_pass(files, capsys)
     assert times["2"] < times[None] and times["2"] < times["1"]
 
 
+def test_simulate_draws_messages_from_a_message_spread(files, capsys) -> None:
+    # gpipe on 2 stages, 4 microbatches, 1 MB messages at 4e7 bytes/s (25 ms each): every
+    # message drawn at 2x takes 50 ms, so at least the last activation and the last gradient
+    # of a minibatch arrive 25 ms later each; the report says what was drawn
+    argv = ["plan", str(files["profile"]), "--workers", "2", "--schedule", "gpipe"]
+    assert run_cli([*argv, "--straight", "-o", str(files["plan"])], capsys)[0] == 0
+    times, outs = [], []
+    for extra in ([], ["--message-spread", "2"], ["--message-spread", "2,2"]):
+        code, out, _ = run_cli(
+            ["simulate", str(files["plan"]), "--bandwidth", "4e7", *extra], capsys
+        )
+        assert code == 0
+        times.append(float(out.split("simulated time per minibatch: ")[1].split(" ms")[0]))
+        outs.append(out)
+    assert times[1] >= times[0] + 2 * 25
+    assert times[2] == pytest.approx(times[1])
+    assert (
+        "every message's transfer time from 2 ratio(s), 2.00x-2.00x (--message-spread)" in (outs[2])
+    )
+
+
 def test_simulate_without_matplotlib_says_how_to_install(files, capsys, monkeypatch) -> None:
     argv = ["plan", str(files["profile"]), "--workers", "2", "-o", str(files["plan"])]
     assert run_cli(argv, capsys)[0] == 0
@@ -236,6 +257,14 @@ def hand_written(tmp_path: Path, replicas: tuple[int, ...] = (1, 1)) -> Path:
         (
             ["simulate", "{hand}", "--profile", "{profile}", "--spread"],
             "--spread: the profile of toy records no pass_spread",
+        ),
+        (
+            ["simulate", "{hand}", "--profile", "{profile}", "--message-spread", "1,0"],
+            "--message-spread '1,0': '0' is not a positive ratio",
+        ),
+        (
+            ["simulate", "{hand}", "--profile", "{profile}", "--message-spread", "1,x"],
+            "'x' is not a positive ratio",
         ),
         (["simulate", "{hand}", "--profile", "{profile}", "--width", "0"], "--width 0"),
         (

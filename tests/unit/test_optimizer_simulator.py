@@ -141,6 +141,40 @@ def test_stages_that_vary_hold_each_other_up() -> None:
     assert other.time_per_minibatch_ms != drawn.time_per_minibatch_ms
 
 
+@pytest.mark.parametrize("duplex", [None, 1.0])  # the link model, then the transfer pool
+def test_a_message_spread_of_one_ratio_scales_every_transfer_by_it(duplex: float | None) -> None:
+    # gpipe, 2 stages, 1 microbatch: F0, message, F1, B1, message back, B0 = 4 ms + 2
+    # messages. 1000 B take 0.5 ms; drawn at 3x they take 1.5 ms: 4 + 2 * (1.5 + 0.25)
+    network = Network((2,), (2e6,), latency_ms=0.25, duplex=duplex, message_spread=(3.0,))
+    work = [StageWork(1.0, 1.0, 0, 1000.0), StageWork(1.0, 1.0, 0, 0)]
+    timeline = simulate(plan_of("gpipe", [1, 1]), work, network)
+    assert timeline.drawn and not timeline.steady
+    assert timeline.num_minibatches == 2 + 2 * SPREAD_MINIBATCHES + 2  # as a pass spread's
+    assert timeline.time_per_minibatch_ms == pytest.approx(4 + 2 * 1.75)
+    second = [(e.rank, e.kind, e.start_ms) for e in timeline.events if e.kind in "FB"][:4]
+    assert second == [(0, "F", 0.0), (1, "F", 2.75), (1, "B", 3.75), (0, "B", 6.5)]
+
+
+def test_messages_that_vary_hold_the_pipeline_up() -> None:
+    # gpipe, 2 stages, 4 microbatches, F = 1, B = 2, full-duplex link: with every message at
+    # 2 ms each direction's messages queue behind each other: activations arrive at 3, 5, 7,
+    # 9 ms, gradients (sent at 12, 14, 16, 18) at 14 ... 20, the last backward ends at 22.
+    # Drawn at 0.5x or 3.5x of 1 ms instead (the same mean), a slow message holds up the
+    # ones behind it and its receiver: slower than every message at the mean
+    plan = plan_of("gpipe", [1, 1], 4)
+    work = [StageWork(1.0, 2.0, 0, 1000.0), StageWork(1.0, 2.0, 0, 1000.0)]  # 1 ms each
+
+    def simulated(spread: tuple[float, ...], seed: int = 0) -> float:
+        network = Network((2,), (1e6,), duplex=2.0, message_spread=spread)
+        return simulate(plan, work, network, seed=seed).time_per_minibatch_ms
+
+    assert simulated((2.0,)) == pytest.approx(22.0)
+    drawn = simulated((0.5, 3.5), seed=1)
+    assert drawn > 22.0 * 1.05
+    assert simulated((0.5, 3.5), seed=1) == drawn  # seeded
+    assert simulated((0.5, 3.5), seed=2) != drawn
+
+
 def test_a_send_posted_while_its_transfer_runs_is_off_the_critical_path_of_a_flush() -> None:
     # gpipe, 2 stages, 1 microbatch: the message leaves when it is posted, so posting it
     # (0.2 ms here) only delays the sender, who has nothing else to do: the same 4 + 2 * 0.75
