@@ -27,6 +27,9 @@ turning ``net.ipv4.tcp_slow_start_after_idle`` off changed nothing). "one" comes
 barrier, and with 4 or 8 processes also carries the barrier's skew. Over the 48 calibrations
 of the run of 02:19-02:46 UTC that day, "one after quiet" took 13.9-21.2 ms (median 18.3) and
 was a median 1.27x "one" with 2 processes, 1.18x with 4 and 0.93x with 8.
+Every timed repeat of every pattern is written too (``each_ms``): how much one message's time
+varies from one to the next on this host (``simulator_accuracy.py`` gives those ratios to
+``pipedream simulate --message-spread``).
 """
 
 from __future__ import annotations
@@ -88,8 +91,9 @@ def _trial(pairs: list[tuple[int, int]], payload: torch.Tensor) -> float:
     return max(everyone)
 
 
-def _after_quiet(payload: torch.Tensor, repeats: int) -> float:
-    """Median milliseconds of one message after ``QUIET_MS`` of quiet on its link.
+def _after_quiet(payload: torch.Tensor, repeats: int) -> list[float]:
+    """Milliseconds of each of ``repeats`` messages after ``QUIET_MS`` of quiet on its link
+    (rank 0's; the others get an empty list).
 
     Rank 0 waits ``QUIET_MS`` and sends; rank 1 holds the message ``QUIET_MS`` and sends it
     back. Rank 0 times the round trip on its own clock and rank 1 its hold, so the two clocks
@@ -115,10 +119,8 @@ def _after_quiet(payload: torch.Tensor, repeats: int) -> float:
     everyone: list[list[float]] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(everyone, holds)
     if rank != 0:
-        return 0.0
-    return statistics.median(
-        (trip - hold) / 2 * 1000 for trip, hold in zip(round_trips[1:], everyone[1][1:])
-    )
+        return []
+    return [(trip - hold) / 2 * 1000 for trip, hold in zip(round_trips[1:], everyone[1][1:])]
 
 
 def main(argv: list[str]) -> int:
@@ -131,22 +133,24 @@ def main(argv: list[str]) -> int:
     for _ in range(WARM_MESSAGES):  # every link, as a pipeline's links after its warm-up
         _trial(chain, payload)
         _trial([(dst, src) for src, dst in chain], payload)
-    times = {
-        name: statistics.median(_trial(pairs, payload) for _ in range(REPEATS))
-        for name, pairs in patterns.items()
+    each = {
+        name: [_trial(pairs, payload) for _ in range(REPEATS)] for name, pairs in patterns.items()
     }
+    times = {name: statistics.median(trials) for name, trials in each.items()}
     concurrent = [
         len(pairs) * SIZE / (times[name] / 1000)
         for name, pairs in patterns.items()
         if name not in ("one", "both ways")
     ]
-    times["one after quiet"] = _after_quiet(payload, REPEATS)
+    each["one after quiet"] = _after_quiet(payload, REPEATS)
     if dist.get_rank() == 0:
+        times["one after quiet"] = statistics.median(each["one after quiet"])
         result = {
             "bytes": SIZE,
             "processes": dist.get_world_size(),
             "ms": times,
             "capacity_bytes_per_s": statistics.mean(concurrent) if concurrent else None,
+            "each_ms": each,
         }
         Path(argv[0]).write_text(json.dumps(result, indent=1))
     dist.destroy_process_group()

@@ -94,21 +94,22 @@ def _simulate(
     skip: int,
     commands: list[str],
     *,
-    drawn: bool,
+    drawn: list[str] | None,
 ) -> tuple[float, float | None] | None:
     """The simulated time per minibatch, and the replay: the plan simulated again with the
     forward, backward and update times its run measured (``--trace``; the same window as
     :func:`_measured`). ``drawn``: every forward and backward drawn from the profile's spread
-    of whole passes (``--spread``), and no replay (None: it would repeat the fixed one's)."""
+    of whole passes (``--spread``), with these options added (:func:`message_spread`), and no
+    replay (None: it would repeat the fixed one's)."""
     argv = [*PIPEDREAM, "simulate", str(plan_path), "--profile", str(profile), *network]
-    if drawn:
-        argv += ["--spread"]
+    if drawn is not None:
+        argv += ["--spread", *drawn]
     else:
         argv += ["--trace", str(plan_path.parent / "run"), "--trace-skip", str(skip)]
     command = run_command(argv, timeout=300)
     commands.append(command.shell())
     match, replayed = _SIMULATED.search(command.output), _REPLAYED.search(command.output)
-    if command.returncode != 0 or match is None or (replayed is None and not drawn):
+    if command.returncode != 0 or match is None or (replayed is None and drawn is None):
         print(f"  simulate {plan_path}: FAILED {command.output[-1500:]}", file=sys.stderr)
         return None
     return float(match.group(1)), None if replayed is None else float(replayed.group(1))
@@ -167,6 +168,32 @@ def network(
         argv += ["--duplex", f"{duplex:.3f}"]
         described += f", duplex {duplex:.2f}"
     return argv, described
+
+
+def message_spread(directory: Path) -> list[str]:
+    """``pipedream simulate --message-spread`` from the ``gloo_host.py`` runs right before and
+    after the case in ``directory``: every timed repeat of each of their patterns over that
+    pattern's median (how much one message's time varied from the next on this host, with as
+    many processes as the case); no options where they did not record their repeats (older
+    calibrations, and cases without any).
+
+    >>> import tempfile
+    >>> directory = Path(tempfile.mkdtemp())
+    >>> _ = (directory / "gloo-host-before.json").write_text(
+    ...     '{"each_ms": {"one": [10.0, 12.0, 15.0], "chain of 3": [30.0, 60.0, 33.0]}}'
+    ... )
+    >>> message_spread(directory)
+    ['--message-spread', '0.8333,1,1.25,0.9091,1.818,1']
+    """
+    ratios = []
+    for when in HOST_CALIBRATIONS:
+        path = host_calibration_path(directory, when)
+        if not path.exists():
+            continue
+        for trials in json.loads(path.read_text()).get("each_ms", {}).values():
+            middle = statistics.median(trials)
+            ratios += [f"{trial / middle:.4g}" for trial in trials]
+    return ["--message-spread", ",".join(ratios)] if ratios else []
 
 
 def duplex_factor(hosts: list[dict[str, Any]]) -> float:
@@ -239,7 +266,7 @@ def main() -> int:
             networks.add(described)
             each = [
                 _simulate(plan_path, path, options, skip, commands, drawn=drawn)
-                for drawn in (False, True)
+                for drawn in (None, message_spread(directory))
                 for path in profiles
             ]
             found = [value for value in each if value is not None]
@@ -308,7 +335,10 @@ def main() -> int:
         "and how much their whole passes varied; with spread = the same simulation with "
         "every forward and backward drawn from that spread (`--spread`, seeded; the mean over "
         "the last 64 minibatches before the drain, after 64 more past the fill), as a "
-        "pipeline's stages vary and hold each other up. "
+        "pipeline's stages vary and hold each other up, and for the 32 MiB cases every "
+        "message's transfer drawn from how much the messages of the two calibrations around "
+        "the case varied (`--message-spread`: each timed repeat of each `gloo_host.py` "
+        "pattern over that pattern's median), as a late message holds up its receiver. "
         "Measured = the same steady-state time per minibatch as "
         f"above, from the traces. The mlp cases ran {ROUNDS} times (see above): measured and "
         "simulated are the medians of the rounds, each round simulated with the profiles "
