@@ -3,7 +3,7 @@
 ::
 
     pipedream simulate PLAN [--profile PROFILE] [--topology TOPO | --bandwidth B]
-                            [--latency MS] [--host-bandwidth B] [--duplex F]
+                            [--latency MS] [--host-bandwidth B] [--duplex F] [--per-rank F]
                             [--send-overhead MS] [--send-overhead-per-mib MS]
                             [--recv-overhead MS] [--spread] [--message-spread R,R,...]
                             [--steps K]
@@ -107,6 +107,16 @@ def _duplex(args: argparse.Namespace) -> float | None:
         raise PlanningError(
             f"--duplex {value}: must be between 1 (a link's two directions share its "
             "bandwidth) and 2 (full duplex)"
+        )
+    return value
+
+
+def _per_rank(args: argparse.Namespace) -> float | None:
+    value = getattr(args, "per_rank", None)
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise PlanningError(
+            f"--per-rank {value}: must be a positive multiple of a link's bandwidth, e.g. 1 "
+            "(a rank moves one link's worth in and out together)"
         )
     return value
 
@@ -322,6 +332,7 @@ def run(args: argparse.Namespace) -> int:
     if args.width < 1:
         raise PlanningError(f"--width {args.width}: must be at least 1 slot")
     message_spread = _message_spread(args)
+    per_rank = _per_rank(args)
     profile = _profile(args, plan)
     topology = _topology(args, plan)
     steps = _steps(args, plan)
@@ -339,6 +350,7 @@ def run(args: argparse.Namespace) -> int:
         send_ms_per_mib=args.send_overhead_per_mib,
         duplex=_duplex(args),
         recv_ms=args.recv_overhead,
+        per_rank=per_rank,
         message_spread=message_spread,
     )
     spread = _spread(args, profile)

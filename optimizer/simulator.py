@@ -19,7 +19,8 @@ with profiled costs instead of tensors:
   for its message; the bandwidth of a pair is that of the innermost level both ranks share;
   with a ``unit_capacity`` the transfers touching one innermost unit (a host) also share that
   many bytes/s in total; with a ``duplex`` factor a link's two directions move at once and
-  share that many times its bandwidth (:mod:`~pipedream.optimizer.transfers`);
+  share that many times its bandwidth; with a ``per_rank`` factor the transfers touching one
+  rank share that many times their link's bandwidth (:mod:`~pipedream.optimizer.transfers`);
 * the runtime posts its receives ahead (on gloo), a few before each action by the rule of
   :mod:`~pipedream.runtime.posting`; posting one holds the receiving rank ``recv_ms`` there,
   an ``R`` event;
@@ -131,6 +132,9 @@ class Network:
     duplex); None: a link carries one message at a time, either way."""
     recv_ms: float = 0.0
     """Time posting one receive ahead holds the receiving rank (gloo; NCCL posts none)."""
+    per_rank: float | None = None
+    """What one rank's transport moves in and out together, in multiples of a link's bandwidth
+    (gloo: one thread per process carries all its messages, 1); None: no limit per rank."""
     message_spread: tuple[float, ...] | None = None
     """Ratios of one message's transfer time to the calibrated one (e.g. each repeat of a
     calibration over their median): every message moves its bytes times one drawn from them,
@@ -141,6 +145,7 @@ class Network:
         assert self.send_ms >= 0 and self.send_ms_per_mib >= 0, (self.send_ms, self.send_ms_per_mib)
         assert self.recv_ms >= 0, self.recv_ms
         assert self.duplex is None or 1 <= self.duplex <= 2, self.duplex
+        assert self.per_rank is None or self.per_rank > 0, self.per_rank
         assert self.message_spread is None or (
             self.message_spread and min(self.message_spread) > 0
         ), self.message_spread
@@ -156,6 +161,7 @@ class Network:
         send_ms_per_mib: float = 0.0,
         duplex: float | None = None,
         recv_ms: float = 0.0,
+        per_rank: float | None = None,
         message_spread: tuple[float, ...] | None = None,
     ) -> Network:
         sizes, size = [], 1
@@ -172,6 +178,7 @@ class Network:
             send_ms_per_mib,
             duplex,
             recv_ms,
+            per_rank,
             message_spread,
         )
 
@@ -488,9 +495,9 @@ class _Run:
         self.waiting: set[int] = set()  # ranks inside an allreduce that others have not reached
         self.heap: list[tuple[float, int]] = [(0.0, rank) for rank in sorted(tables)]
         self.pool = None
-        if network.unit_capacity is not None or network.duplex is not None:
+        if any(x is not None for x in (network.unit_capacity, network.duplex, network.per_rank)):
             per_unit = math.inf if network.unit_capacity is None else network.unit_capacity / 1e3
-            self.pool = TransferPool(per_unit, network.duplex)
+            self.pool = TransferPool(per_unit, network.duplex, network.per_rank)
         self.pool_version = 0  # heap entries (t, -1 - version) are the pool's completions
         self.uses = {rank: version_use(table, initial_version=0) for rank, table in tables.items()}
         self.updates_done = {rank: 0 for rank in tables}

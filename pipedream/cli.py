@@ -225,6 +225,15 @@ def build_parser() -> argparse.ArgumentParser:
         "duplex; default: one message at a time per link)",
     )
     simulate.add_argument(
+        "--per-rank",
+        type=float,
+        default=None,
+        metavar="F",
+        help="what one rank moves in and out together, in multiples of a link's bandwidth: its "
+        "messages share that (1: one link's worth, as gloo's one transport thread per process; "
+        "default: no limit per rank)",
+    )
+    simulate.add_argument(
         "--send-overhead",
         type=float,
         default=0.0,

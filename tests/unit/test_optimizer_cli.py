@@ -210,6 +210,24 @@ def test_simulate_draws_messages_from_a_message_spread(files, capsys) -> None:
     )
 
 
+def test_simulate_per_rank_makes_a_middle_stage_carry_its_messages_one_at_a_time(
+    files, capsys
+) -> None:
+    # gpipe on 3 stages, 1 MB messages at 4e7 bytes/s (25 ms each, slower than the compute):
+    # the middle rank receives activations and sends its own on at once; with --per-rank 1 the
+    # two share one link's worth, and the messages, the critical path, take longer
+    argv = ["plan", str(files["profile"]), "--workers", "3", "--schedule", "gpipe"]
+    assert run_cli([*argv, "--straight", "-o", str(files["plan"])], capsys)[0] == 0
+    times = []
+    for extra in ([], ["--per-rank", "1"], ["--per-rank", "3"]):
+        argv = ["simulate", str(files["plan"]), "--bandwidth", "4e7", "--duplex", "2", *extra]
+        code, out, _ = run_cli(argv, capsys)
+        assert code == 0
+        times.append(float(out.split("simulated time per minibatch: ")[1].split(" ms")[0]))
+    assert times[1] > times[0] * 1.1
+    assert times[2] == pytest.approx(times[0])  # 3 links' worth: never the limit here
+
+
 def test_simulate_without_matplotlib_says_how_to_install(files, capsys, monkeypatch) -> None:
     argv = ["plan", str(files["profile"]), "--workers", "2", "-o", str(files["plan"])]
     assert run_cli(argv, capsys)[0] == 0
@@ -272,6 +290,10 @@ def hand_written(tmp_path: Path, replicas: tuple[int, ...] = (1, 1)) -> Path:
             "--duplex 0.5: must be between 1",
         ),
         (["simulate", "{hand}", "--profile", "{profile}", "--duplex", "nan"], "--duplex nan"),
+        (
+            ["simulate", "{hand}", "--profile", "{profile}", "--per-rank", "0"],
+            "--per-rank 0.0: must be a positive multiple",
+        ),
         (
             ["simulate", "{hand}", "--profile", "{profile}", "--host-bandwidth", "0"],
             "--host-bandwidth '0': must be positive",

@@ -99,6 +99,30 @@ def test_duplex_and_host_capacity_both_bound_the_rate() -> None:
     assert ended == pytest.approx({"a": 8.0, "b": 8.0})
 
 
+def test_a_rank_moves_one_links_worth_in_all_with_per_rank_one() -> None:
+    # a (0 -> 1) alone for 2 ms, half done; then b (1 -> 2) shares rank 1 with it: both at half
+    # the link, a's last 2 ms of work take 4 ms (ends at 6), b has 2 ms left then (ends at 8).
+    # c (2 -> 3) starts at 8 as b ends: alone, 12. d (4 -> 5) shares no rank: 4 ms
+    ended = _run(
+        TransferPool(10 * RATE, per_rank=1.0),
+        [
+            (0.0, _directed("a", 0, 1)),
+            (2.0, _directed("b", 1, 2)),
+            (8.0, _directed("c", 2, 3)),
+            (0.0, _directed("d", 4, 5)),
+        ],
+    )
+    assert ended == pytest.approx({"a": 6.0, "b": 8.0, "c": 12.0, "d": 4.0})
+
+
+def test_per_rank_bounds_by_the_busier_end() -> None:
+    # a chain of three at once with 1.5 links per rank: ranks 1 and 2 each carry two, so every
+    # transfer moves at 0.75 (the end it shares with another is the limit): 4 / 0.75 ms
+    chain = [(0.0, _directed(k, r, r + 1)) for k, r in (("a", 0), ("b", 1), ("c", 2))]
+    ended = _run(TransferPool(10 * RATE, per_rank=1.5), chain)
+    assert ended == pytest.approx({"a": 4 / 0.75, "b": 4 / 0.75, "c": 4 / 0.75})
+
+
 def test_transfers_in_other_units_do_not_interfere() -> None:
     ended = _run(
         TransferPool(RATE),
