@@ -139,8 +139,10 @@ def network(
     40 ms of quiet on the link, where calibrated: the sleep layers leave the links quiet
     between messages), the host's capacity and the links' duplex factor (:func:`duplex_factor`)
     of the ``gloo_host.py`` runs right before and after the case (their means) if
-    ``sleep_pipeline.py`` took them (its 32 MiB cases), else ``large_ms`` (the 32 MiB time of
-    ``gloo_p2p.py``) and links of their own (messages of a few KiB do not load the host); the
+    ``sleep_pipeline.py`` took them (its 32 MiB cases), with each rank moving one link's worth
+    in all (``--per-rank 1``: gloo's one transport thread per process), else ``large_ms`` (the
+    32 MiB time of ``gloo_p2p.py``) and links of their own (messages of a few KiB do not load
+    the host); the
     time posting a message holds the sender, ``post`` (:func:`send_overhead`), and posting its
     receive ahead the receiver, ``recv_post_ms``."""
     hosts = []
@@ -167,6 +169,9 @@ def network(
     if duplex is not None:
         argv += ["--duplex", f"{duplex:.3f}"]
         described += f", duplex {duplex:.2f}"
+    if hosts:  # messages that load the host: each process's one gloo thread carries them all
+        argv += ["--per-rank", "1"]
+        described += ", one link per rank"
     return argv, described
 
 
@@ -320,7 +325,9 @@ def main() -> int:
         "way at once) and the host's copy capacity shared by "
         "concurrent messages (`gloo_host.py` with as many processes as the case has ranks, "
         "the mean of one calibration right before and one right after the case: the speed "
-        "drifts within minutes); the other cases' messages, a few KiB, take 32 MiB in "
+        "drifts within minutes), each rank moving one link's worth in and out together "
+        "(`--per-rank 1`: gloo carries all of a process's messages on one thread); the other "
+        "cases' messages, a few KiB, take 32 MiB in "
         f"{large_ms:.1f} ms (`gloo_p2p.py`) and do not load the host. Posting a message "
         f"holds the sender {post[0]:.3f} ms plus {post[1]:.4f} ms per MiB "
         "(`--send-overhead`, `--send-overhead-per-mib`: the line through the times the "
