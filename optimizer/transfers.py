@@ -29,10 +29,10 @@ With a per-rank factor (``per_rank``), the transfers touching one rank (sent or 
 share ``per_rank`` x their link's bandwidth: a rank's transport moves that much in all. Gloo
 has one transport thread per process, which reads every incoming message and writes every
 outgoing one: in a GPipe run of 4 sleep stages with 16 microbatches of 32 MiB here, the link
-into the first stage moved a message every 23 ms while the next link, whose two ends also
-moved other messages, managed one every 45-60 ms, and the two links after the first, sharing
-the third stage, one every 55 ms each (one message alone: 20-22 ms): about one link's worth
-per rank (``per_rank`` = 1).
+from the first stage to the second moved a message every 23 ms while the next link, sharing
+the second stage with it, managed one every 45-60 ms; once the first was done, the two links
+sharing the third stage moved one every 55 ms each (one message alone: 20-23 ms): about one
+link's worth per rank (``per_rank`` = 1).
 """
 
 from __future__ import annotations
