@@ -127,28 +127,30 @@ def send_overhead(post_ms: dict[int, float]) -> tuple[float, float]:
     return max(0.0, post_ms[small] - small / 2**20 * per_mib), per_mib
 
 
+def host_calibrations(directory: Path) -> list[dict[str, Any]]:
+    """The ``gloo_host.py`` runs ``sleep_pipeline.py`` took right before and after the case in
+    ``directory`` (its 32 MiB cases; none for the others)."""
+    paths = [host_calibration_path(directory, when) for when in HOST_CALIBRATIONS]
+    return [json.loads(path.read_text()) for path in paths if path.exists()]
+
+
 def network(
-    directory: Path | None,
+    hosts: list[dict[str, Any]],
     latency_ms: float,
     large_ms: float,
     post: tuple[float, float] = (0.0, 0.0),
     recv_post_ms: float = 0.0,
 ) -> tuple[list[str], str]:
-    """``pipedream simulate``'s network options for the case run in ``directory``, and what
-    they are: ``latency_ms`` (the 32 KiB time of ``gloo_p2p.py``); the 32 MiB time (after
-    40 ms of quiet on the link, where calibrated: the sleep layers leave the links quiet
-    between messages), the host's capacity and the links' duplex factor (:func:`duplex_factor`)
-    of the ``gloo_host.py`` runs right before and after the case (their means) if
-    ``sleep_pipeline.py`` took them (its 32 MiB cases), with each rank moving one link's worth
-    in all (``--per-rank 1``: gloo's one transport thread per process), else ``large_ms`` (the
+    """``pipedream simulate``'s network options for a case calibrated by ``hosts``
+    (:func:`host_calibrations`), and what they are: ``latency_ms`` (the 32 KiB time of
+    ``gloo_p2p.py``); with calibrations, the 32 MiB time (after 40 ms of quiet on the link,
+    where calibrated: the sleep layers leave the links quiet between messages), the host's
+    capacity and the links' duplex factor (:func:`duplex_factor`) of the ``gloo_host.py`` runs
+    right before and after the case (their means), each rank moving one link's worth in all
+    (``--per-rank 1``: gloo's one transport thread per process); without, ``large_ms`` (the
     32 MiB time of ``gloo_p2p.py``) and links of their own (messages of a few KiB do not load
-    the host); the
-    time posting a message holds the sender, ``post`` (:func:`send_overhead`), and posting its
-    receive ahead the receiver, ``recv_post_ms``."""
-    hosts = []
-    if directory is not None:
-        paths = [host_calibration_path(directory, when) for when in HOST_CALIBRATIONS]
-        hosts = [json.loads(path.read_text()) for path in paths if path.exists()]
+    the host); the time posting a message holds the sender, ``post`` (:func:`send_overhead`),
+    and posting its receive ahead the receiver, ``recv_post_ms``."""
     capacity = duplex = None
     message = "one"
     if hosts:
@@ -175,27 +177,19 @@ def network(
     return argv, described
 
 
-def message_spread(directory: Path) -> list[str]:
-    """``pipedream simulate --message-spread`` from the ``gloo_host.py`` runs right before and
-    after the case in ``directory``: every timed repeat of each of their patterns over that
+def message_spread(hosts: list[dict[str, Any]]) -> list[str]:
+    """``pipedream simulate --message-spread`` from the ``gloo_host.py`` runs around a case
+    (:func:`host_calibrations`): every timed repeat of each of their patterns over that
     pattern's median (how much one message's time varied from the next on this host, with as
     many processes as the case); no options where they did not record their repeats (older
     calibrations, and cases without any).
 
-    >>> import tempfile
-    >>> directory = Path(tempfile.mkdtemp())
-    >>> _ = (directory / "gloo-host-before.json").write_text(
-    ...     '{"each_ms": {"one": [10.0, 12.0, 15.0], "chain of 3": [30.0, 60.0, 33.0]}}'
-    ... )
-    >>> message_spread(directory)
+    >>> message_spread([{"each_ms": {"one": [10.0, 12.0, 15.0], "chain of 3": [30.0, 60.0, 33.0]}}])
     ['--message-spread', '0.8333,1,1.25,0.9091,1.818,1']
     """
     ratios = []
-    for when in HOST_CALIBRATIONS:
-        path = host_calibration_path(directory, when)
-        if not path.exists():
-            continue
-        for trials in json.loads(path.read_text()).get("each_ms", {}).values():
+    for host in hosts:
+        for trials in host.get("each_ms", {}).values():
             middle = statistics.median(trials)
             ratios += [f"{trial / middle:.4g}" for trial in trials]
     return ["--message-spread", ",".join(ratios)] if ratios else []
@@ -267,11 +261,12 @@ def main() -> int:
             window = _measured(directory / "run", skip)
             plan = yaml.safe_load(plan_path.read_text())
             profiles = _profiles(directory, plan, microbatch_size, commands)
-            options, described = network(directory, latency_ms, large_ms, post, recv_post_ms)
+            hosts = host_calibrations(directory)
+            options, described = network(hosts, latency_ms, large_ms, post, recv_post_ms)
             networks.add(described)
             each = [
                 _simulate(plan_path, path, options, skip, commands, drawn=drawn)
-                for drawn in (None, message_spread(directory))
+                for drawn in (None, message_spread(hosts))
                 for path in profiles
             ]
             found = [value for value in each if value is not None]
