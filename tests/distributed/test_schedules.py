@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pipedream.data import MicrobatchStream
+from pipedream.runtime.buffers import MIN_POOLED_BYTES
 from pipedream.workload import load_workload
 
 from oracles import plain_training, stale_oracle
@@ -119,6 +120,40 @@ def test_one_stage_replicated_is_data_parallel(tmp_path: Path, replicas: int) ->
         num_updates=steps // replicas,
         batch=combined,
         loss_fn=workload.loss_fn,
+        optimizer=_sgd,
+    )
+    assert max_rel_diff(got, want) < 1e-5
+
+
+@pytest.mark.parametrize(("schedule", "m"), [("pipedream", 1), ("1f1b", 4)])
+def test_large_messages_in_reused_buffers_follow_the_rule(
+    tmp_path: Path, schedule: str, m: int
+) -> None:
+    """Microbatches of 2,048 samples: every activation and gradient is 128 KiB, so the
+    receiving stages take their buffers from the pool of released storage
+    (runtime/buffers.py), with several microbatches and weight versions in flight."""
+    big = 2048
+    assert big * int(ARGS["width"]) * 4 >= MIN_POOLED_BYTES
+    num_stages, steps = 3, 5
+    stages = even_groups(_names(), num_stages)
+    got = train_and_load(
+        tmp_path,
+        stages,
+        steps=steps,
+        schedule=schedule,
+        microbatch_size=big,
+        microbatches=m,
+        workload_args=ARGS,
+    )
+    data = MicrobatchStream(load_workload("mlp", ARGS).dataset, big, SEED)
+    workload = load_workload("mlp", ARGS)
+    want = stale_oracle(
+        workload.model,
+        stages,
+        num_minibatches=steps,
+        minibatch=lambda t: [data.microbatch(t * m + j) for j in range(m)],
+        loss_fn=workload.loss_fn,
+        staleness=_rule(schedule, num_stages),
         optimizer=_sgd,
     )
     assert max_rel_diff(got, want) < 1e-5

@@ -245,3 +245,28 @@ def test_in_order_discipline_issues_receives_exactly_like_the_sends(
     assert len(loopback.send_log) == len(messages) + payloads  # headers and payloads only
     sender.drain(what="test")
     assert loopback.outstanding() == 0
+
+
+def test_large_payloads_land_in_storage_the_stage_has_released(loopback: _Loopback) -> None:
+    """On the CPU, a payload goes into the storage of an earlier one nobody holds any more
+    (speculative receives too), never into one still held."""
+    sender = P2P(rank=0, device=torch.device("cpu"), timeout=1, post_early=True)
+    receiver = P2P(rank=1, device=torch.device("cpu"), timeout=1, post_early=True)
+    messages = [[torch.full((64, 1024), float(mb))] for mb in range(4)]  # 256 KiB each
+
+    def receive(mb: int) -> Tensor:
+        receiver.post_recv("act", mb, 0)
+        sender.send("act", mb, 1, messages[mb], 0)
+        (got,), _ = receiver.recv("act", mb, 0, what="test")
+        assert torch.equal(got, messages[mb][0])
+        return got
+
+    held = receive(0)  # the reference, on the slow tags
+    address = held.untyped_storage().data_ptr()
+    second = receive(1)  # speculative: the first is still held
+    assert second.untyped_storage().data_ptr() != address
+    del held
+    assert receive(2).untyped_storage().data_ptr() == address  # dropped at once
+    assert receive(3).untyped_storage().data_ptr() == address
+    assert torch.equal(second, messages[1][0])  # untouched by the later messages
+    assert receiver._buffers.allocated == 2

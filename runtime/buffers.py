@@ -1,0 +1,88 @@
+"""A pool of receive buffers on the CPU, so that large messages land in memory already mapped.
+
+Why. A received activation or gradient is written into a new tensor. On the CPU a block of
+32 MiB or more is mapped afresh by glibc whatever its settings (``pipedream/host_memory.py``),
+and the kernel maps and zeroes its pages on first touch: here inside gloo's receive, on the
+transport thread that carries all of the process's messages. On the 2-core host of
+``benchmarks/``, with the runtime's host-memory settings (huge pages on), a 32 MiB message
+between two processes took a median 15.1-17.4 ms into a fresh buffer and 11.5-11.6 ms into a
+reused one (``isend``/``irecv`` ping-pong, 20 repeats each, two rounds). In whole runs of the
+sleep benchmark's 32 MiB cases (pool off, then on, 2-3 alternating rounds each, 2026-11-25):
+large-S2-1f1b-m8 814 -> 767 ms per minibatch, large-S4-2bw-m16 1960 -> 1659,
+large-S4-gpipe-m16 2113 -> 1725, large-S8-gpipe-m16 4462 -> 3226 (means over the rounds).
+GPUs do not need this: PyTorch's CUDA caching allocator already reuses device memory.
+
+How. The pool owns the *storage* of every buffer it hands out and gives out a tensor viewing
+it. Whoever receives the tensor (the stage, autograd's saved tensors, views of it) holds
+references to that storage; once they are all gone only the pool's is left, and the storage
+goes out again with the next message of the same size in bytes. So, like the CUDA caching
+allocator, the pool keeps the peak of receive memory in use, and it never hands out memory
+anyone still holds. References are counted with ``torch._C._storage_Use_Count``; where that is
+missing, or ``PIPEDREAM_KEEP_HOST_MEMORY=0`` is set, every buffer is allocated afresh.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+
+import torch
+from torch import Tensor
+
+from pipedream.host_memory import ENV_VAR
+
+__all__ = ["MIN_POOLED_BYTES", "MAX_TRACKED", "ReceiveBuffers"]
+
+MIN_POOLED_BYTES = 128 * 1024
+"""Smaller buffers come from the allocator's heap (glibc's default ``mmap`` threshold)."""
+MAX_TRACKED = 64
+"""Storages of one size the pool follows at most: beyond, it forgets the oldest in use (a
+workload that keeps every received tensor then costs no more than without the pool)."""
+
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+class ReceiveBuffers:
+    """Hands out CPU tensors for incoming messages, reusing storage nobody else holds."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.enabled = (
+            device.type == "cpu"
+            and _use_count is not None
+            and os.environ.get(ENV_VAR, "1").strip() != "0"
+        )
+        self._storages: dict[int, deque[torch.UntypedStorage]] = {}
+        self.allocated = 0
+        """Storages allocated so far (for tests and diagnostics)."""
+
+    def empty(self, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
+        """An uninitialised tensor of ``dtype`` and ``shape``, in reused storage where free."""
+        nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        if not self.enabled or nbytes < MIN_POOLED_BYTES:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        storages = self._storages.setdefault(nbytes, deque())
+        storage = self._free(storages)
+        if storage is None:
+            storage = torch.UntypedStorage(nbytes, device=self.device)
+            self.allocated += 1
+            if len(storages) >= MAX_TRACKED:
+                storages.popleft()
+            storages.append(storage)
+        return torch.empty(0, dtype=dtype, device=self.device).set_(storage, 0, shape)
+
+    @staticmethod
+    def _free(storages: deque[torch.UntypedStorage]) -> torch.UntypedStorage | None:
+        """A storage only the pool references, if any."""
+        assert _use_count is not None
+        for storage in storages:
+            if _use_count(storage._cdata) == 1:
+                return storage
+        return None
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
