@@ -11,10 +11,12 @@ processes send 32 MiB messages in the patterns of :func:`cases`: one alone (0 ->
 way between two ranks, one on each of S / 2 disjoint pairs, and one on each link of the chain
 0 -> 1 -> ... -> S - 1 (a pipeline's forward messages), all started together after a barrier,
 after ``WARM_MESSAGES`` (``common.py``) untimed messages on every link of the chain (fresh links
-are slow). The time until the last one arrived, median over repeats, is written to
-``OUT.json`` with the host's capacity in bytes/s: the mean of ``messages x bytes / time`` over
-the patterns whose messages take different links (what ``pipedream simulate --host-bandwidth``
-takes; ``null`` for 2 processes). "both ways" gives a link's duplex factor, 2 x "one" / "both
+are slow). Messages land in buffers of the runtime's pool
+(:class:`pipedream.runtime.buffers.ReceiveBuffers`: memory already mapped). The time until the
+last one arrived, median over repeats, is written to ``OUT.json`` with the host's capacity in
+bytes/s: the mean of ``messages x bytes / time`` over the patterns whose messages take
+different links (what ``pipedream simulate --host-bandwidth`` takes; ``null`` for 2
+processes). "both ways" gives a link's duplex factor, 2 x "one" / "both
 ways" (``pipedream simulate --duplex``): 1.00-1.40 here, so the two directions of a loopback
 link are neither one message at a time (1) nor independent (2).
 "one after quiet" is what a pipeline of sleep layers sees (``simulator_accuracy.py`` takes it
@@ -45,6 +47,7 @@ import torch.distributed as dist
 from common import WARM_MESSAGES
 
 from pipedream.host_memory import configure_host_memory
+from pipedream.runtime.buffers import ReceiveBuffers
 
 __all__ = ["SIZE", "cases", "main"]
 
@@ -54,6 +57,12 @@ REPEATS = 9
 QUIET_MS = 40.0
 """How long each end of "one after quiet" holds a message before it sends one back (the sleep
 benchmark's backward; past the knee of 15-25 ms)."""
+_BUFFERS = ReceiveBuffers(torch.device("cpu"))
+"""Receive buffers as the runtime's transport takes them: storage nobody holds is reused."""
+
+
+def _receive_buffer(payload: torch.Tensor) -> torch.Tensor:
+    return _BUFFERS.empty(payload.dtype, tuple(payload.shape))
 
 
 def cases(world_size: int) -> dict[str, list[tuple[int, int]]]:
@@ -82,7 +91,7 @@ def _trial(pairs: list[tuple[int, int]], payload: torch.Tensor) -> float:
         if rank == src:
             works.append(dist.isend(payload, dst))
         if rank == dst:
-            works.append(dist.irecv(torch.empty_like(payload), src))  # fresh, as the runtime
+            works.append(dist.irecv(_receive_buffer(payload), src))
     for work in works:
         work.wait()
     elapsed = (time.perf_counter() - start) * 1000
@@ -107,11 +116,11 @@ def _after_quiet(payload: torch.Tensor, repeats: int) -> list[float]:
             time.sleep(QUIET_MS / 1000)
             start = time.perf_counter()
             sent = dist.isend(payload, 1)
-            dist.irecv(torch.empty_like(payload), 1).wait()
+            dist.irecv(_receive_buffer(payload), 1).wait()
             round_trips.append(time.perf_counter() - start)
             sent.wait()
         elif rank == 1:
-            dist.irecv(torch.empty_like(payload), 0).wait()
+            dist.irecv(_receive_buffer(payload), 0).wait()
             arrived = time.perf_counter()
             time.sleep(QUIET_MS / 1000)
             holds.append(time.perf_counter() - arrived)

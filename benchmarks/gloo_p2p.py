@@ -5,8 +5,9 @@ Launched with torchrun by the benchmarks::
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/gloo_p2p.py OUT.json
 
-Rank 0 sends a float32 tensor of each size to rank 1, which receives it into a fresh buffer
-(as the runtime does), after ``WARM_MESSAGES`` (``common.py``) untimed messages of that size
+Rank 0 sends a float32 tensor of each size to rank 1, which receives it into a buffer of the
+runtime's pool (:class:`pipedream.runtime.buffers.ReceiveBuffers`: the storage of the message
+before, mapped already), after ``WARM_MESSAGES`` (``common.py``) untimed messages of that size
 (a fresh link is slow at first). Then the same messages go through the runtime's own transport
 (:class:`pipedream.runtime.comm.P2P`: a header and the payload, the receive posted ahead), and
 two times are taken:
@@ -41,6 +42,7 @@ import torch.distributed as dist
 from common import WARM_MESSAGES
 
 from pipedream.host_memory import configure_host_memory
+from pipedream.runtime.buffers import ReceiveBuffers
 from pipedream.runtime.comm import P2P
 
 __all__ = ["SIZES", "main"]
@@ -52,6 +54,8 @@ POST_REPEATS = 16
 """Exchanges timed per size and rank: single posts vary 2-5x."""
 QUIET_MS = 20.0
 """The action before each post: the sleep benchmark's forward (the mlp's take about 10 ms)."""
+_BUFFERS = ReceiveBuffers(torch.device("cpu"))
+"""Receive buffers as the runtime's transport takes them: storage nobody holds is reused."""
 
 
 def _one_way_ms(payload: torch.Tensor) -> float:
@@ -63,7 +67,7 @@ def _one_way_ms(payload: torch.Tensor) -> float:
         if dist.get_rank() == 0:
             dist.send(payload, 1)
         else:
-            dist.recv(torch.empty_like(payload), 0)  # a fresh buffer, as the runtime's
+            dist.recv(_BUFFERS.empty(payload.dtype, tuple(payload.shape)), 0)
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1000
 
@@ -119,7 +123,7 @@ def main(argv: list[str]) -> int:
             if rank == 0:
                 dist.send(payload, 1)
             else:
-                dist.recv(torch.empty_like(payload), 0)
+                dist.recv(_BUFFERS.empty(payload.dtype, tuple(payload.shape)), 0)
         one_way[size] = _one_way_ms(payload)
         receives[size], sends[size] = _post_ms(payload, first=number * (POST_REPEATS + 2))
     gathered: list[Any] = [None, None]
