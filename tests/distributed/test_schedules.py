@@ -24,8 +24,8 @@ def _names() -> list[str]:
     return [n for n, _ in load_workload("mlp", ARGS).model.named_children()]
 
 
-def _data() -> MicrobatchStream:
-    return MicrobatchStream(load_workload("mlp", ARGS).dataset, B, SEED)
+def _data(microbatch_size: int = B) -> MicrobatchStream:
+    return MicrobatchStream(load_workload("mlp", ARGS).dataset, microbatch_size, SEED)
 
 
 def _sgd(params):
@@ -40,6 +40,23 @@ def _rule(schedule: str, num_stages: int):
     if schedule == "2bw":
         return lambda t, s: max(0, t - 1)
     return lambda t, s: t
+
+
+def _rule_oracle(
+    schedule: str, stages: list[list[str]], steps: int, m: int, microbatch_size: int = B
+) -> dict[str, torch.Tensor]:
+    """The weights after ``steps`` minibatches of ``m`` microbatches under the schedule's rule."""
+    data = _data(microbatch_size)
+    workload = load_workload("mlp", ARGS)
+    return stale_oracle(
+        workload.model,
+        stages,
+        num_minibatches=steps,
+        minibatch=lambda t: [data.microbatch(t * m + j) for j in range(m)],
+        loss_fn=workload.loss_fn,
+        staleness=_rule(schedule, len(stages)),
+        optimizer=_sgd,
+    )
 
 
 # Three and four stages, fewer and more microbatches than stages. Two-stage runs of every
@@ -64,18 +81,9 @@ def test_schedule_equals_its_rule(tmp_path: Path, schedule: str, num_stages: int
     got = train_and_load(
         tmp_path, stages, steps=steps, schedule=schedule, microbatches=m, workload_args=ARGS
     )
+    assert max_rel_diff(got, _rule_oracle(schedule, stages, steps, m)) < 1e-5
     data = _data()
     workload = load_workload("mlp", ARGS)
-    want = stale_oracle(
-        workload.model,
-        stages,
-        num_minibatches=steps,
-        minibatch=lambda t: [data.microbatch(t * m + j) for j in range(m)],
-        loss_fn=workload.loss_fn,
-        staleness=_rule(schedule, num_stages),
-        optimizer=_sgd,
-    )
-    assert max_rel_diff(got, want) < 1e-5
     if schedule in ("1f1b", "gpipe"):
         # synchronous: the same as ordinary training on the whole minibatch of m x B samples
         def batch(k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,15 +99,7 @@ def test_schedule_equals_its_rule(tmp_path: Path, schedule: str, num_stages: int
         )
         assert max_rel_diff(got, plain) < 1e-5
     else:
-        sync = stale_oracle(
-            load_workload("mlp", ARGS).model,
-            stages,
-            num_minibatches=steps,
-            minibatch=lambda t: [data.microbatch(t * m + j) for j in range(m)],
-            loss_fn=workload.loss_fn,
-            staleness=lambda t, s: t,
-            optimizer=_sgd,
-        )
+        sync = _rule_oracle("gpipe", stages, steps, m)  # the same updates without staleness
         assert max_rel_diff(got, sync) > 1e-4  # the staleness is real
 
 
@@ -145,15 +145,4 @@ def test_large_messages_in_reused_buffers_follow_the_rule(
         microbatches=m,
         workload_args=ARGS,
     )
-    data = MicrobatchStream(load_workload("mlp", ARGS).dataset, big, SEED)
-    workload = load_workload("mlp", ARGS)
-    want = stale_oracle(
-        workload.model,
-        stages,
-        num_minibatches=steps,
-        minibatch=lambda t: [data.microbatch(t * m + j) for j in range(m)],
-        loss_fn=workload.loss_fn,
-        staleness=_rule(schedule, num_stages),
-        optimizer=_sgd,
-    )
-    assert max_rel_diff(got, want) < 1e-5
+    assert max_rel_diff(got, _rule_oracle(schedule, stages, steps, m, big)) < 1e-5
