@@ -23,6 +23,7 @@ missing, or ``PIPEDREAM_KEEP_HOST_MEMORY=0`` is set, every buffer is allocated a
 
 from __future__ import annotations
 
+import math
 import os
 from collections import deque
 
@@ -58,7 +59,7 @@ class ReceiveBuffers:
 
     def empty(self, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
         """An uninitialised tensor of ``dtype`` and ``shape``, in reused storage where free."""
-        nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         if not self.enabled or nbytes < MIN_POOLED_BYTES:
             return torch.empty(shape, dtype=dtype, device=self.device)
         storages = self._storages.setdefault(nbytes, deque())
@@ -79,10 +80,3 @@ class ReceiveBuffers:
             if _use_count(storage._cdata) == 1:
                 return storage
         return None
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count

@@ -39,8 +39,8 @@ issue order and ignores tags, so there nothing is posted ahead and a message is 
 order it is sent: header, then payload. Sends are never waited on until their buffers
 must be reclaimed (:meth:`P2P.poll` keeps at most ``MAX_SENDS_IN_FLIGHT``) or the run ends
 (:meth:`P2P.drain`). On the CPU, payloads are received into reused storage
-(:class:`~pipedream.runtime.buffers.ReceiveBuffers`): mapping fresh pages for every large
-message doubled its time on gloo.
+(:class:`~pipedream.runtime.buffers.ReceiveBuffers`): on gloo a 32 MiB message into fresh
+pages took 15-17 ms here, into reused ones 11.5 ms.
 """
 
 from __future__ import annotations
