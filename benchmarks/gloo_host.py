@@ -61,10 +61,6 @@ _BUFFERS = ReceiveBuffers(torch.device("cpu"))
 """Receive buffers as the runtime's transport takes them: storage nobody holds is reused."""
 
 
-def _receive_buffer(payload: torch.Tensor) -> torch.Tensor:
-    return _BUFFERS.empty(payload.dtype, tuple(payload.shape))
-
-
 def cases(world_size: int) -> dict[str, list[tuple[int, int]]]:
     """The (source, destination) messages of each timed pattern among ``world_size`` ranks.
 
@@ -91,7 +87,7 @@ def _trial(pairs: list[tuple[int, int]], payload: torch.Tensor) -> float:
         if rank == src:
             works.append(dist.isend(payload, dst))
         if rank == dst:
-            works.append(dist.irecv(_receive_buffer(payload), src))
+            works.append(dist.irecv(_BUFFERS.empty_like(payload), src))
     for work in works:
         work.wait()
     elapsed = (time.perf_counter() - start) * 1000
@@ -116,11 +112,11 @@ def _after_quiet(payload: torch.Tensor, repeats: int) -> list[float]:
             time.sleep(QUIET_MS / 1000)
             start = time.perf_counter()
             sent = dist.isend(payload, 1)
-            dist.irecv(_receive_buffer(payload), 1).wait()
+            dist.irecv(_BUFFERS.empty_like(payload), 1).wait()
             round_trips.append(time.perf_counter() - start)
             sent.wait()
         elif rank == 1:
-            dist.irecv(_receive_buffer(payload), 0).wait()
+            dist.irecv(_BUFFERS.empty_like(payload), 0).wait()
             arrived = time.perf_counter()
             time.sleep(QUIET_MS / 1000)
             holds.append(time.perf_counter() - arrived)

@@ -67,7 +67,7 @@ def _one_way_ms(payload: torch.Tensor) -> float:
         if dist.get_rank() == 0:
             dist.send(payload, 1)
         else:
-            dist.recv(_BUFFERS.empty(payload.dtype, tuple(payload.shape)), 0)
+            dist.recv(_BUFFERS.empty_like(payload), 0)
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1000
 
@@ -123,7 +123,7 @@ def main(argv: list[str]) -> int:
             if rank == 0:
                 dist.send(payload, 1)
             else:
-                dist.recv(_BUFFERS.empty(payload.dtype, tuple(payload.shape)), 0)
+                dist.recv(_BUFFERS.empty_like(payload), 0)
         one_way[size] = _one_way_ms(payload)
         receives[size], sends[size] = _post_ms(payload, first=number * (POST_REPEATS + 2))
     gathered: list[Any] = [None, None]

@@ -72,6 +72,10 @@ class ReceiveBuffers:
             storages.append(storage)
         return torch.empty(0, dtype=dtype, device=self.device).set_(storage, 0, shape)
 
+    def empty_like(self, tensor: Tensor) -> Tensor:
+        """:meth:`empty` of ``tensor``'s dtype and shape."""
+        return self.empty(tensor.dtype, tuple(tensor.shape))
+
     @staticmethod
     def _free(storages: deque[torch.UntypedStorage]) -> torch.UntypedStorage | None:
         """A storage only the pool references, if any."""

@@ -26,6 +26,9 @@ def test_released_storage_is_handed_out_again_held_storage_is_not() -> None:
     third = pool.empty(torch.float32, BIG)
     assert _address(third) == first_address and pool.allocated == 2
     assert (third.dtype, third.shape, third.is_contiguous()) == (torch.float32, BIG, True)
+    del third
+    like = pool.empty_like(second.to(torch.int32))  # same bytes, another dtype
+    assert _address(like) == first_address and like.dtype == torch.int32 and like.shape == BIG
 
 
 def test_views_and_autograd_keep_storage_out_of_the_pool() -> None:
