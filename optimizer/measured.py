@@ -21,6 +21,9 @@ The time between actions (from the end of one to the start of the next, counted 
 action in the window) is the runtime's own, which no action holds; it is reported as a share
 of the window, and so are the two parts of it that the trace records and the simulator
 models: posting receives ahead and waiting for earlier sends to complete (reclaiming them).
+Each link's messages are timed from the post of the send to their arrival where the receiver
+waited for them (:mod:`~pipedream.optimizer.messages`), the traces' actions matched to the
+plan's tables for their peers.
 Pure Python: no torch.
 """
 
@@ -31,13 +34,22 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipedream.errors import TraceError
+from pipedream.errors import ScheduleError, TraceError
 from pipedream.formats.plan import Plan
+from pipedream.optimizer.messages import LinkTimes, MessageTime, link_times
 from pipedream.optimizer.simulator import StageWork
-from pipedream.runtime.actions import Op
+from pipedream.runtime.actions import Action, Op, parse_action
+from pipedream.runtime.schedule import PipelineSpec, build_tables
 from pipedream.runtime.trace import RankTrace
 
-__all__ = ["MeasuredRun", "MeasuredStage", "default_skip", "measure_run", "measured_work"]
+__all__ = [
+    "MeasuredRun",
+    "MeasuredStage",
+    "default_skip",
+    "measure_run",
+    "measured_work",
+    "message_times",
+]
 
 _SENDS = (Op.SEND_ACT, Op.SEND_GRAD)
 
@@ -75,6 +87,9 @@ class MeasuredRun:
     stages: tuple[MeasuredStage, ...]
     minibatches_per_update: int = 1
     """The last stage's replicas: the minibatches one of its updates completes."""
+    links: tuple[LinkTimes, ...] = ()
+    """Each link's messages in the window whose receiver waited (empty when the traces could
+    not be matched to the plan's tables)."""
 
     @property
     def intervals(self) -> int:
@@ -129,6 +144,65 @@ def _completions(traces: Sequence[RankTrace], last_stage: int, unit: str) -> lis
         what = "updates" if unit == "updates" else f"the updates of {unit}"
         raise TraceError(f"the last stage's traces lack {what} {missing}")
     return [ends[index] for index in range(complete)]
+
+
+def _tables_of_run(traces: Sequence[RankTrace], plan: Plan) -> dict[int, list[Action]] | None:
+    """The plan's tables for as many minibatches as the run trained, if every rank's trace
+    ran exactly its table (None otherwise: then no peers are known)."""
+    m = plan.microbatches
+    forwards = [e.index for t in traces if t.stage == 0 for e in t.events if e.op is Op.FORWARD]
+    if not forwards or len(forwards) % m:
+        return None
+    spec = PipelineSpec(
+        schedule=plan.schedule,
+        stage_ranks=tuple(stage.ranks for stage in plan.stages),
+        microbatches=m,
+        num_minibatches=len(forwards) // m,
+        first_minibatch=min(forwards) // m,
+    )
+    try:
+        tables = build_tables(spec)
+    except ScheduleError:  # e.g. a run that stopped early: not a whole number of replica rounds
+        return None
+    for trace in traces:
+        table = tables.get(trace.rank, [])
+        if len(table) != len(trace.events):
+            return None
+        for action, event in zip(table, trace.events):
+            ran = parse_action(event.action)
+            if (ran.op, ran.stage, ran.index) != (action.op, action.stage, action.index):
+                return None
+    return tables
+
+
+def message_times(traces: Sequence[RankTrace], plan: Plan) -> list[MessageTime]:
+    """Every message of the run whose send and receive both ran, in milliseconds."""
+    tables = _tables_of_run(traces, plan)
+    if tables is None:
+        return []
+    stage_of = {rank: number for number, s in enumerate(plan.stages) for rank in s.ranks}
+    sent: dict[tuple[str, int, int, int], float] = {}
+    received: dict[tuple[str, int, int, int], tuple[float, float]] = {}
+    for trace in traces:
+        for action, event in zip(tables[trace.rank], trace.events):
+            peer = action.peer if action.peer is not None else -1
+            if action.op in _SENDS:
+                kind = "activations" if action.op is Op.SEND_ACT else "gradients"
+                sent[(kind, action.index, trace.rank, peer)] = event.start * 1000
+            elif action.op in (Op.RECV_ACT, Op.RECV_GRAD):
+                kind = "activations" if action.op is Op.RECV_ACT else "gradients"
+                received[(kind, action.index, peer, trace.rank)] = (
+                    event.start * 1000,
+                    event.end * 1000,
+                )
+    messages = []
+    for key, (reached, done) in received.items():
+        kind, _, source, destination = key
+        if key in sent:
+            messages.append(
+                MessageTime(stage_of[source], stage_of[destination], kind, sent[key], reached, done)
+            )
+    return messages
 
 
 def _mean(values: list[float]) -> float | None:
@@ -191,7 +265,8 @@ def measure_run(traces: Sequence[RankTrace], plan: Plan, *, skip: int | None = N
             )
         )
     per_minibatch = (end - start) * 1000 / (last - first) / per_update
-    return MeasuredRun(per_minibatch, first, last, tuple(stages), per_update)
+    links = link_times(message_times(traces, plan), start * 1000, end * 1000)
+    return MeasuredRun(per_minibatch, first, last, tuple(stages), per_update, tuple(links))
 
 
 def measured_work(work: Sequence[StageWork], run: MeasuredRun) -> list[StageWork]:

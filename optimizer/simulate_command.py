@@ -35,6 +35,7 @@ from pipedream.formats.profile import PassSpread, Profile, load_profile
 from pipedream.formats.topology import DEFAULT_BANDWIDTH, Topology, load_topology
 from pipedream.formats.units import parse_bandwidth
 from pipedream.optimizer.measured import MeasuredRun, measure_run, measured_work
+from pipedream.optimizer.messages import link_times
 from pipedream.optimizer.simulator import (
     Event,
     Network,
@@ -223,11 +224,15 @@ def format_report(timeline: Timeline, plan: Plan, drawn: str = "") -> str:
 _ACTIONS = (("F", "forward"), ("B", "backward"), ("U", "update"), ("S", "send"))
 
 
+def _window(timeline: Timeline) -> tuple[float, float]:
+    """The simulation's steady window: its start and end (ms)."""
+    first, last = timeline.measured
+    return timeline.completions_ms[first] if first > 0 else 0.0, timeline.completions_ms[last]
+
+
 def _window_events(timeline: Timeline, stage: int) -> tuple[list[Event], float]:
     """The events of ``stage`` inside the simulation's steady window, and its length (ms)."""
-    first, last = timeline.measured
-    start = timeline.completions_ms[first] if first > 0 else 0.0
-    end = timeline.completions_ms[last]
+    start, end = _window(timeline)
     events = [
         e for e in timeline.events if e.stage == stage and start <= e.start_ms and e.end_ms <= end
     ]
@@ -257,8 +262,9 @@ def _simulated_shares(timeline: Timeline, stage: int) -> tuple[float, float]:
 
 def format_measured(timeline: Timeline, replay: Timeline, run: MeasuredRun, run_dir: str) -> str:
     """The simulation beside the run it predicts (``--trace``): the measured time per
-    minibatch, each stage's simulated and measured mean action times, and the ``replay``
-    (the plan simulated with the measured ones)."""
+    minibatch, each stage's simulated and measured mean action times, each link's simulated
+    and measured message times, and the ``replay`` (the plan simulated with the measured
+    action times)."""
     measured = run.time_per_minibatch_ms
     unit = "minibatches"
     if run.minibatches_per_update > 1:
@@ -294,6 +300,7 @@ def format_measured(timeline: Timeline, replay: Timeline, run: MeasuredRun, run_
                 )
             parts.append(text)
         lines.append(f"  stage {number}: " + (", ".join(parts) or "no actions in the window"))
+    lines += _format_links(timeline, run)
     replayed = replay.time_per_minibatch_ms
     lines.append(
         f"simulated with the run's own forward, backward and update times: {replayed:.3f} ms per "
@@ -302,6 +309,33 @@ def format_measured(timeline: Timeline, replay: Timeline, run: MeasuredRun, run_
         "schedule and the network for what remains"
     )
     return "\n".join(lines)
+
+
+def _format_links(timeline: Timeline, run: MeasuredRun) -> list[str]:
+    """Each link's median message time, simulated / measured (:mod:`~pipedream.optimizer.
+    messages`), for the links on which the run's receivers waited."""
+    if not run.links:
+        return []
+    simulated = {
+        (x.source, x.destination, x.kind): x
+        for x in link_times(timeline.messages, *_window(timeline))
+    }
+    lines = [
+        "median ms from the post of a send to the message's arrival, simulated / measured, "
+        "over the messages whose receiver waited for them (how many):"
+    ]
+    for link in run.links:
+        name = f"  stage {link.source} -> {link.destination} {link.kind}: "
+        model = simulated.get((link.source, link.destination, link.kind))
+        if model is None:
+            lines.append(name + f"none waited / {link.median_ms:.2f} ({link.count} messages)")
+            continue
+        ratio = f"x{link.median_ms / model.median_ms:.2f}; " if model.median_ms > 0 else ""
+        lines.append(
+            name + f"{model.median_ms:.2f} / {link.median_ms:.2f} "
+            f"({ratio}{model.count} / {link.count} messages)"
+        )
+    return lines
 
 
 def concurrency_note(profile: Profile, plan: Plan, topology: Topology) -> str:

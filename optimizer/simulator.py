@@ -70,6 +70,7 @@ from pipedream.errors import PlanningError
 from pipedream.formats.plan import Plan
 from pipedream.formats.profile import ActionOverhead, PassSpread, Profile
 from pipedream.formats.topology import Topology
+from pipedream.optimizer.messages import MessageTime
 from pipedream.optimizer.transfers import Transfer, TransferPool
 from pipedream.runtime.actions import Action, Op
 from pipedream.runtime.posting import MAX_SENDS_IN_FLIGHT, RECEIVE_WINDOW, receives_posted_before
@@ -258,6 +259,9 @@ class Timeline:
     drawn: bool = False
     """Whether the forwards' and backwards' times, or the messages', were drawn from a spread
     (the time per minibatch is then the mean over the ``measured`` window)."""
+    messages: tuple[MessageTime, ...] = ()
+    """Every message: when its send was posted, when its receiver reached the receive and when
+    that ended (``pipedream simulate --trace`` sets them beside the run's)."""
 
     @property
     def makespan_ms(self) -> float:
@@ -467,6 +471,7 @@ def _simulate(
         (max(first, 0), last),
         window is not None,
         drawn=drawn,
+        messages=tuple(run.message_times),
     )
 
 
@@ -505,6 +510,9 @@ class _Run:
         # each rank's messages sent and not yet waited on, oldest first, and when each left it
         self.unwaited: dict[int, deque[tuple[Op, int, int, int]]] = {r: deque() for r in tables}
         self.left: dict[tuple[Op, int, int, int], float] = {}
+        self.stage_of = {r: s for s, ranks in enumerate(spec.stage_ranks) for r in ranks}
+        self.sent: dict[tuple[Op, int, int, int], float] = {}  # -> when its post started
+        self.message_times: list[MessageTime] = []
         for rank in tables:
             self.clock[rank] = self._reach(rank, 0.0)
 
@@ -605,7 +613,13 @@ class _Run:
             self.events.append(Event(rank, stage, "W", action.index, self.clock[rank], reclaimed))
         self._reclaim(rank)
         if op in (Op.RECV_ACT, Op.RECV_GRAD):
-            del self.messages[(op, action.index, action.peer or 0, rank)]
+            key = (op, action.index, action.peer or 0, rank)
+            del self.messages[key]
+            kind = "activations" if op is Op.RECV_ACT else "gradients"
+            source = self.stage_of[action.peer or 0]
+            reached = max(self.clock[rank], reclaimed)
+            sent = self.sent.pop(key)
+            self.message_times.append(MessageTime(source, stage, kind, sent, reached, now))
         elif op in (Op.SEND_ACT, Op.SEND_GRAD):
             peer = action.peer or 0
             link = (min(rank, peer), max(rank, peer))
@@ -613,6 +627,7 @@ class _Run:
             recv = Op.RECV_ACT if op is Op.SEND_ACT else Op.RECV_GRAD
             key = (recv, action.index, rank, peer)
             self.unwaited[rank].append(key)
+            self.sent[key] = now
             moved = size  # the bytes its transfer takes as long as
             if self.network.message_spread is not None:
                 moved *= self.rng.choice(self.network.message_spread)

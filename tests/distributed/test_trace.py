@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from pipedream.formats.plan import load_plan
+from pipedream.optimizer.measured import message_times
 from pipedream.runtime.plan_check import plan_spec
 from pipedream.runtime.schedule import build_tables
 from pipedream.runtime.trace import CATEGORIES, load_traces
@@ -67,6 +68,12 @@ def test_trace_has_every_action_once(
         if any(event.op.value in ("RF", "RB") for event in trace.events):  # posted ahead
             assert sum(event.posting or 0.0 for event in trace.events) > 0
     assert any(event.op.value == "A" for t in traces for event in t.events) == (max(replicas) > 1)
+    # every message is paired with its receive (replicas included: the tables give the peers),
+    # and none arrives before its send was posted (one clock on one node)
+    sends = [a for table in tables.values() for a in table if a.op.value in ("SF", "SB")]
+    messages = message_times(traces, load_plan(path))
+    assert len(messages) == len(sends)
+    assert all(m.sent_ms <= m.received_ms for m in messages)
 
     png = tmp_path / "timeline.png"
     merged = run_cli("trace", str(run_dir), "-o", str(tmp_path / "merged.json"), "--png", str(png))

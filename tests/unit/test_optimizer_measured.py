@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -15,6 +16,7 @@ from pipedream.cli import main
 from pipedream.errors import TraceError
 from pipedream.formats import LayerProfile, Plan, Profile, StagePlan, save_plan, save_profile
 from pipedream.optimizer.measured import measure_run, measured_work
+from pipedream.optimizer.messages import LinkTimes, link_times
 from pipedream.optimizer.simulator import Network, StageWork, simulate
 from pipedream.runtime.actions import parse_action
 from pipedream.runtime.trace import RankTrace, TraceEvent
@@ -285,3 +287,88 @@ def test_simulate_charges_the_receives_posted_ahead_between_actions(run_files, c
     assert "simulated time per minibatch: 8.500 ms" in out
     assert "update 0.00 / 1.00, between actions 5.9% / 10.0% of the time\n  stage 1" in out
     assert "update 0.00 / 1.00, between actions 5.9% / 0.0% of the time\nsimulated with" in out
+
+
+# -- message times ----------------------------------------------------------------------------
+
+GPIPE = dataclasses.replace(PLAN, schedule="gpipe")
+# gpipe's tables for 2 stages and one microbatch per minibatch, in ms within each minibatch's
+# 10: stage 0 posts its activation at 2.0, stage 1 has waited for it since 0.5 and gets it at
+# 4.0 (2 ms); stage 1 posts the gradient at 6.0, stage 0 has waited since 2.2 and gets it at
+# 7.0 (1 ms), except minibatch 3's, which arrives at 7.5 (1.5 ms), and minibatch 4's
+# activation, which was there before stage 1 reached its receive (0.1 ms: not counted)
+GPIPE_PATTERN = {
+    0: [("F", 0.0, 2.0), ("SF", 2.0, 2.2), ("RB", 2.2, 7.0), ("B", 7.0, 9.0), ("U", 9.0, 9.5)],
+    1: [("RF", 0.5, 4.0), ("F", 4.0, 5.0), ("B", 5.0, 6.0), ("SB", 6.0, 6.2), ("U", 6.2, 6.5)],
+}
+EXCEPTIONS = {"0RB3": (2.2, 7.5), "0B3": (7.5, 9.0), "1RF4": (3.9, 4.0)}
+
+
+def gpipe_traces(minibatches: int = 6) -> list[RankTrace]:
+    result = []
+    for rank in range(2):
+        evs = []
+        for k in range(minibatches):
+            for kind, start, end in GPIPE_PATTERN[rank]:
+                name = f"{rank}{kind}{k}"
+                start, end = EXCEPTIONS.get(name, (start, end))
+                action = parse_action(name)
+                times = (k * PERIOD + start / 1000, k * PERIOD + end / 1000)
+                evs.append(TraceEvent(name, action.op, action.stage, action.index, *times))
+        result.append(RankTrace(rank, rank, 2, tuple(evs), f"rank-{rank}.json"))
+    return result
+
+
+def test_each_links_messages_are_timed_where_their_receiver_waited() -> None:
+    run = measure_run(gpipe_traces(6), GPIPE, skip=1)
+    # the window runs from minibatch 1's completion (16.5 ms) to minibatch 5's (56.5): the
+    # activations of minibatches 2, 3 and 5 (4's receiver did not wait), the gradients of 2,
+    # 3 and 4 (5's arrives at 57, after the window)
+    assert run.links == (
+        LinkTimes(0, 1, "activations", pytest.approx(2.0), 3),
+        LinkTimes(1, 0, "gradients", pytest.approx(1.0), 3),
+    )
+
+
+def test_traces_that_do_not_follow_the_plans_tables_time_no_messages() -> None:
+    # PLAN is asynchronous PipeDream, whose stage 0 runs two forwards before its first
+    # backward; these traces run one at a time
+    assert measure_run(traces(6), PLAN, skip=2).links == ()
+
+
+def test_the_simulation_times_its_messages_the_same_way() -> None:
+    # 1 ms forwards and backwards, 1 MB messages over 1e9 bytes/s and 0.25 ms of latency: each
+    # message takes 1.25 ms after its post, and each receiver is waiting for it
+    work = [StageWork(1.0, 1.0, 0, 1e6), StageWork(1.0, 1.0, 0, 1e6)]
+    timeline = simulate(GPIPE, work, Network((2,), (1e9,), latency_ms=0.25), num_minibatches=8)
+    assert link_times(timeline.messages, 0.0, timeline.completions_ms[-1]) == [
+        LinkTimes(0, 1, "activations", pytest.approx(1.25), 8),
+        LinkTimes(1, 0, "gradients", pytest.approx(1.25), 8),
+    ]
+
+
+def test_simulate_trace_prints_each_links_message_times(tmp_path, run_files, capsys) -> None:
+    save_plan(GPIPE, tmp_path / "gpipe.yaml")
+    for trace in gpipe_traces(6):
+        path = tmp_path / "gpipe-run" / "traces" / f"rank-{trace.rank:03d}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        events = [
+            {"action": e.action, "start": 1e9 + e.start, "end": 1e9 + e.end} for e in trace.events
+        ]
+        payload = {"format": "pipedream/trace@1", "rank": trace.rank, "stage": trace.stage}
+        payload.update(world_size=2, clock="unix seconds", events=events)
+        path.write_text(json.dumps(payload))
+    argv = ["simulate", str(tmp_path / "gpipe.yaml"), "--profile", str(run_files["profile"])]
+    argv += ["--bandwidth", "1e9", "--latency", "0.5"]
+    argv += ["--trace", str(tmp_path / "gpipe-run"), "--trace-skip", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    # the profile's layers output 8 bytes: a simulated message takes its 0.5 ms of latency;
+    # the simulation's steady window holds 3 minibatches (2 to 5), the run's as above
+    assert (
+        "median ms from the post of a send to the message's arrival, simulated / measured, over "
+        "the messages whose receiver waited for them (how many):\n"
+        "  stage 0 -> 1 activations: 0.50 / 2.00 (x4.00; 3 / 3 messages)\n"
+        "  stage 1 -> 0 gradients: 0.50 / 1.00 (x2.00; 3 / 3 messages)\n"
+        "simulated with"
+    ) in out
