@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from pipedream.errors import ScheduleError, TraceError
 from pipedream.formats.plan import Plan
-from pipedream.optimizer.messages import LinkTimes, MessageTime, link_times
+from pipedream.optimizer.messages import LinkTimes, MessageTime, link_times, message_kind
 from pipedream.optimizer.simulator import StageWork
 from pipedream.runtime.actions import Action, Op, parse_action
 from pipedream.runtime.schedule import PipelineSpec, build_tables
@@ -185,12 +185,12 @@ def message_times(traces: Sequence[RankTrace], plan: Plan) -> list[MessageTime]:
     received: dict[tuple[str, int, int, int], tuple[float, float]] = {}
     for trace in traces:
         for action, event in zip(tables[trace.rank], trace.events):
-            peer = action.peer if action.peer is not None else -1
+            if not action.op.is_comm:
+                continue
+            kind, peer = message_kind(action.op), action.peer if action.peer is not None else -1
             if action.op in _SENDS:
-                kind = "activations" if action.op is Op.SEND_ACT else "gradients"
                 sent[(kind, action.index, trace.rank, peer)] = event.start * 1000
-            elif action.op in (Op.RECV_ACT, Op.RECV_GRAD):
-                kind = "activations" if action.op is Op.RECV_ACT else "gradients"
+            else:
                 received[(kind, action.index, peer, trace.rank)] = (
                     event.start * 1000,
                     event.end * 1000,

@@ -26,11 +26,19 @@ import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["WAITED_MS", "LinkTimes", "MessageTime", "link_times"]
+from pipedream.runtime.actions import Op
+
+__all__ = ["WAITED_MS", "LinkTimes", "MessageTime", "link_times", "message_kind"]
 
 WAITED_MS = 0.5
 """A receive that lasted longer than this waited for its message (a receive whose message was
 there already takes a tenth of that in the runtime: decoding the header, taking the buffers)."""
+
+
+def message_kind(op: Op) -> str:
+    """``activations`` or ``gradients``: what a send or receive action carries."""
+    assert op.is_comm, op
+    return "activations" if op in (Op.SEND_ACT, Op.RECV_ACT) else "gradients"
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,7 @@ from pipedream.errors import PlanningError
 from pipedream.formats.plan import Plan
 from pipedream.formats.profile import ActionOverhead, PassSpread, Profile
 from pipedream.formats.topology import Topology
-from pipedream.optimizer.messages import MessageTime
+from pipedream.optimizer.messages import MessageTime, message_kind
 from pipedream.optimizer.transfers import Transfer, TransferPool
 from pipedream.runtime.actions import Action, Op
 from pipedream.runtime.posting import MAX_SENDS_IN_FLIGHT, RECEIVE_WINDOW, receives_posted_before
@@ -615,11 +615,9 @@ class _Run:
         if op in (Op.RECV_ACT, Op.RECV_GRAD):
             key = (op, action.index, action.peer or 0, rank)
             del self.messages[key]
-            kind = "activations" if op is Op.RECV_ACT else "gradients"
-            source = self.stage_of[action.peer or 0]
-            reached = max(self.clock[rank], reclaimed)
-            sent = self.sent.pop(key)
-            self.message_times.append(MessageTime(source, stage, kind, sent, reached, now))
+            source, sent = self.stage_of[action.peer or 0], self.sent.pop(key)
+            message = MessageTime(source, stage, message_kind(op), sent, reclaimed, now)
+            self.message_times.append(message)  # reached the receive once sends were reclaimed
         elif op in (Op.SEND_ACT, Op.SEND_GRAD):
             peer = action.peer or 0
             link = (min(rank, peer), max(rank, peer))
