@@ -84,8 +84,10 @@ def test_the_backward_seed_is_not_charged_to_the_last_layer(
     monkeypatch.setattr(torch, "ones_like", slow_ones_like)
     x = torch.zeros(2, 4, requires_grad=True)
     params = [p for layer in layers for p in layer.parameters()]
-    times = time_chain(chain, {"0": x}, params, device=torch.device("cpu"), warmup=0, repeats=2)
-    assert [6.0 <= backward < 9.0 for _, backward in times] == [True, True]
+    times = time_chain(chain, {"0": x}, params, device=torch.device("cpu"), warmup=1, repeats=3)
+    # a seed charged to a layer would add 50 ms; the bound leaves 20 ms for a busy machine (a
+    # CI run once measured the first layer's 6 ms backward over 9 ms with warmup=0, repeats=2)
+    assert [6.0 <= backward < 26.0 for _, backward in times] == [True, True]
 
 
 class _SleepInPlace(torch.autograd.Function):
