@@ -137,7 +137,7 @@ def render(
         "message (below): a rough floor set by copying a minibatch's 2 m (S - 1) messages "
         "through loopback TCP on this machine's cores (it matters for 32 MiB only). "
         "F+B overrun = mean measured forward + backward action minus F + B (the "
-        "runtime's own cost per microbatch and stage: autograd, functional_call, sleep "
+        "runtime's own cost per microbatch and stage: autograd, the weight-version swap, sleep "
         "granularity).",
         "",
     ]

@@ -2,7 +2,8 @@
 
 The layers' times (:mod:`pipedream.profiler.chain`) are plain module calls. A pipeline stage
 runs them through the runtime's :class:`~pipedream.runtime.worker.StageWorker`, which pays a
-fixed cost per action on top: leaf copies of the weights for stashing, ``functional_call``,
+fixed cost per action on top: leaf copies of the weights for stashing, the swap of the version
+into the module (:class:`~pipedream.runtime.swap.ParameterSwap`),
 ``autograd.grad`` over inputs and weights, the weight-version bookkeeping around an update. It
 is about 0.2 ms per action on a CPU core, small next to real layers but not next to small ones.
 

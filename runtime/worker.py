@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
 
 from pipedream.data import MicrobatchStream
 from pipedream.errors import RunFailure
 from pipedream.runtime.actions import Action
+from pipedream.runtime.swap import ParameterSwap
 from pipedream.runtime.weights import WeightVersions
 
 __all__ = ["NonFiniteLossError", "StageWorker", "WorkerConfig"]
@@ -86,6 +86,7 @@ class StageWorker:
         self.data = data
         self.optimizer = optimizer_factory(list(self.module.parameters()))
         self.param_names = [name for name, _ in self.module.named_parameters()]
+        self._call = ParameterSwap(self.module)
         self.versions = WeightVersions(self.module, table, initial_version=initial_version)
         self._stash: dict[int, _Stashed] = {}
         self.max_in_flight = 0
@@ -103,7 +104,7 @@ class StageWorker:
 
     def _run(self, params: dict[str, Tensor], inputs: list[Tensor]) -> list[Tensor]:
         with self._autocast():
-            out = functional_call(self.module, params, tuple(inputs))
+            out = self._call(params, inputs)
         outputs = list(out) if isinstance(out, (tuple, list)) else [out]
         # activations cross stages in fp32 so that receivers need not know the autocast policy
         return [o.float() if o.is_floating_point() else o for o in outputs]

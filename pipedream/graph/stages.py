@@ -1,8 +1,8 @@
 """Stage modules cut from a layer graph: an ``fx.GraphModule`` per contiguous layer range.
 
 A stage module takes its input values and returns its output values as a tuple; its parameters
-and buffers are the model's own tensors under the model's own names, so ``functional_call``
-(weight stashing) and ``state_dict()`` (checkpoints) work exactly as for ``nn.Sequential``
+and buffers are the model's own tensors under the model's own names, so the weight-version
+swap (weight stashing) and ``state_dict()`` (checkpoints) work exactly as for ``nn.Sequential``
 stages.
 """
 
