@@ -278,9 +278,10 @@ def stage_work(plan: Plan, profile: Profile) -> list[StageWork]:
     """Per-stage costs of ``plan`` from ``profile`` (layer names must match).
 
     The runtime's cost per action (the profile's ``overhead_ms``) is added to every forward,
-    backward and update, and reading a microbatch from the dataset to every forward of the
-    first stage (inputs) and of the last stage (targets); a profile without it (imported, or
-    written before it was measured) adds nothing.
+    backward and update, reading a microbatch from the dataset to every forward of the first
+    stage (inputs) and of the last stage (targets), and the loss to every forward and backward of
+    the last stage; a profile without them (imported, or written before they were measured)
+    adds nothing.
     """
     index = {name: i for i, name in enumerate(profile.layer_names)}
     overhead = profile.overhead or ActionOverhead(0.0, 0.0, 0.0)
@@ -296,13 +297,17 @@ def stage_work(plan: Plan, profile: Profile) -> list[StageWork]:
         first, last = index[stage.first_layer], index[stage.last_layer]
         layers = profile.layers[first : last + 1]
         params = float(sum(layer.parameter_bytes for layer in layers))
+        last_stage = number == len(plan.stages) - 1
         reads = (overhead.inputs_ms if number == 0 else 0.0) + (
-            overhead.targets_ms if number == len(plan.stages) - 1 else 0.0
+            overhead.targets_ms + overhead.loss_forward_ms if last_stage else 0.0
         )
+        loss_backward_ms = overhead.loss_backward_ms if last_stage else 0.0
         work.append(
             StageWork(
                 forward_ms=sum(layer.forward_ms for layer in layers) + overhead.forward_ms + reads,
-                backward_ms=sum(layer.backward_ms for layer in layers) + overhead.backward_ms,
+                backward_ms=sum(layer.backward_ms for layer in layers)
+                + overhead.backward_ms
+                + loss_backward_ms,
                 parameter_bytes=params,
                 output_bytes=float(profile.boundary_bytes(last)) if last < len(index) - 1 else 0,
                 update_ms=sum(layer.update_ms or 0.0 for layer in layers) + overhead.update_ms,

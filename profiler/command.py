@@ -37,7 +37,7 @@ from pipedream.host_memory import configure_host_memory
 from pipedream.profiler.corunners import Corunners, CorunnerSpec
 from pipedream.profiler.graph_profile import layer_graph, measure_graph
 from pipedream.profiler.measure import ProfilerError, measure_sequential
-from pipedream.profiler.overhead import measure_data_reads, measure_overhead
+from pipedream.profiler.overhead import measure_data_reads, measure_loss, measure_overhead
 from pipedream.workload import Workload, load_workload, parse_workload_args
 
 __all__ = ["default_device", "format_table", "profile_workload", "run"]
@@ -124,7 +124,8 @@ def format_table(profile: Profile) -> str:
             f"runtime cost per action (added by the simulator): forward {extra.forward_ms:.3f} "
             f"ms, backward {extra.backward_ms:.3f} ms, update {extra.update_ms:.3f} ms; reading "
             f"a microbatch: inputs {extra.inputs_ms:.3f} ms (first stage), targets "
-            f"{extra.targets_ms:.3f} ms (last stage)"
+            f"{extra.targets_ms:.3f} ms (last stage); the loss: {extra.loss_forward_ms:.3f} ms "
+            f"forward, {extra.loss_backward_ms:.3f} ms backward (last stage)"
         )
     if profile.spread is not None:
         spread = profile.spread
@@ -226,7 +227,23 @@ def _measure(
     inputs_ms, targets_ms = measure_data_reads(
         stream, device=device, warmup=warmup, repeats=repeats
     )
-    overhead = dataclasses.replace(overhead, inputs_ms=inputs_ms, targets_ms=targets_ms)
+    with torch.no_grad():
+        output = model(example)
+    loss_forward_ms, loss_backward_ms = measure_loss(
+        workload.loss_fn,
+        output[0] if isinstance(output, (tuple, list)) else output,
+        stream,
+        device=device,
+        warmup=warmup,
+        repeats=repeats,
+    )
+    overhead = dataclasses.replace(
+        overhead,
+        inputs_ms=inputs_ms,
+        targets_ms=targets_ms,
+        loss_forward_ms=loss_forward_ms,
+        loss_backward_ms=loss_backward_ms,
+    )
     return list(layers), cut_bytes, overhead, PassSpread.from_passes(passes)
 
 

@@ -14,7 +14,13 @@ over repeats, never below 0. Stashing a version copies the stage's weights (into
 a released copy), and a minibatch of several microbatches adds each gradient into ``.grad``;
 both costs per MiB are measured on 16 MiB tensors. The first stage reads every microbatch's
 inputs from the workload's dataset and the last stage its targets (``pipedream/data.py``):
-:func:`measure_data_reads` times both on the workload's own dataset.
+:func:`measure_data_reads` times both on the workload's own dataset. No layer's time contains
+the loss, which the last stage computes on every forward (with the runtime's check for a
+non-finite value) and differentiates on every backward: :func:`measure_loss` times it on the
+model's output and the dataset's targets. It is small for a mean squared error over a few
+outputs (the ``mlp`` workload's: 0.07 ms forward and 0.08 ms backward on a CPU core, next to
+the 2.9 ms forward of its last 4 layers at width 512) and not for a cross entropy over a large
+vocabulary.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ __all__ = [
     "cold_target_count",
     "last_level_cache_bytes",
     "measure_data_reads",
+    "measure_loss",
     "measure_overhead",
 ]
 
@@ -202,3 +209,46 @@ def measure_data_reads(
     inputs = [_ms(lambda i=i: stream.inputs(i).to(device), sync) for i in range(count)]
     targets = [_ms(lambda i=i: stream.targets(i).to(device), sync) for i in range(count)]
     return statistics.median(inputs[warmup:]), statistics.median(targets[warmup:])
+
+
+def measure_loss(
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    output: Tensor,
+    stream: MicrobatchStream,
+    *,
+    device: torch.device,
+    warmup: int = 3,
+    repeats: int = 10,
+) -> tuple[float, float]:
+    """Milliseconds of the workload's loss on ``output`` (one microbatch's output of the model)
+    and the targets of a different microbatch each time, with the check for a non-finite loss
+    that the runtime's last stage makes, and of the loss's gradient with respect to ``output``
+    (medians; 0 for the gradient of a loss that does not depend on the output)."""
+    sync = functools.partial(sync_device, device)
+    count = warmup + max(repeats, 5)
+    times = [
+        _loss_ms(loss_fn, output, stream.targets(index).to(device), sync) for index in range(count)
+    ]
+    forward = statistics.median(f for f, _ in times[warmup:])
+    return forward, statistics.median(b for _, b in times[warmup:])
+
+
+def _loss_ms(
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    output: Tensor,
+    targets: Tensor,
+    sync: Callable[[], None],
+) -> tuple[float, float]:
+    """One timed loss and its gradient (see :func:`measure_loss`)."""
+    leaf = output.detach().requires_grad_(output.is_floating_point())
+    losses: list[Tensor] = []
+
+    def loss() -> None:
+        value = loss_fn(leaf, targets)
+        bool(torch.isfinite(value.detach()))
+        losses.append(value)
+
+    forward = _ms(loss, sync)
+    if not losses[0].requires_grad:
+        return forward, 0.0
+    return forward, _ms(lambda: torch.autograd.grad(losses[0], leaf, allow_unused=True), sync)

@@ -94,7 +94,9 @@ class ActionOverhead:
     fixed cost of an action (stashing and functional calls, the autograd call, the optimizer
     call), which small layers feel and the simulator adds to every action. Reading a
     microbatch from the workload's dataset is measured on the workload itself: the first stage
-    pays it for the inputs, the last stage for the targets, on every forward.
+    pays it for the inputs, the last stage for the targets, on every forward. So is the loss,
+    which no layer's time contains: the last stage computes it on every forward and its
+    gradient on every backward.
     """
 
     forward_ms: float
@@ -115,6 +117,12 @@ class ActionOverhead:
     targets_ms: float = 0.0
     """Reading one microbatch's targets from the dataset (every forward of the last stage);
     optional."""
+    loss_forward_ms: float = 0.0
+    """The workload's loss of one microbatch's output and its check for a non-finite value
+    (every forward of the last stage); optional."""
+    loss_backward_ms: float = 0.0
+    """The gradient of that loss with respect to the output (every backward of the last
+    stage); optional."""
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -130,6 +138,10 @@ class ActionOverhead:
             out["inputs_ms"] = round(self.inputs_ms, 6)
         if self.targets_ms:
             out["targets_ms"] = round(self.targets_ms, 6)
+        if self.loss_forward_ms:
+            out["loss_forward_ms"] = round(self.loss_forward_ms, 6)
+        if self.loss_backward_ms:
+            out["loss_backward_ms"] = round(self.loss_backward_ms, 6)
         return out
 
     @classmethod
@@ -142,6 +154,8 @@ class ActionOverhead:
             accumulate_ms_per_mib=reader.number("accumulate_ms_per_mib", 0.0),
             inputs_ms=reader.number("inputs_ms", 0.0),
             targets_ms=reader.number("targets_ms", 0.0),
+            loss_forward_ms=reader.number("loss_forward_ms", 0.0),
+            loss_backward_ms=reader.number("loss_backward_ms", 0.0),
         )
         reader.finish()
         return overhead

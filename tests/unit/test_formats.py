@@ -86,6 +86,8 @@ PROFILE: dict[str, Any] = {
         "accumulate_ms_per_mib": 0.09375,
         "inputs_ms": 0.03125,
         "targets_ms": 0.015625,
+        "loss_forward_ms": 0.375,
+        "loss_backward_ms": 0.1875,
     },
 }
 
@@ -172,6 +174,8 @@ def test_profile_from_literal_dict() -> None:
         accumulate_ms_per_mib=0.09375,
         inputs_ms=0.03125,
         targets_ms=0.015625,
+        loss_forward_ms=0.375,
+        loss_backward_ms=0.1875,
     )
     assert profile.cut_bytes == (1024, 2048)
     assert [profile.boundary_bytes(i) for i in range(2)] == [1024, 2048]

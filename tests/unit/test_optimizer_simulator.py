@@ -294,9 +294,17 @@ def test_stage_work_adds_update_times_and_the_runtime_cost_per_action() -> None:
     assert timeline.time_per_minibatch_ms == pytest.approx(2.25 + 4.125 + 1.5625)
 
 
-def test_first_and_last_stage_forwards_read_the_microbatch() -> None:
+def test_first_and_last_stage_forwards_read_the_microbatch_and_the_last_computes_the_loss() -> None:
     layers = tuple(LayerProfile(f"l{i}", "Linear", 1.0, 2.0, 100, 10) for i in range(3))
-    overhead = ActionOverhead(0.0, 0.0, 0.0, inputs_ms=0.5, targets_ms=0.25)
+    overhead = ActionOverhead(
+        0.0,
+        0.0,
+        0.0,
+        inputs_ms=0.5,
+        targets_ms=0.25,
+        loss_forward_ms=0.125,
+        loss_backward_ms=0.0625,
+    )
     profile = Profile("toy", 1, "cpu", "float32", layers, overhead=overhead)
     stages = [("l0", "l0"), ("l1", "l1"), ("l2", "l2")]
     plan = Plan(
@@ -307,11 +315,13 @@ def test_first_and_last_stage_forwards_read_the_microbatch() -> None:
         3,
         tuple(StagePlan(a, b, 1, (i,)) for i, (a, b) in enumerate(stages)),
     )
-    # inputs on stage 0, nothing in the middle, targets on the last stage
-    assert [w.forward_ms for w in stage_work(plan, profile)] == [1.5, 1.0, 1.25]
-    # one stage reads both
+    # inputs on stage 0, nothing in the middle, targets and the loss on the last stage
+    assert [w.forward_ms for w in stage_work(plan, profile)] == [1.5, 1.0, 1.375]
+    assert [w.backward_ms for w in stage_work(plan, profile)] == [2.0, 2.0, 2.0625]
+    # one stage reads both and computes the loss
     alone = Plan("toy", "gpipe", 1, 1, 1, (StagePlan("l0", "l2", 1, (0,)),))
-    assert [w.forward_ms for w in stage_work(alone, profile)] == [3.75]
+    assert [w.forward_ms for w in stage_work(alone, profile)] == [3.875]
+    assert [w.backward_ms for w in stage_work(alone, profile)] == [6.0625]
 
 
 @pytest.mark.parametrize(

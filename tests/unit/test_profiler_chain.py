@@ -13,7 +13,7 @@ from torch import nn
 
 from pipedream.profiler.chain import ChainLayer, _backward_ms, time_chain
 from pipedream.profiler.measure import UpdateTimer, measure_sequential
-from pipedream.profiler.overhead import measure_data_reads, measure_overhead
+from pipedream.profiler.overhead import measure_data_reads, measure_loss, measure_overhead
 from pipedream.workloads.sleep import SleepLayer
 
 
@@ -260,3 +260,57 @@ def test_data_reads_are_timed_on_the_workloads_dataset() -> None:
     # a different microbatch each time: 1 warm-up read and 5 timed ones of each
     assert reads == [("inputs", i) for i in range(6)] + [("targets", i) for i in range(6)]
     assert 0.0 < inputs_ms < 50.0 and 0.0 < targets_ms < 50.0
+
+
+class _SlowLoss(torch.autograd.Function):
+    """Mean squared error that sleeps 6 ms in forward and 3 ms in backward."""
+
+    @staticmethod
+    def forward(ctx, output, target):  # type: ignore[no-untyped-def]
+        time.sleep(0.006)
+        ctx.save_for_backward(output, target)
+        return ((output - target) ** 2).mean()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        time.sleep(0.003)
+        output, target = ctx.saved_tensors
+        return grad * 2 * (output - target) / output.numel(), None
+
+
+def test_the_loss_is_timed_on_the_models_output_and_each_microbatchs_targets() -> None:
+    seen: list[int] = []
+
+    class Stream:
+        def targets(self, index: int) -> torch.Tensor:
+            seen.append(index)
+            return torch.full((4, 3), float(index))
+
+    forward_ms, backward_ms = measure_loss(
+        _SlowLoss.apply,
+        torch.ones(4, 3),
+        Stream(),  # type: ignore[arg-type]
+        device=torch.device("cpu"),
+        warmup=1,
+        repeats=5,
+    )
+    assert seen == list(range(6))
+    # the sleeps, with room for a busy machine; swapped times would fail both
+    assert 6.0 <= forward_ms < 26.0 and forward_ms > backward_ms
+    assert 3.0 <= backward_ms < 23.0
+
+
+def test_a_loss_that_ignores_the_output_has_no_backward() -> None:
+    class Stream:
+        def targets(self, index: int) -> torch.Tensor:
+            return torch.zeros(2)
+
+    _, backward_ms = measure_loss(
+        lambda output, target: target.sum(),
+        torch.ones(2),
+        Stream(),  # type: ignore[arg-type]
+        device=torch.device("cpu"),
+        warmup=0,
+        repeats=5,
+    )
+    assert backward_ms == 0.0
