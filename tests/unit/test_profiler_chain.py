@@ -58,10 +58,11 @@ def test_sleeping_layers_get_their_own_times() -> None:
     ]
     x = torch.zeros(2, 4, requires_grad=True)
     params = [p for layer in layers for p in layer.parameters()]
-    times = time_chain(chain, {"0": x}, params, device=torch.device("cpu"), warmup=1, repeats=3)
+    times = time_chain(chain, {"0": x}, params, device=torch.device("cpu"), warmup=1, repeats=5)
+    # a layer charged with its neighbour's time would be off by 4 ms or more
     for (forward, backward), (f, b) in zip(times, sleeps):
-        assert f <= forward < f + 3.0
-        assert b <= backward < b + 3.0
+        assert f <= forward < f + 4.0
+        assert b <= backward < b + 4.0
     assert all(p.grad is None for p in params)
 
 
