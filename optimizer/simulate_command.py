@@ -16,7 +16,12 @@ the grid (ranks x time slots, bubbles as ``.``), the simulated steady-state time
 next to the plan's own prediction, and each rank's busy share (with ``--spread``, every
 forward and backward drawn from the profile's ``pass_spread``, and with ``--message-spread``
 every message's transfer time drawn from the ratios given, the mean time per minibatch
-instead: :mod:`~pipedream.optimizer.simulator`). With ``--trace`` it also sets
+instead: :mod:`~pipedream.optimizer.simulator`). Without them it also prints the mean time
+per minibatch with every action and message 5% longer or shorter at random, and calls the
+fixed steady state fragile where that is more than 3% away
+(:func:`~pipedream.optimizer.simulator.jittered`: cycles of microbatches that the tables leave
+free to drift against each other, which fixed times hold at the fill's offset). With
+``--trace`` it also sets
 the simulation beside the run of the plan it predicts (``pipedream train --trace``): the run's
 time per minibatch, each stage's profiled and measured action times, and the plan simulated
 again with the measured ones (:mod:`~pipedream.optimizer.measured`; drawn from the same spread
@@ -37,16 +42,19 @@ from pipedream.formats.units import parse_bandwidth
 from pipedream.optimizer.measured import MeasuredRun, measure_run, measured_work
 from pipedream.optimizer.messages import link_times
 from pipedream.optimizer.simulator import (
+    FRAGILE,
+    JITTER,
     Event,
     Network,
     Timeline,
+    jittered,
     simulate,
     stage_work,
 )
 from pipedream.optimizer.timeline import draw_timeline, format_timeline
 from pipedream.runtime.trace import load_traces
 
-__all__ = ["concurrency_note", "format_measured", "format_report", "run"]
+__all__ = ["concurrency_note", "format_jitter", "format_measured", "format_report", "run"]
 
 
 def _profile(args: argparse.Namespace, plan: Plan) -> Profile:
@@ -219,6 +227,25 @@ def format_report(timeline: Timeline, plan: Plan, drawn: str = "") -> str:
     ]
     lines.append("busy share per rank (the rest is bubbles and waiting): " + ", ".join(busy))
     return "\n".join(lines)
+
+
+def format_jitter(timeline: Timeline, noisy: Timeline) -> str:
+    """The fixed simulation next to the jittered one (:func:`jittered`), and whether the fixed
+    steady state is fragile (the two more than :data:`FRAGILE` apart)."""
+    change = noisy.time_per_minibatch_ms / timeline.time_per_minibatch_ms - 1
+    line = (
+        f"with every action and message {100 * JITTER:.0f}% longer or shorter at random "
+        f"(seeded): {noisy.time_per_minibatch_ms:.3f} ms per minibatch ({change:+.1%}; the mean "
+        f"between minibatches {noisy.measured[0]} and {noisy.measured[1]})"
+    )
+    if abs(change) > FRAGILE:
+        line += (
+            "\nthe fixed steady state is fragile: small timing noise moves it (cycles that "
+            "share the ranks drift against each other, and messages that then overlap slow "
+            "each other down); a real run, never free of noise, is likely nearer the jittered "
+            "time"
+        )
+    return line
 
 
 _ACTIONS = (("F", "forward"), ("B", "backward"), ("U", "update"), ("S", "send"))
@@ -401,6 +428,8 @@ def run(args: argparse.Namespace) -> int:
     print(format_timeline(timeline, plan, width=args.width))
     print()
     print(format_report(timeline, plan, _drawn_description(spread, network.message_spread)))
+    if not timeline.drawn:
+        print(format_jitter(timeline, jittered(plan, work, network)))
     if measured is not None:
         print()
         replayed = measured_work(work, measured)

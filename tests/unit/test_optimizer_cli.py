@@ -69,6 +69,7 @@ def test_plan_on_a_topology_records_profile_and_cluster(files, capsys) -> None:
     code, out, _ = run_cli(["simulate", str(plan_file), "--width", "12"], capsys)
     assert code == 0
     assert "simulated time per minibatch" in out and "plan's prediction" in out
+    assert "with every action and message 5% longer or shorter at random (seeded): " in out
     assert "rank (stage) | 0" in out
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pipedream.errors import PlanningError
 from pipedream.formats import (
     ActionOverhead,
     LayerProfile,
@@ -14,11 +15,14 @@ from pipedream.formats import (
     StagePlan,
     Topology,
 )
+from pipedream.optimizer.simulate_command import format_jitter
 from pipedream.optimizer.simulator import (
+    FRAGILE,
     SPREAD_MINIBATCHES,
     Network,
     StageWork,
     default_steps,
+    jittered,
     simulate,
     stage_work,
     steady_window,
@@ -173,6 +177,52 @@ def test_messages_that_vary_hold_the_pipeline_up() -> None:
     assert drawn > 22.0 * 1.05
     assert simulated((0.5, 3.5), seed=1) == drawn  # seeded
     assert simulated((0.5, 3.5), seed=2) != drawn
+
+
+# Two stages of F = 20, B = 40 ms; each message 20 ms (400 kB at 20 MB/s) on a link whose two
+# directions share it, as do each rank's sends and receives (gloo's one transport thread).
+SHARED_LINK = Network((2,), (20e6,), duplex=1.0, per_rank=1.0)
+SLOW_MESSAGES = [StageWork(20.0, 40.0, 0, 400e3), StageWork(20.0, 40.0, 0, 400e3)]
+
+
+def test_no_jitter_is_the_fixed_timeline() -> None:
+    plan = plan_of("2bw", [1, 1], 8)
+    fixed = simulate(plan, SLOW_MESSAGES, SHARED_LINK)
+    assert fixed.steady and fixed.time_per_minibatch_ms == pytest.approx(640.0)
+    same = jittered(plan, SLOW_MESSAGES, SHARED_LINK, jitter=0.0)
+    assert same.drawn and same.time_per_minibatch_ms == pytest.approx(640.0)
+
+
+def test_two_cycles_that_share_a_link_drift_into_each_other_under_noise() -> None:
+    # 2bw, 8 microbatches: the even and the odd microbatches each cycle through activation
+    # (20), the second stage's F + B (60), gradient (20), the first stage's B and next F (60),
+    # 160 ms per two microbatches whatever the offset between the two cycles. The fixed times
+    # keep the fill's offset, at which the two directions never share the link: 80 ms per
+    # microbatch, 640 per minibatch. Where an activation and a gradient overlap, each takes
+    # 40 ms: up to 100 ms per microbatch. Noise lets the offset drift into the overlap.
+    plan = plan_of("2bw", [1, 1], 8)
+    fixed = simulate(plan, SLOW_MESSAGES, SHARED_LINK)
+    noisy = jittered(plan, SLOW_MESSAGES, SHARED_LINK)  # every time 0.95x or 1.05x
+    assert 640.0 * (1 + FRAGILE) < noisy.time_per_minibatch_ms < 800.0 * 1.05
+    assert jittered(plan, SLOW_MESSAGES, SHARED_LINK) == noisy  # seeded
+    assert "fixed steady state is fragile" in format_jitter(fixed, noisy)
+
+
+def test_a_flush_with_free_messages_is_not_fragile() -> None:
+    # gpipe, 2 stages, 8 microbatches: 9 slots of F + B = 540 ms; a late action holds up the
+    # other stage a little (the mean over drawn times is higher), but nothing drifts
+    plan, work = plan_of("gpipe", [1, 1], 8), equal(2, 20.0, 40.0)
+    fixed = simulate(plan, work, FAST)
+    noisy = jittered(plan, work, FAST)
+    assert fixed.time_per_minibatch_ms == pytest.approx(540.0)
+    assert 540.0 < noisy.time_per_minibatch_ms < 540.0 * (1 + FRAGILE)
+    assert "fragile" not in format_jitter(fixed, noisy)
+
+
+@pytest.mark.parametrize("jitter", [-0.1, 1.0])
+def test_a_jitter_outside_0_to_1_is_refused(jitter: float) -> None:
+    with pytest.raises(PlanningError, match=f"jitter {jitter}"):
+        jittered(plan_of("gpipe", [1, 1]), equal(2, 1.0, 2.0), FAST, jitter=jitter)
 
 
 def test_a_send_posted_while_its_transfer_runs_is_off_the_critical_path_of_a_flush() -> None:
