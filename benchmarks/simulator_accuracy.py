@@ -47,6 +47,7 @@ from real_compute import (
     case_name,
 )
 from sleep_pipeline import (
+    DISAGREE,
     HOST_CALIBRATIONS,
     SIZES,
     cases,
@@ -137,7 +138,8 @@ def send_overhead(post_ms: dict[int, float]) -> tuple[float, float]:
 
 def host_calibrations(directory: Path) -> list[dict[str, Any]]:
     """The ``gloo_host.py`` runs ``sleep_pipeline.py`` took right before and after the case in
-    ``directory`` (its 32 MiB cases; none for the others)."""
+    ``directory``, and a third where those two disagreed (its 32 MiB cases; none for the
+    others)."""
     paths = [host_calibration_path(directory, when) for when in HOST_CALIBRATIONS]
     return [json.loads(path.read_text()) for path in paths if path.exists()]
 
@@ -154,7 +156,8 @@ def network(
     ``gloo_p2p.py``); with calibrations, the 32 MiB time (after 40 ms of quiet on the link,
     where calibrated: the sleep layers leave the links quiet between messages), the host's
     capacity and the links' duplex factor (:func:`duplex_factor`) of the ``gloo_host.py`` runs
-    right before and after the case (their means), each rank moving one link's worth in all
+    around the case (their medians: the means of the two right before and after it, the
+    middle one where a third broke their tie), each rank moving one link's worth in all
     (``--per-rank 1``: gloo's one transport thread per process); without, ``large_ms`` (the
     32 MiB time of ``gloo_p2p.py``) and links of their own (messages of a few KiB do not load
     the host); the time posting a message holds the sender, ``post`` (:func:`send_overhead`),
@@ -164,9 +167,9 @@ def network(
     if hosts:
         if all(QUIET in host["ms"] for host in hosts):
             message = QUIET  # sleep layers leave the links quiet between messages
-        large_ms = statistics.mean(host["ms"][message] for host in hosts)
+        large_ms = statistics.median(host["ms"][message] for host in hosts)
         known = [h["capacity_bytes_per_s"] for h in hosts if h["capacity_bytes_per_s"]]
-        capacity = statistics.mean(known) if known else None
+        capacity = statistics.median(known) if known else None
         duplex = duplex_factor(hosts)
     bandwidth = SIZES["large"] / (large_ms / 1000)
     argv = ["--bandwidth", f"{bandwidth:.0f}", "--latency", f"{latency_ms:.3f}"]
@@ -205,14 +208,14 @@ def message_spread(hosts: list[dict[str, Any]]) -> list[str]:
 
 def duplex_factor(hosts: list[dict[str, Any]]) -> float:
     """What a link moves both ways at once, in multiples of one way (``pipedream simulate
-    --duplex``): ``2 x one / both ways`` of the ``gloo_host.py`` runs (their mean), within
+    --duplex``): ``2 x one / both ways`` of the ``gloo_host.py`` runs (their median), within
     [1, 2].
 
     >>> duplex_factor([{"ms": {"one": 12.5, "both ways": 20.0}}])
     1.25
     """
     factors = [2 * host["ms"]["one"] / host["ms"]["both ways"] for host in hosts]
-    return min(2.0, max(1.0, statistics.mean(factors)))
+    return min(2.0, max(1.0, statistics.median(factors)))
 
 
 def _measured(run_dir: Path, skip: int) -> list[float] | None:
@@ -333,7 +336,9 @@ def main() -> int:
         "links' duplex factor (`--duplex`: 2 x one message / two sent each "
         "way at once) and the host's copy capacity shared by "
         "concurrent messages (`gloo_host.py` with as many processes as the case has ranks, "
-        "the mean of one calibration right before and one right after the case: the speed "
+        "the mean of one calibration right before and one right after the case, or the "
+        "median of three where those two disagreed by more than "
+        f"{DISAGREE}x and a third right after them broke the tie: the speed "
         "drifts within minutes), each rank moving one link's worth in and out together "
         "(`--per-rank 1`: gloo carries all of a process's messages on one thread); the other "
         "cases' messages, a few KiB, take 32 MiB in "
