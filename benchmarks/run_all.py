@@ -1,5 +1,5 @@
-"""Run every benchmark in order and refresh ``benchmarks/RESULTS.md`` (about 75 minutes on the
-2-core test machine: sleep_pipeline.py about 57, real_compute.py 13, simulator_accuracy.py 3).
+"""Run every benchmark in order and refresh ``benchmarks/RESULTS.md`` (64-75 minutes on the
+2-core test machine: sleep_pipeline.py 48-57, real_compute.py 11-13, simulator_accuracy.py 3-5).
 
     python benchmarks/run_all.py
 
