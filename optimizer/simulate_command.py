@@ -19,8 +19,9 @@ every message's transfer time drawn from the ratios given, the mean time per min
 instead: :mod:`~pipedream.optimizer.simulator`). Without them it also prints the mean time
 per minibatch with every action and message 5% longer or shorter at random, and calls the
 fixed steady state fragile where that is more than 3% away
-(:func:`~pipedream.optimizer.simulator.jittered`: cycles of microbatches that the tables leave
-free to drift against each other, which fixed times hold at the fill's offset). With
+(:func:`~pipedream.optimizer.simulator.jittered`: stages without slack that late actions hold
+up, cycles of microbatches that the tables leave free to drift against each other, which
+fixed times hold at the fill's offset). With
 ``--trace`` it also sets
 the simulation beside the run of the plan it predicts (``pipedream train --trace``): the run's
 time per minibatch, each stage's profiled and measured action times, and the plan simulated
@@ -240,10 +241,10 @@ def format_jitter(timeline: Timeline, noisy: Timeline) -> str:
     )
     if abs(change) > FRAGILE:
         line += (
-            "\nthe fixed steady state is fragile: small timing noise moves it (cycles that "
-            "share the ranks drift against each other, and messages that then overlap slow "
-            "each other down); a real run, never free of noise, is likely nearer the jittered "
-            "time"
+            "\nthe fixed steady state is fragile: small timing noise moves it (a late action "
+            "holds up stages that have no slack; cycles of microbatches that only share ranks "
+            "drift against each other, and messages that then overlap slow each other down); "
+            "a real run, never free of noise, is likely nearer the jittered time"
         )
     return line
 
