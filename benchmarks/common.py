@@ -135,15 +135,23 @@ def write_plan(plan: dict[str, Any], path: Path) -> Path:
 
 
 def profile_workload(
-    workload: str, args: dict[str, Any], microbatch_size: int, out: Path, *, concurrent: int = 1
+    workload: str,
+    args: dict[str, Any],
+    microbatch_size: int,
+    out: Path,
+    *,
+    concurrent: int = 1,
+    repeats: int | None = None,
 ) -> Command:
-    """``pipedream profile`` of a workload into ``out``, with the CLI's default repetitions
-    (3 warm-up passes, medians of 10: with 3 the mlp's stage times moved by 10% run to run),
-    beside ``concurrent - 1`` co-runners (``--concurrent``: the other ranks of this host)."""
+    """``pipedream profile`` of a workload into ``out``, beside ``concurrent - 1`` co-runners
+    (``--concurrent``: the other ranks of this host), with ``repeats`` timed passes (``None``:
+    the CLI's default, 3 warm-up passes and medians of 10)."""
     argv = [sys.executable, "-m", "pipedream.cli", "profile", workload]
     argv += ["--microbatch-size", str(microbatch_size)]
     if concurrent != 1:
         argv += ["--concurrent", str(concurrent)]
+    if repeats is not None:
+        argv += ["--repeats", str(repeats)]
     for name, value in args.items():
         argv += ["--workload-arg", f"{name}={value}"]
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -47,7 +47,16 @@ from pipedream.runtime.collector import frozen_heap
 from pipedream.runtime.trace import load_traces
 from pipedream.workload import load_workload
 
-__all__ = ["ARGS", "OURS", "PROFILE_AFTER", "PROFILE_BEFORE", "ROUNDS", "case_directory", "main"]
+__all__ = [
+    "ARGS",
+    "OURS",
+    "PROFILE_AFTER",
+    "PROFILE_BEFORE",
+    "PROFILE_REPEATS",
+    "ROUNDS",
+    "case_directory",
+    "main",
+]
 
 ARGS = {"layers": 8, "width": 1024, "in_features": 1024, "samples": 4096}
 """mlp options: 8 Linear(1024)+ReLU blocks and a head, ~8.4 M parameters."""
@@ -71,6 +80,12 @@ ROUNDS = 3
 """Runs of every case (medians are reported)."""
 PROFILE_BEFORE, PROFILE_AFTER = "profile.yaml", "profile-after.yaml"
 """The profiles taken right before and right after each run, in its round's directory."""
+PROFILE_REPEATS = 50
+"""Timed passes of each of those profiles: about 3 s of the host, as long as a run's measured
+window, where the CLI's default 10 passes sample 0.6 s. The host's speed moves within seconds:
+co-run profiles with 10 passes put stage 0's forward at 8.8-15.4 ms around runs whose stage-0
+forwards took a median 10.4-11.7 ms (2026-11-26, 05:53-06:05 UTC); one with 50 passes put it
+at 11.6 ms beside a run's 10.7 (08:45 UTC)."""
 TORCH_STEPS, TORCH_WARMUP = 24, 10
 """torch.distributed.pipelining: steps run, and the step whose end starts the window (as ours
 with 1f1b and gpipe: the end of the 10th step)."""
@@ -122,7 +137,12 @@ def run_ours(
     # share this host's cores, caches and memory bandwidth)
     def profile(file_name: str) -> Command:
         done = profile_workload(
-            "mlp", ARGS, MICROBATCH_SIZE, directory / file_name, concurrent=len(stages)
+            "mlp",
+            ARGS,
+            MICROBATCH_SIZE,
+            directory / file_name,
+            concurrent=len(stages),
+            repeats=PROFILE_REPEATS,
         )
         if done.returncode != 0:
             print(f"  {name}: profile FAILED {done.output[-1000:]}", file=sys.stderr)

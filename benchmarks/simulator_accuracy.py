@@ -42,6 +42,7 @@ from real_compute import (
     OURS,
     PROFILE_AFTER,
     PROFILE_BEFORE,
+    PROFILE_REPEATS,
     ROUNDS,
     case_directory,
     case_name,
@@ -325,6 +326,7 @@ def main() -> int:
         "",
         "Each plan run above, simulated by `pipedream simulate PLAN --profile PROFILE` with the "
         "workload profiled by `pipedream profile` (default repetitions; for the mlp cases, "
+        f"{PROFILE_REPEATS} timed passes, about as long as a run's measured window, "
         "right before and right after each run, as the machine's speed drifts, with "
         "`--concurrent` = the run's ranks: a co-runner trains beside the profiler as the other "
         "stage does in the run; the simulated time is the mean of the two) and the network "
