@@ -83,9 +83,9 @@ PROFILE_BEFORE, PROFILE_AFTER = "profile.yaml", "profile-after.yaml"
 PROFILE_REPEATS = 50
 """Timed passes of each of those profiles: about 3 s of the host, as long as a run's measured
 window, where the CLI's default 10 passes sample 0.6 s. The host's speed moves within seconds:
-co-run profiles with 10 passes put stage 0's forward at 8.8-15.4 ms around runs whose stage-0
-forwards took a median 10.4-11.7 ms (2026-11-26, 05:53-06:05 UTC); one with 50 passes put it
-at 11.6 ms beside a run's 10.7 (08:45 UTC)."""
+with 10 passes the profiles right after a run put stage 0's forward and backward at a median 10%
+from those right before it (0.89-1.41x, 12 rounds of 2026-11-26, 05:53-06:05 UTC), with 50 at
+3% (0.75-1.14x, 08:16-08:28 UTC)."""
 TORCH_STEPS, TORCH_WARMUP = 24, 10
 """torch.distributed.pipelining: steps run, and the step whose end starts the window (as ours
 with 1f1b and gpipe: the end of the 10th step)."""
