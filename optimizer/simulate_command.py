@@ -20,10 +20,9 @@ instead: :mod:`~pipedream.optimizer.simulator`). Without them it also prints the
 per minibatch with every action and message 5% longer or shorter at random, and calls the
 fixed steady state fragile where that is more than 3% away
 (:func:`~pipedream.optimizer.simulator.jittered`: stages without slack that late actions hold
-up, cycles of microbatches that the tables leave free to drift against each other, which
-fixed times hold at the fill's offset). With
-``--trace`` it also sets
-the simulation beside the run of the plan it predicts (``pipedream train --trace``): the run's
+up, and cycles of microbatches that the tables leave free to drift against each other, which
+fixed times hold at the fill's offset). With ``--trace`` it also sets the simulation beside
+the run of the plan it predicts (``pipedream train --trace``): the run's
 time per minibatch, each stage's profiled and measured action times, and the plan simulated
 again with the measured ones (:mod:`~pipedream.optimizer.measured`; drawn from the same spread
 with ``--spread``), which tells a profile that was off from a model that is. No torch.
