@@ -21,7 +21,10 @@ step after every microbatch, always busy, where a rank trains its stage, waits i
 copies messages.
 
 A co-runner is ``python -m pipedream.profiler.corunners SPEC_JSON``. It prints ``ready`` once
-it has trained a few microbatches, and stops when its standard input closes: when
+it has trained a few microbatches, and from then on sends whatever the workload prints, on
+stdout or stderr, to ``/dev/null`` (nobody reads a pipe that would fill, and a file that grows
+for as long as the profile runs would hold nothing but that), except the one line saying why it
+failed, if it does. It stops when its standard input closes: when
 :class:`Corunners` leaves its ``with`` block, and also when the profiling process dies, however
 it dies (after its current microbatch), so no co-runner outlives it. One that stops on its own
 while the measurement runs fails the profile, which would otherwise claim ``K`` processes.
@@ -53,6 +56,8 @@ WARMUP_STEPS = 3
 """Microbatches a co-runner trains before it says it is ready (first-call costs)."""
 ERROR_MARK = "pipedream-corunner-error:"
 """Starts the one line a failing co-runner writes to stderr (after any traceback noise)."""
+STDERR_READY = "pipedream-corunner-ready"
+"""The line a co-runner writes to stderr when it is ready: later lines are error lines only."""
 STOP_TIMEOUT = 10.0
 """Seconds all co-runners together get to finish their microbatch once told to stop."""
 
@@ -179,6 +184,8 @@ class Corunners:
         errors = self._errors[self.processes.index(proc)]
         errors.seek(0)
         lines = [line.strip() for line in errors.read().decode(errors="replace").splitlines()]
+        if STDERR_READY in lines:  # what it printed while starting says nothing about its end
+            lines = lines[len(lines) - lines[::-1].index(STDERR_READY) :]
         marked = [line.removeprefix(ERROR_MARK).strip() for line in lines if ERROR_MARK in line]
         status = proc.returncode
         how = (
@@ -250,6 +257,16 @@ def _train(spec: CorunnerSpec, stop: threading.Event, ready: Callable[[], None])
                 ready()
 
 
+_error_fd = 2
+"""Where the error line goes: stderr, or a copy of it once the rest goes to /dev/null."""
+
+
+def _to_devnull(fd: int) -> None:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Co-runner entry point: train until standard input closes."""
     argv = sys.argv[1:] if argv is None else argv
@@ -260,13 +277,18 @@ def main(argv: list[str] | None = None) -> int:
     # the ready line goes to the profiler on a copy of stdout; whatever the workload prints
     # goes nowhere (nobody reads the pipe after that line: a full pipe would block training)
     signal_fd = os.dup(1)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    os.close(devnull)
+    _to_devnull(1)
 
     def ready() -> None:
         os.write(signal_fd, f"{READY}\n".encode())
         os.close(signal_fd)
+        # stderr too from now on (a line per step would fill the profiler's file for as long
+        # as it measures), but for the error line: it goes to a copy
+        global _error_fd
+        sys.stderr.flush()
+        os.write(2, f"{STDERR_READY}\n".encode())
+        _error_fd = os.dup(2)
+        _to_devnull(2)
 
     stop = threading.Event()
 
@@ -284,5 +306,5 @@ if __name__ == "__main__":
         sys.exit(main())
     except Exception as exc:  # one line for the profiler to show, whatever the message holds
         message = " ".join(f"{type(exc).__name__}: {exc}".split())
-        print(f"{ERROR_MARK} {message[:500]}", file=sys.stderr, flush=True)
+        os.write(_error_fd, f"{ERROR_MARK} {message[:500]}\n".encode())
         sys.exit(1)

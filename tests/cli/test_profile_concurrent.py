@@ -131,6 +131,37 @@ def test_a_corunner_whose_workload_prints_keeps_training(tmp_path: Path) -> None
         assert _trains(pid)
 
 
+def test_what_a_ready_corunner_writes_to_stderr_goes_nowhere(tmp_path: Path) -> None:
+    """The profiler keeps a co-runner's stderr in a file: a line per step must not grow it for
+    as long as the profile runs."""
+    _workload_module(tmp_path, 'import sys\nsys.stderr.write("y" * 4096 + "\\n")\n')
+    spec = _spec("tiny_workload:factory", str(tmp_path))
+    with Corunners(spec, num_corunners=1) as corunners:
+        pid = corunners.processes[0].pid
+        time.sleep(1.0)  # thousands of steps, 4 KiB each
+        assert os.readlink(f"/proc/{pid}/fd/2") == os.devnull
+        assert _trains(pid)
+        kept = os.fstat(corunners._errors[0].fileno()).st_size
+    assert 3 * 4096 < kept < 64 * 1024  # the warm-up steps' lines and the ready line only
+
+
+def test_a_corunner_killed_once_ready_is_not_explained_by_its_startup_output(
+    tmp_path: Path,
+) -> None:
+    _workload_module(tmp_path, 'import sys\nprint("startup noise", file=sys.stderr)\n')
+    spec = _spec("tiny_workload:factory", str(tmp_path))
+    with pytest.raises(RunFailure) as info:
+        with Corunners(spec, num_corunners=1) as corunners:
+            proc = corunners.processes[0]
+            proc.kill()
+            proc.wait(timeout=30)
+    assert str(info.value).endswith(
+        "stopped during the measurement, so the profile was not measured beside 1 of them: "
+        "killed by signal 9 (out of memory?)"
+    )
+    assert _corunner_children() == []
+
+
 def test_a_corunner_that_fails_to_start_is_one_clear_error_and_leaves_nothing() -> None:
     with pytest.raises(RunFailure) as info:
         with Corunners(_spec("no_such_module_here:factory"), num_corunners=2):
