@@ -31,6 +31,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from real_compute import ARGS, MICROBATCH_SIZE
 from torch import Tensor
 
 from pipedream.data import MicrobatchStream
@@ -39,9 +40,6 @@ from pipedream.workload import load_workload
 
 __all__ = ["main"]
 
-ARGS = {"layers": "8", "width": "1024", "in_features": "1024", "samples": "4096"}
-"""``real_compute.py``'s mlp."""
-MICROBATCH_SIZE = 64
 CUT = 4
 """Rank 0 holds children ``[0, CUT)``, rank 1 the rest."""
 MICROBATCHES = 8
@@ -62,7 +60,8 @@ class Rank:
     def __init__(self) -> None:
         self.rank = dist.get_rank()
         self.peer = 1 - self.rank
-        workload = load_workload("mlp", ARGS, microbatch_size=MICROBATCH_SIZE)
+        args = {name: str(value) for name, value in ARGS.items()}  # real_compute.py's mlp
+        workload = load_workload("mlp", args, microbatch_size=MICROBATCH_SIZE)
         self.model = workload.model
         self.loss_fn = workload.loss_fn
         self.optimizer = workload.optimizer(self.model.parameters())
@@ -117,7 +116,7 @@ class Rank:
                 sends.append(dist.isend(output.detach(), 1))
                 held[index] = (self.inputs, output)
                 return
-            received = torch.empty(MICROBATCH_SIZE, int(ARGS["width"]))
+            received = torch.empty(MICROBATCH_SIZE, ARGS["width"])
             dist.recv(received, 0)
             received.requires_grad_(True)
             start = time.perf_counter()
