@@ -5,7 +5,7 @@
 ``pipedream profile --concurrent 2`` measures the layers while a co-runner trains beside the
 profiler, both always busy. A 2-stage pipeline's ranks instead wait for each other's messages.
 This script times the same two halves of ``real_compute.py``'s ``mlp`` (rank 0: blocks 0-3,
-rank 1: blocks 4-7 and the head) in three ways, in alternating blocks so that the host's drift
+rank 1: blocks 4-7 and the head) in five ways, in alternating blocks so that the host's drift
 over seconds hits all three alike:
 
 - ``free``: each rank trains the whole model, one microbatch after another (forward, backward,
@@ -17,10 +17,15 @@ over seconds hits all three alike:
 - ``pipeline``: the halves as a 2-stage 1F1B pipeline of 8 microbatches per minibatch, with
   the activations and gradients sent over gloo; the backward is taken from the first microbatch
   of each minibatch only (the later ones add into ``.grad``, which the profile does not time
-  and the simulator charges apart).
+  and the simulator charges apart);
+- ``paired``: each rank runs only its half, forward and backward in turn, meeting the other
+  before every action and sending no data, rank 1 one action offset: stage 0's backward runs
+  beside stage 1's forward and stage 0's forward beside stage 1's backward, as 1F1B pairs them;
+- ``crossed``: the same with the ranks in step: forward beside forward, backward beside
+  backward. Against ``paired``, it tells whether the action on the other core matters.
 
-It prints each way's median forward and backward per rank and, per round, the pipeline's and
-the lockstep's medians over the free ones. ``benchmarks/RESULTS.md`` quotes them.
+It prints each way's median forward and backward per rank and, per round, the other ways'
+medians over the free ones. ``benchmarks/RESULTS.md`` quotes them.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ PASSES = 12
 PIPELINE_MINIBATCHES = 2
 """Minibatches per block of ``pipeline``."""
 ROUNDS = 12
-WAYS = ("free", "lockstep", "pipeline")
+WAYS = ("free", "lockstep", "pipeline", "paired", "crossed")
 
 Times = dict[tuple[str, str], list[float]]
 
@@ -154,10 +159,51 @@ class Rank:
         for work in sends:
             work.wait()
 
+    def half_forward(self, way: str) -> Tensor:
+        """This rank's half alone, on a fresh input (rank 1: and the loss); returns its output."""
+        if self.rank == 0:
+            start = time.perf_counter()
+            output = self.half(self.inputs)
+        else:
+            received = torch.randn(MICROBATCH_SIZE, ARGS["width"], requires_grad=True)
+            start = time.perf_counter()
+            output = self.loss_fn(self.half(received), self.targets)
+        self.record("forward", way, time.perf_counter() - start)
+        return output
+
+    def half_backward(self, way: str, output: Tensor) -> None:
+        """The half's backward from ``output`` (rank 0: with a random gradient), into no
+        ``.grad`` held before, as the pipeline's timed backward."""
+        gradient = torch.randn_like(output) if self.rank == 0 else None
+        start = time.perf_counter()
+        torch.autograd.backward(output, gradient)
+        self.record("backward", way, time.perf_counter() - start)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def half_actions(self, way: str) -> None:
+        """:data:`PASSES` forwards and backwards of the half, meeting before each action;
+        ``paired``: rank 1 a forward ahead of rank 0, ``crossed``: in step."""
+        behind = self.half_forward(way) if way == "paired" and self.rank == 1 else None
+        for _ in range(PASSES):
+            if behind is None:
+                self.meet()
+                output = self.half_forward(way)
+                self.meet()
+                self.half_backward(way, output)
+            else:
+                self.meet()
+                self.half_backward(way, behind)
+                self.meet()
+                behind = self.half_forward(way)
+        if behind is not None:
+            self.half_backward(way, behind)
+
     def run_block(self, way: str) -> None:
-        """One block of ``way``: :data:`PASSES` whole passes or
+        """One block of ``way``: :data:`PASSES` whole passes or half actions, or
         :data:`PIPELINE_MINIBATCHES` pipeline minibatches."""
-        if way == "pipeline":
+        if way in ("paired", "crossed"):
+            self.half_actions(way)
+        elif way == "pipeline":
             for _ in range(PIPELINE_MINIBATCHES):
                 self.pipeline_minibatch()
         else:
@@ -202,7 +248,7 @@ def main() -> int:
             for way in WAYS
         )
         print(f"rank {rank}: median ms forward / backward: {medians}")
-        for way in ("lockstep", "pipeline"):
+        for way in WAYS[1:]:
             pairs = [(w[0] / f[0], w[1] / f[1]) for w, f in zip(rounds[way], rounds["free"])]
             each = " ".join(f"{a:.2f}/{b:.2f}" for a, b in pairs)
             print(
