@@ -6,7 +6,7 @@
 profiler, both always busy. A 2-stage pipeline's ranks instead wait for each other's messages.
 This script times the same two halves of ``real_compute.py``'s ``mlp`` (rank 0: blocks 0-3,
 rank 1: blocks 4-7 and the head) in five ways, in alternating blocks so that the host's drift
-over seconds hits all three alike:
+over seconds hits all five alike:
 
 - ``free``: each rank trains the whole model, one microbatch after another (forward, backward,
   optimizer step), as the profiler and its co-runner do; each times its own half inside the
@@ -19,7 +19,7 @@ over seconds hits all three alike:
   of each minibatch only (the later ones add into ``.grad``, which the profile does not time
   and the simulator charges apart);
 - ``paired``: each rank runs only its half, forward and backward in turn, meeting the other
-  before every action and sending no data, rank 1 one action offset: stage 0's backward runs
+  before every action and sending no data, rank 1 one action ahead: stage 0's backward runs
   beside stage 1's forward and stage 0's forward beside stage 1's backward, as 1F1B pairs them;
 - ``crossed``: the same with the ranks in step: forward beside forward, backward beside
   backward. Against ``paired``, it tells whether the action on the other core matters.
@@ -183,20 +183,20 @@ class Rank:
     def half_actions(self, way: str) -> None:
         """:data:`PASSES` forwards and backwards of the half, meeting before each action;
         ``paired``: rank 1 a forward ahead of rank 0, ``crossed``: in step."""
-        behind = self.half_forward(way) if way == "paired" and self.rank == 1 else None
+        pending = self.half_forward(way) if way == "paired" and self.rank == 1 else None
         for _ in range(PASSES):
-            if behind is None:
+            if pending is None:
                 self.meet()
                 output = self.half_forward(way)
                 self.meet()
                 self.half_backward(way, output)
             else:
                 self.meet()
-                self.half_backward(way, behind)
+                self.half_backward(way, pending)
                 self.meet()
-                behind = self.half_forward(way)
-        if behind is not None:
-            self.half_backward(way, behind)
+                pending = self.half_forward(way)
+        if pending is not None:
+            self.half_backward(way, pending)
 
     def run_block(self, way: str) -> None:
         """One block of ``way``: :data:`PASSES` whole passes or half actions, or
