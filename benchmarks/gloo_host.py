@@ -49,7 +49,7 @@ from common import WARM_MESSAGES
 from pipedream.host_memory import configure_host_memory
 from pipedream.runtime.buffers import ReceiveBuffers
 
-__all__ = ["SIZE", "cases", "main"]
+__all__ = ["SIZE", "capacity", "cases", "main"]
 
 SIZE = 32 * 1024 * 1024
 """Bytes per message."""
@@ -75,6 +75,22 @@ def cases(world_size: int) -> dict[str, list[tuple[int, int]]]:
     if world_size >= 3:
         found[f"chain of {world_size - 1}"] = [(r, r + 1) for r in range(world_size - 1)]
     return found
+
+
+def capacity(times: dict[str, float], world_size: int) -> float | None:
+    """The host's copy capacity in bytes/s from each pattern's time (ms): the mean of
+    ``messages x bytes / time`` over the patterns of :func:`cases` whose messages take different
+    links, of those timed; None where there are none (2 processes).
+
+    >>> capacity({"one": 10.0, "both ways": 20.0, "chain of 2": 32.0}, 3) / 2**20
+    2000.0
+    """
+    concurrent = [
+        len(pairs) * SIZE / (times[name] / 1000)
+        for name, pairs in cases(world_size).items()
+        if name not in ("one", "both ways") and name in times
+    ]
+    return statistics.mean(concurrent) if concurrent else None
 
 
 def _trial(pairs: list[tuple[int, int]], payload: torch.Tensor) -> float:
@@ -142,11 +158,7 @@ def main(argv: list[str]) -> int:
         name: [_trial(pairs, payload) for _ in range(REPEATS)] for name, pairs in patterns.items()
     }
     times = {name: statistics.median(trials) for name, trials in each.items()}
-    concurrent = [
-        len(pairs) * SIZE / (times[name] / 1000)
-        for name, pairs in patterns.items()
-        if name not in ("one", "both ways")
-    ]
+    host_capacity = capacity(times, dist.get_world_size())
     each["one after quiet"] = _after_quiet(payload, REPEATS)
     if dist.get_rank() == 0:
         times["one after quiet"] = statistics.median(each["one after quiet"])
@@ -154,7 +166,7 @@ def main(argv: list[str]) -> int:
             "bytes": SIZE,
             "processes": dist.get_world_size(),
             "ms": times,
-            "capacity_bytes_per_s": statistics.mean(concurrent) if concurrent else None,
+            "capacity_bytes_per_s": host_capacity,
             "each_ms": each,
         }
         Path(argv[0]).write_text(json.dumps(result, indent=1))

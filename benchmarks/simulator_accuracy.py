@@ -10,8 +10,9 @@ on this machine by ``sleep_pipeline.py`` (:func:`network`): latency = the one-wa
 the host's copy capacity shared by concurrent messages (``gloo_host.py``,
 ``--host-bandwidth``), and what posting a send and a receive ahead holds a rank
 (``gloo_p2p.py``, ``--send-overhead``, ``--recv-overhead``). A 32 MiB case's message time
-and capacity come from calibrations with as many processes as its ranks right before and
-right after it. The measured time is read
+and capacity come from all the calibrations with as many processes as its ranks that the
+sleep benchmark took around its cases (:func:`session_calibration`; those right before and
+after the case alone give a column of their own). The measured time is read
 again from the runs' traces (for the mlp cases, which ran in several rounds, the medians of
 the rounds). Target: within 10%. Each case is also replayed: simulated again with the costs
 its run's actions took (``pipedream simulate --trace``), which tells the profile's share of an
@@ -37,6 +38,7 @@ from common import (
     update_intervals_ms,
     write_section,
 )
+from gloo_host import capacity
 from real_compute import (
     MICROBATCH_SIZE,
     OURS,
@@ -145,6 +147,51 @@ def host_calibrations(directory: Path) -> list[dict[str, Any]]:
     return [json.loads(path.read_text()) for path in paths if path.exists()]
 
 
+def session_calibration(calibrations: list[dict[str, Any]]) -> dict[str, Any]:
+    """One calibration from all the ``gloo_host.py`` runs with the same number of processes
+    that ``sleep_pipeline.py`` took (two or three around each 32 MiB case, about 17 per number
+    of processes in a run): every timed repeat of each pattern pooled, each pattern's time their
+    median, the host's capacity from those times (:func:`gloo_host.capacity`).
+
+    Why pool: one calibration's 9 repeats of a 32 MiB message after quiet spread over 15-45 ms
+    on this host, so the two around a case measure it no better than to a few ms, and the
+    speed a case's run saw was no closer to them than to the run's whole hour. Over the 24
+    32 MiB cases of 2026-11-26 05:04-05:53 UTC, simulated with the calibrations around each
+    case the error was 7.5% on average (17 within 10%), with their repeats pooled 7.2% (18),
+    with the session's pooled 6.0% (20).
+
+    >>> pooled = session_calibration([
+    ...     {"processes": 2, "ms": {"one": 10.0}, "each_ms": {"one": [9.0, 10.0, 30.0]}},
+    ...     {"processes": 2, "ms": {"one": 12.0}, "each_ms": {"one": [11.0, 12.0, 13.0]}},
+    ... ])
+    >>> pooled["ms"], pooled["capacity_bytes_per_s"], pooled["each_ms"]["one"][-1]
+    ({'one': 11.5}, None, 13.0)
+    """
+    processes = {calibration["processes"] for calibration in calibrations}
+    assert len(processes) == 1, f"calibrations of different sizes pooled: {processes}"
+    each: dict[str, list[float]] = {}
+    for calibration in calibrations:
+        for name, ms in calibration["ms"].items():
+            each.setdefault(name, []).extend(calibration.get("each_ms", {}).get(name, [ms]))
+    times = {name: statistics.median(trials) for name, trials in each.items()}
+    return {
+        "processes": processes.pop(),
+        "ms": times,
+        "capacity_bytes_per_s": capacity(times, calibrations[0]["processes"]),
+        "each_ms": each,
+    }
+
+
+def session_calibrations(directories: list[Path]) -> dict[int, dict[str, Any]]:
+    """:func:`session_calibration` of the cases in ``directories`` for each number of
+    processes their calibrations had (none for cases without)."""
+    by_size: dict[int, list[dict[str, Any]]] = {}
+    for directory in directories:
+        for calibration in host_calibrations(directory):
+            by_size.setdefault(calibration["processes"], []).append(calibration)
+    return {size: session_calibration(found) for size, found in by_size.items()}
+
+
 def network(
     hosts: list[dict[str, Any]],
     latency_ms: float,
@@ -152,13 +199,13 @@ def network(
     post: tuple[float, float] = (0.0, 0.0),
     recv_post_ms: float = 0.0,
 ) -> tuple[list[str], str]:
-    """``pipedream simulate``'s network options for a case calibrated by ``hosts``
-    (:func:`host_calibrations`), and what they are: ``latency_ms`` (the 32 KiB time of
-    ``gloo_p2p.py``); with calibrations, the 32 MiB time (after 40 ms of quiet on the link,
-    where calibrated: the sleep layers leave the links quiet between messages), the host's
-    capacity and the links' duplex factor (:func:`duplex_factor`) of the ``gloo_host.py`` runs
-    around the case (their medians: the means of the two right before and after it, the
-    middle one where a third broke their tie), each rank moving one link's worth in all
+    """``pipedream simulate``'s network options for a case calibrated by ``hosts`` (the
+    session's :func:`session_calibration`, or the case's own :func:`host_calibrations`), and
+    what they are: ``latency_ms`` (the 32 KiB time of ``gloo_p2p.py``); with calibrations, the
+    32 MiB time (after 40 ms of quiet on the link, where calibrated: the sleep layers leave the
+    links quiet between messages), the host's capacity and the links' duplex factor
+    (:func:`duplex_factor`) of the ``gloo_host.py`` runs (their medians: the mean of two, the
+    middle one of three), each rank moving one link's worth in all
     (``--per-rank 1``: gloo's one transport thread per process); without, ``large_ms`` (the
     32 MiB time of ``gloo_p2p.py``) and links of their own (messages of a few KiB do not load
     the host); the time posting a message holds the sender, ``post`` (:func:`send_overhead`),
@@ -254,17 +301,21 @@ def main() -> int:
     replays_within = 0
     drawn_errors: list[float] = []
     jitter_errors: list[float] = []
+    local_errors: list[float] = []
+    session_errors: list[float] = []  # the same cases' errors with the session's calibrations
     todo: list[tuple[str, list[Path], int, int]] = []
     for case in cases([2, 4, 8], ["small", "large"]):
         todo.append(
             (case.name, [RUNS / "sleep" / case.name], case.steps_and_skip[1], SLEEP_MICROBATCH)
         )
+    sessions = session_calibrations([directories[0] for _, directories, _, _ in todo])
     for schedule, m, stages, _, skip in OURS:
         name = case_name(schedule, m, stages)
         rounds = [case_directory(name, r) for r in range(ROUNDS)]
         todo.append((name, rounds, skip, MICROBATCH_SIZE))
     for name, directories, skip, microbatch_size in todo:
         pairs = []  # (measured, simulated, replayed, with --spread, jittered) of each round
+        local: list[float] = []  # simulated with the calibrations around each round, if any
         intervals = []  # each round's minibatch intervals
         networks = set()
         for directory in directories:
@@ -274,7 +325,8 @@ def main() -> int:
             window = _measured(directory / "run", skip)
             plan = yaml.safe_load(plan_path.read_text())
             profiles = _profiles(directory, plan, microbatch_size, commands)
-            hosts = host_calibrations(directory)
+            around = host_calibrations(directory)
+            hosts = [sessions[around[0]["processes"]]] if around else []
             options, described = network(hosts, latency_ms, large_ms, post, recv_post_ms)
             networks.add(described)
             each = [
@@ -282,6 +334,10 @@ def main() -> int:
                 for drawn in (None, message_spread(hosts))
                 for path in profiles
             ]
+            own = None  # simulated with the case's own calibrations, to compare
+            if around:
+                argv, _ = network(around, latency_ms, large_ms, post, recv_post_ms)
+                own = _simulate(plan_path, profiles[0], argv, skip, commands, drawn=None)
             found = [value for value in each if value is not None]
             if window and found and len(found) == len(each):
                 fixed, with_spread = found[: len(profiles)], found[len(profiles) :]
@@ -289,6 +345,8 @@ def main() -> int:
                 replayed = statistics.mean(r for _, r, _ in fixed if r is not None)
                 noisy = statistics.mean(j for _, _, j in fixed if j is not None)
                 drawn_ms = statistics.mean(s for s, _, _ in with_spread)
+                if own is not None:
+                    local.append(own[0])
                 pairs.append((statistics.fmean(window), simulated, replayed, drawn_ms, noisy))
                 intervals.append(window)
         if not pairs:
@@ -304,12 +362,17 @@ def main() -> int:
         replays_within += abs(replay_error) <= 0.10
         verdict = "met" if abs(error) <= 0.10 else f"**missed by {abs(error) - 0.10:.2f}**"
         by_round = ", ".join(f"{p[1] / p[0] - 1:+.1%}" for p in pairs) if len(pairs) > 1 else ""
+        local_ms = statistics.median(local) if local else None
+        if local_ms is not None:
+            local_errors.append(local_ms / measured - 1)
+            session_errors.append(error)
+        local_cell = "" if local_ms is None else f"{local_ms:.1f} ({local_errors[-1]:+.1%})"
         rows.append(
             f"| {name} | {'; '.join(sorted(networks))} | {measured:.1f} | {spread(intervals)} | "
             f"{simulated:.1f} | {error:+.1%} | {by_round} | "
             f"{noisy:.1f} ({jitter_errors[-1]:+.1%}) | "
             f"{drawn_ms:.1f} ({drawn_errors[-1]:+.1%}) "
-            f"| {replayed:.1f} | {replay_error:+.1%} | {verdict} |"
+            f"| {local_cell} | {replayed:.1f} | {replay_error:+.1%} | {verdict} |"
         )
         print(
             f"  {name}: measured {measured:.1f} ms, simulated {simulated:.1f} ms ({error:+.1%}), "
@@ -318,6 +381,8 @@ def main() -> int:
     within = sum("| met |" in row for row in rows)
     drawn_within = sum(abs(error) <= 0.10 for error in drawn_errors)
     jitter_within = sum(abs(error) <= 0.10 for error in jitter_errors)
+    local_within = sum(abs(error) <= 0.10 for error in local_errors)
+    session_within = sum(abs(error) <= 0.10 for error in session_errors)
     body = [
         "## Simulator accuracy: predicted vs measured time per minibatch",
         "",
@@ -337,11 +402,13 @@ def main() -> int:
         "messages; with 2 processes that was a median 1.27x one sent right after a barrier), the "
         "links' duplex factor (`--duplex`: 2 x one message / two sent each "
         "way at once) and the host's copy capacity shared by "
-        "concurrent messages (`gloo_host.py` with as many processes as the case has ranks, "
-        "the mean of one calibration right before and one right after the case, or the "
-        "median of three where those two disagreed by more than "
-        f"{DISAGREE}x and a third right after them broke the tie: the speed "
-        "drifts within minutes), each rank moving one link's worth in and out together "
+        "concurrent messages (`gloo_host.py` with as many processes as the case has ranks: "
+        "every calibration of that size the sleep benchmark took, two right before and right "
+        "after each case and a third where those two disagreed by more than "
+        f"{DISAGREE}x, their repeats pooled: one calibration's repeats spread too widely "
+        "for the few around a case to be a good measure of it; those alone are the column "
+        "with the calibrations around the case), each rank moving one link's worth in and out "
+        "together "
         "(`--per-rank 1`: gloo carries all of a process's messages on one thread); the other "
         "cases' messages, a few KiB, take 32 MiB in "
         f"{large_ms:.1f} ms (`gloo_p2p.py`) and do not load the host. Posting a message "
@@ -359,8 +426,8 @@ def main() -> int:
         "every forward and backward drawn from that spread (`--spread`, seeded; the mean over "
         "the last 64 minibatches before the drain, after 64 more past the fill), as a "
         "pipeline's stages vary and hold each other up, and for the 32 MiB cases every "
-        "message's transfer drawn from how much the messages of the two calibrations around "
-        "the case varied (`--message-spread`: each timed repeat of each `gloo_host.py` "
+        "message's transfer drawn from how much the messages of those calibrations "
+        "varied (`--message-spread`: each timed repeat of each `gloo_host.py` "
         "pattern over that pattern's median), as a late message holds up its receiver. "
         "Measured = the same steady-state time per minibatch as "
         f"above, from the traces. The mlp cases ran {ROUNDS} times (see above): measured and "
@@ -371,7 +438,8 @@ def main() -> int:
         "at random (seeded), where tables that leave cycles of microbatches free to drift "
         "against each other show what fixed times hide (the cycles stay at the fill's offset). "
         f"Within 10% in {within} of {len(rows)} cases (with 5% jitter: {jitter_within}; with "
-        f"spread: {drawn_within}). "
+        f"spread: {drawn_within}; the {len(local_errors)} 32 MiB cases with the calibrations "
+        f"around each case alone: {local_within}, against {session_within} with the session's). "
         "Replayed = the plan simulated again "
         "with the forward, backward and update times its run measured, in the same window "
         "(`pipedream simulate --trace RUN_DIR --trace-skip N`, the median of the rounds): what "
@@ -383,8 +451,9 @@ def main() -> int:
         "",
         "| case | network | measured ms | single minibatches | simulated ms | error "
         "| error of each round | with 5% jitter ms (error) | with spread ms (error) "
+        "| with the calibrations around the case ms (error) "
         "| replayed ms | replay error | target (within 10%) |",
-        "|---|---|---:|---|---:|---:|---|---:|---:|---:|---:|---|",
+        "|---|---|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---|",
         *rows,
         "",
         "<details><summary>Commands run</summary>",
