@@ -157,8 +157,8 @@ def session_calibration(calibrations: list[dict[str, Any]]) -> dict[str, Any]:
     on this host, so the two around a case measure it no better than to a few ms, and the
     speed a case's run saw was no closer to them than to the run's whole hour. Over the 24
     32 MiB cases of 2026-11-26 05:04-05:53 UTC, simulated with the calibrations around each
-    case the error was 7.5% on average (17 within 10%), with their repeats pooled 7.2% (18),
-    with the session's pooled 6.0% (20).
+    case the error was 7.6% on average (17 within 10%), with their repeats pooled 7.2% (18),
+    with the session's pooled 6.1% (20).
 
     >>> pooled = session_calibration([
     ...     {"processes": 2, "ms": {"one": 10.0}, "each_ms": {"one": [9.0, 10.0, 30.0]}},
