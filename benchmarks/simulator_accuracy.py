@@ -11,8 +11,8 @@ the host's copy capacity shared by concurrent messages (``gloo_host.py``,
 ``--host-bandwidth``), and what posting a send and a receive ahead holds a rank
 (``gloo_p2p.py``, ``--send-overhead``, ``--recv-overhead``). A 32 MiB case's message time
 and capacity come from all the calibrations with as many processes as its ranks that the
-sleep benchmark took around its cases (:func:`session_calibration`; those right before and
-after the case alone give a column of their own). The measured time is read
+sleep benchmark took around its cases within the hour (:func:`session_around`; those right
+before and after the case alone give a column of their own). The measured time is read
 again from the runs' traces (for the mlp cases, which ran in several rounds, the medians of
 the rounds). Target: within 10%. Each case is also replayed: simulated again with the costs
 its run's actions took (``pipedream simulate --trace``), which tells the profile's share of an
@@ -139,12 +139,12 @@ def send_overhead(post_ms: dict[int, float]) -> tuple[float, float]:
     return max(0.0, post_ms[small] - small / 2**20 * per_mib), per_mib
 
 
-def host_calibrations(directory: Path) -> list[dict[str, Any]]:
+def timed_calibrations(directory: Path) -> list[tuple[float, dict[str, Any]]]:
     """The ``gloo_host.py`` runs ``sleep_pipeline.py`` took right before and after the case in
     ``directory``, and a third where those two disagreed (its 32 MiB cases; none for the
-    others)."""
+    others), each with when its file was written."""
     paths = [host_calibration_path(directory, when) for when in HOST_CALIBRATIONS]
-    return [json.loads(path.read_text()) for path in paths if path.exists()]
+    return [(p.stat().st_mtime, json.loads(p.read_text())) for p in paths if p.exists()]
 
 
 def session_calibration(calibrations: list[dict[str, Any]]) -> dict[str, Any]:
@@ -182,14 +182,27 @@ def session_calibration(calibrations: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def session_calibrations(directories: list[Path]) -> dict[int, dict[str, Any]]:
-    """:func:`session_calibration` of the cases in ``directories`` for each number of
-    processes their calibrations had (none for cases without)."""
-    by_size: dict[int, list[dict[str, Any]]] = {}
-    for directory in directories:
-        for calibration in host_calibrations(directory):
-            by_size.setdefault(calibration["processes"], []).append(calibration)
-    return {size: session_calibration(found) for size, found in by_size.items()}
+SESSION_S = 3600.0
+"""Calibrations taken within this many seconds (by their files' times) of a case's own are
+pooled for it (:func:`session_calibration`): those of the same run of ``sleep_pipeline.py``
+(about 50 minutes), not those of cases read back from a run hours apart (``--reuse``)."""
+
+
+def session_around(
+    own: list[tuple[float, dict[str, Any]]], everyone: list[tuple[float, dict[str, Any]]]
+) -> dict[str, Any]:
+    """:func:`session_calibration` of the calibrations in ``everyone`` (:func:`timed_calibrations`
+    of every case) with as many processes as a case's ``own`` and taken within
+    :data:`SESSION_S` of their mean time."""
+    size = own[0][1]["processes"]
+    middle = statistics.fmean(when for when, _ in own)
+    return session_calibration(
+        [
+            calibration
+            for when, calibration in everyone
+            if calibration["processes"] == size and abs(when - middle) <= SESSION_S
+        ]
+    )
 
 
 def network(
@@ -200,7 +213,7 @@ def network(
     recv_post_ms: float = 0.0,
 ) -> tuple[list[str], str]:
     """``pipedream simulate``'s network options for a case calibrated by ``hosts`` (the
-    session's :func:`session_calibration`, or the case's own :func:`host_calibrations`), and
+    session's :func:`session_calibration`, or the case's own :func:`timed_calibrations`), and
     what they are: ``latency_ms`` (the 32 KiB time of ``gloo_p2p.py``); with calibrations, the
     32 MiB time (after 40 ms of quiet on the link, where calibrated: the sleep layers leave the
     links quiet between messages), the host's capacity and the links' duplex factor
@@ -238,7 +251,7 @@ def network(
 
 def message_spread(hosts: list[dict[str, Any]]) -> list[str]:
     """``pipedream simulate --message-spread`` from the ``gloo_host.py`` runs around a case
-    (:func:`host_calibrations`): every timed repeat of each of their patterns over that
+    (:func:`timed_calibrations`): every timed repeat of each of their patterns over that
     pattern's median (how much one message's time varied from the next on this host, with as
     many processes as the case); no options where they did not record their repeats (older
     calibrations, and cases without any).
@@ -308,7 +321,7 @@ def main() -> int:
         todo.append(
             (case.name, [RUNS / "sleep" / case.name], case.steps_and_skip[1], SLEEP_MICROBATCH)
         )
-    sessions = session_calibrations([directories[0] for _, directories, _, _ in todo])
+    everyone = [timed for _, dirs, _, _ in todo for timed in timed_calibrations(dirs[0])]
     for schedule, m, stages, _, skip in OURS:
         name = case_name(schedule, m, stages)
         rounds = [case_directory(name, r) for r in range(ROUNDS)]
@@ -325,8 +338,9 @@ def main() -> int:
             window = _measured(directory / "run", skip)
             plan = yaml.safe_load(plan_path.read_text())
             profiles = _profiles(directory, plan, microbatch_size, commands)
-            around = host_calibrations(directory)
-            hosts = [sessions[around[0]["processes"]]] if around else []
+            own = timed_calibrations(directory)
+            around = [calibration for _, calibration in own]
+            hosts = [session_around(own, everyone)] if own else []
             options, described = network(hosts, latency_ms, large_ms, post, recv_post_ms)
             networks.add(described)
             each = [
@@ -403,7 +417,8 @@ def main() -> int:
         "links' duplex factor (`--duplex`: 2 x one message / two sent each "
         "way at once) and the host's copy capacity shared by "
         "concurrent messages (`gloo_host.py` with as many processes as the case has ranks: "
-        "every calibration of that size the sleep benchmark took, two right before and right "
+        "every calibration of that size the sleep benchmark took within "
+        f"{SESSION_S / 60:.0f} minutes of the case's own, two right before and right "
         "after each case and a third where those two disagreed by more than "
         f"{DISAGREE}x, their repeats pooled: one calibration's repeats spread too widely "
         "for the few around a case to be a good measure of it; those alone are the column "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import doctest
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -90,23 +91,32 @@ def test_session_calibration_takes_a_median_where_repeats_were_not_recorded() ->
     assert pooled["capacity_bytes_per_s"] is None
 
 
-def test_session_calibrations_pool_by_number_of_processes(tmp_path: Path) -> None:
-    runs = {
-        "a": [_calibration(2, {"one": [10.0]}), _calibration(2, {"one": [14.0]})],
-        "b": [_calibration(2, {"one": [30.0]}), _calibration(4, {"one": [50.0]})],
-        "c": [],  # a case whose messages do not load the host: no calibration
-    }
-    directories = []
-    for name, calibrations in runs.items():
-        directory = tmp_path / name
-        directory.mkdir()
-        for when, calibration in zip(("before", "after"), calibrations):
-            (directory / f"gloo-host-{when}.json").write_text(json.dumps(calibration))
-        directories.append(directory)
-    sessions = simulator_accuracy.session_calibrations(directories)
-    assert sorted(sessions) == [2, 4]
-    assert sessions[2]["ms"] == {"one": 14.0}
-    assert sessions[4]["ms"] == {"one": 50.0}
+def test_a_case_pools_the_calibrations_of_its_size_and_hour() -> None:
+    hour = simulator_accuracy.SESSION_S
+    own = [(1000.0, _calibration(2, {"one": [10.0]})), (1100.0, _calibration(2, {"one": [14.0]}))]
+    everyone = [
+        *own,
+        (1050.0 + hour, _calibration(2, {"one": [30.0]})),  # the same run, an hour on
+        (1051.0 + hour, _calibration(2, {"one": [90.0]})),  # a run read back from later
+        (1050.0, _calibration(4, {"one": [50.0]})),  # another number of processes
+    ]
+    pooled = simulator_accuracy.session_around(own, everyone)
+    assert pooled["processes"] == 2
+    assert pooled["each_ms"]["one"] == [10.0, 14.0, 30.0]
+    assert pooled["ms"] == {"one": 14.0}
+
+
+def test_calibrations_are_read_with_when_they_were_written(tmp_path: Path) -> None:
+    for when, at in (("before", 1000.0), ("after", 1060.0)):
+        path = tmp_path / f"gloo-host-{when}.json"
+        path.write_text(json.dumps(_calibration(2, {"one": [at / 100]})))
+        os.utime(path, (at, at))
+    timed = simulator_accuracy.timed_calibrations(tmp_path)
+    assert [(when, calibration["ms"]) for when, calibration in timed] == [
+        (1000.0, {"one": 10.0}),
+        (1060.0, {"one": 10.6}),
+    ]
+    assert simulator_accuracy.timed_calibrations(tmp_path / "missing") == []
 
 
 def test_network_options_from_a_pooled_calibration() -> None:
