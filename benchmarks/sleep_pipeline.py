@@ -80,9 +80,9 @@ class Case:
         skip one update, 2bw two and asynchronous PipeDream its ``S`` in flight and two more.
         With 32 MiB messages a link warms up for its first ``WARM_MESSAGES`` (``common.py``),
         so updates are also skipped until every link has carried that many (``2 m`` per
-        minibatch). PipeDream minibatches are short and vary a lot
-        one by one when 32 MiB messages share 2 cores (66-389 ms around a mean of ~150 ms), so
-        20 of them are averaged. Flushing and 2bw runs measure the 2 minibatches after the
+        minibatch). PipeDream minibatches are short and vary a lot one by one when 32 MiB
+        messages share 2 cores (66-389 ms around a mean of ~150 ms), so ``PIPEDREAM_MEASURED``
+        of them are averaged. Flushing and 2bw runs measure the 2 minibatches after the
         skipped ones with 32 KiB messages (they vary by about 1%), and 7 with 32 MiB messages:
         there single minibatches vary by up to -12% and +23% around their run's mean, and runs
         of large-S4-gpipe-m16 hours apart took 2203 ms (2 intervals) and 1641 ms (7).
@@ -98,7 +98,7 @@ class Case:
             skip = max(2, warm + 1)
             return skip + measured, skip
         skip = self.stages + 2 + warm
-        return skip + 20, skip
+        return skip + PIPEDREAM_MEASURED, skip
 
     def workload_args(self) -> dict[str, Any]:
         return {
@@ -107,6 +107,13 @@ class Case:
             "backward_ms": B_MS,
             "activation_bytes": SIZES[self.size],
         }
+
+
+PIPEDREAM_MEASURED = 60
+"""Minibatches a PipeDream (``pipedream``, ``pipedream-vs``) case averages. With 20, the 32 MiB
+cases' intervals between minibatches varied by 16-25% (standard deviation over mean, 2026-11-26
+05:04-05:53 UTC), so their means were known to about 4-6%, too loose against a 10% target;
+the 40 more take 3-8 s per case."""
 
 
 def cases(stages: list[int], sizes: list[str]) -> list[Case]:
