@@ -168,17 +168,18 @@ def session_calibration(calibrations: list[dict[str, Any]]) -> dict[str, Any]:
     >>> pooled["ms"], pooled["capacity_bytes_per_s"], pooled["each_ms"]["one"][-1]
     ({'one': 11.5}, None, 13.0)
     """
-    processes = {calibration["processes"] for calibration in calibrations}
-    assert len(processes) == 1, f"calibrations of different sizes pooled: {processes}"
+    sizes = {calibration["processes"] for calibration in calibrations}
+    assert len(sizes) == 1, f"calibrations of different sizes pooled: {sizes}"
+    (processes,) = sizes
     each: dict[str, list[float]] = {}
     for calibration in calibrations:
         for name, ms in calibration["ms"].items():
             each.setdefault(name, []).extend(calibration.get("each_ms", {}).get(name, [ms]))
     times = {name: statistics.median(trials) for name, trials in each.items()}
     return {
-        "processes": processes.pop(),
+        "processes": processes,
         "ms": times,
-        "capacity_bytes_per_s": capacity(times, calibrations[0]["processes"]),
+        "capacity_bytes_per_s": capacity(times, processes),
         "each_ms": each,
     }
 
