@@ -3,13 +3,17 @@
 Layers (the Sequential's children, each one tensor in, one tensor out, so a pipeline can cut
 between any two): ``"embed"`` (token + position embedding, long tokens ``[B, T]`` -> ``[B, T, D]``),
 ``"h0"`` .. ``"h{layers-1}"`` (pre-norm blocks: causal self-attention + MLP, each with a residual),
-``"norm"`` (final LayerNorm) and ``"head"`` (linear, ``[B, T, D]`` -> logits ``[B, T, V]``).
+``"norm"`` (final LayerNorm) and ``"head"`` (linear, ``[B, T, D]`` -> logits ``[B, T, V]``). With
+``tie=true`` the head reuses the token embedding's matrix, as GPT-2 does (``head.weight`` is
+``embed.tok.weight``).
 
 Data: sequences from a seeded sparse Markov chain over the vocabulary (every token has
 ``branching`` possible successors with skewed probabilities). The chain's entropy rate is the
 best achievable loss (about 1 nat for the defaults, against log(64) = 4.16 at init), so the loss
 visibly falls within a few hundred small steps, and ``evaluate`` reports how far from it a model is.
-There is no dropout: the runtime's numerical tests need forward passes to be deterministic.
+The chain is stored sparsely (``branching`` successors per token), so a GPT-2-sized vocabulary of
+50,257 tokens builds in about a second. There is no dropout: the runtime's numerical tests need
+forward passes to be deterministic.
 
 The default learning rate (Adam, 1e-3) is chosen for PipeDream's stale weights: in one-process
 simulations of a 4-stage pipeline (stage 0 three updates stale) 300 minibatches of 16 reach a
@@ -36,6 +40,7 @@ __all__ = [
     "Block",
     "CausalSelfAttention",
     "GPTConfig",
+    "MarkovChain",
     "TokenPositionEmbedding",
     "build",
     "build_model",
@@ -44,6 +49,10 @@ __all__ = [
     "markov_chain",
     "sample_sequences",
 ]
+
+
+_EVAL_CHUNK = 32
+"""Held-out sequences evaluated at once."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,8 @@ class GPTConfig:
     """Attention heads per block; must divide ``dim``."""
     mlp_ratio: int = 4
     """Hidden width of the MLP as a multiple of ``dim``."""
+    tie: bool = False
+    """Whether the output head reuses the token embedding's matrix (tied weights)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab", "seq", "dim", "layers", "heads", "mlp_ratio"):
@@ -144,6 +155,10 @@ def build_model(config: GPTConfig) -> nn.Sequential:
             nn.init.normal_(module.weight, std=residual_std if is_residual else 0.02)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
+    if config.tie:
+        head, embed = children["head"], children["embed"]
+        assert isinstance(head, nn.Linear) and isinstance(embed, TokenPositionEmbedding)
+        head.weight = embed.tok.weight
     return model
 
 
@@ -155,40 +170,61 @@ def lm_loss(output: Tensor, target: Tensor) -> Tensor:
     return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
 
 
-def markov_chain(vocab: int, branching: int, generator: torch.Generator) -> Tensor:
-    """Transition matrix ``[V, V]``: each token moves to ``branching`` random successors.
+@dataclass(frozen=True)
+class MarkovChain:
+    """A sparse transition matrix: each token moves to one of ``branching`` successors."""
+
+    successors: Tensor
+    """``[V, branching]`` long: the successors of each token (distinct within a row)."""
+    probs: Tensor
+    """``[V, branching]``: the probability of each successor (rows sum to 1)."""
+
+    @property
+    def vocab(self) -> int:
+        return int(self.successors.shape[0])
+
+
+def markov_chain(vocab: int, branching: int, generator: torch.Generator) -> MarkovChain:
+    """Each token moves to ``branching`` distinct random successors.
 
     The successor probabilities are skewed (softmax of Gaussian scores), so some transitions are
-    much likelier than others and the chain's entropy is below log(branching).
+    much likelier than others and the chain's entropy is below log(branching). The successors
+    of all tokens are drawn at once by Floyd's sampling of distinct numbers, so the cost is
+    ``vocab x branching**2``, not ``vocab**2``.
     """
     if not 1 <= branching <= vocab:
         raise WorkloadError(f"gpt: branching must be in 1..vocab={vocab}, got {branching}")
-    probs = torch.zeros(vocab, vocab)
-    for token in range(vocab):
-        successors = torch.randperm(vocab, generator=generator)[:branching]
-        scores = torch.randn(branching, generator=generator)
-        probs[token, successors] = torch.softmax(scores, dim=0)
-    return probs
+    chosen = torch.empty(vocab, branching, dtype=torch.long)
+    for column, top in enumerate(range(vocab - branching, vocab)):
+        draw = (torch.rand(vocab, generator=generator) * (top + 1)).long().clamp_(max=top)
+        taken = (chosen[:, :column] == draw[:, None]).any(dim=1)
+        chosen[:, column] = torch.where(taken, torch.full_like(draw, top), draw)
+    scores = torch.randn(vocab, branching, generator=generator)
+    return MarkovChain(chosen, torch.softmax(scores, dim=1))
 
 
-def entropy_rate(probs: Tensor) -> float:
+def entropy_rate(chain: MarkovChain) -> float:
     """Entropy in nats per token of the stationary chain: the best achievable mean loss."""
-    stationary = torch.full((probs.shape[0],), 1.0 / probs.shape[0], dtype=torch.float64)
-    p64 = probs.double()
+    p64 = chain.probs.double()
+    stationary = torch.full((chain.vocab,), 1.0 / chain.vocab, dtype=torch.float64)
+    targets = chain.successors.reshape(-1)
     for _ in range(1000):
-        stationary = stationary @ p64
+        flow = (stationary[:, None] * p64).reshape(-1)
+        stationary = torch.zeros_like(stationary).index_add_(0, targets, flow)
     logs = torch.where(p64 > 0, p64.log(), torch.zeros_like(p64))
     return float(-(stationary[:, None] * p64 * logs).sum())
 
 
 def sample_sequences(
-    probs: Tensor, *, num_sequences: int, length: int, generator: torch.Generator
+    chain: MarkovChain, *, num_sequences: int, length: int, generator: torch.Generator
 ) -> Tensor:
     """``[num_sequences, length]`` long tokens: uniform first token, then the chain."""
     tokens = torch.empty(num_sequences, length, dtype=torch.long)
-    tokens[:, 0] = torch.randint(probs.shape[0], (num_sequences,), generator=generator)
+    tokens[:, 0] = torch.randint(chain.vocab, (num_sequences,), generator=generator)
     for t in range(1, length):
-        tokens[:, t] = torch.multinomial(probs[tokens[:, t - 1]], 1, generator=generator)[:, 0]
+        previous = tokens[:, t - 1]
+        pick = torch.multinomial(chain.probs[previous], 1, generator=generator)[:, 0]
+        tokens[:, t] = chain.successors[previous, pick]
     return tokens
 
 
@@ -206,13 +242,15 @@ def build(
     optimizer: str = "adam",
     seed: int = 0,
     data_seed: int = 0,
+    tie: bool = False,
     microbatch_size: int = 16,
 ) -> Workload:
     """Build the GPT workload; every call with the same arguments gives identical weights/data.
 
-    ``seed`` fixes the initial weights, ``data_seed`` the Markov chain and the sequences.
+    ``seed`` fixes the initial weights, ``data_seed`` the Markov chain and the sequences;
+    ``tie`` makes the output head reuse the token embedding's matrix.
     """
-    config = GPTConfig(vocab=vocab, seq=seq, dim=dim, layers=layers, heads=heads)
+    config = GPTConfig(vocab=vocab, seq=seq, dim=dim, layers=layers, heads=heads, tie=tie)
     if samples < 1 or test_samples < 1 or microbatch_size < 1:
         raise WorkloadError("gpt: samples, test_samples and microbatch_size must be >= 1")
     make_optimizer = optimizer_factory(optimizer, lr=lr, momentum=momentum)
@@ -220,22 +258,25 @@ def build(
         torch.manual_seed(seed)
         model = build_model(config)
     generator = torch.Generator().manual_seed(data_seed)
-    probs = markov_chain(vocab, branching, generator)
-    train = sample_sequences(probs, num_sequences=samples, length=seq + 1, generator=generator)
-    test = sample_sequences(probs, num_sequences=test_samples, length=seq + 1, generator=generator)
+    chain = markov_chain(vocab, branching, generator)
+    train = sample_sequences(chain, num_sequences=samples, length=seq + 1, generator=generator)
+    test = sample_sequences(chain, num_sequences=test_samples, length=seq + 1, generator=generator)
     example = sample_sequences(
-        probs, num_sequences=microbatch_size, length=seq, generator=generator
+        chain, num_sequences=microbatch_size, length=seq, generator=generator
     )
-    best_loss = entropy_rate(probs)
+    best_loss = entropy_rate(chain)
 
     def evaluate(trained: nn.Module) -> dict[str, float]:
         """Held-out loss of ``trained``, next to the chain's entropy (the best possible loss)."""
         device = next(trained.parameters()).device
         was_training = trained.training
         trained.eval()
-        with torch.no_grad():
-            logits = trained(test[:, :-1].to(device))
-            loss = float(lm_loss(logits, test[:, 1:].to(device)))
+        total = 0.0
+        with torch.no_grad():  # in chunks: the logits of a large vocabulary are big
+            for chunk in test.split(_EVAL_CHUNK):
+                logits = trained(chunk[:, :-1].to(device))
+                total += float(lm_loss(logits, chunk[:, 1:].to(device))) * len(chunk)
+        loss = total / len(test)
         trained.train(was_training)
         return {"test_loss": loss, "best_loss": best_loss}
 
@@ -247,7 +288,8 @@ def build(
         optimizer=make_optimizer,
         evaluate=evaluate,
         description=(
-            f"GPT {layers}x{dim} ({heads} heads), vocab {vocab}, seq {seq}, on a sparse Markov "
+            f"GPT {layers}x{dim} ({heads} heads{', tied head' if tie else ''}), vocab {vocab}, "
+            f"seq {seq}, on a sparse Markov "
             f"chain (best loss {best_loss:.2f}, init ~{math.log(vocab):.2f})"
         ),
     )
