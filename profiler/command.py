@@ -31,12 +31,14 @@ from pipedream.formats.profile import (
     LayerProfile,
     PassSpread,
     Profile,
+    TiedParameter,
     save_profile,
 )
 from pipedream.host_memory import configure_host_memory
+from pipedream.model_io import batch_size, call_model, map_tensors
 from pipedream.profiler.corunners import Corunners, CorunnerSpec
-from pipedream.profiler.graph_profile import layer_graph, measure_graph
-from pipedream.profiler.measure import ProfilerError, measure_sequential
+from pipedream.profiler.graph_profile import graph_tied_parameters, layer_graph, measure_graph
+from pipedream.profiler.measure import ProfilerError, measure_sequential, tied_parameters
 from pipedream.profiler.overhead import measure_data_reads, measure_loss, measure_overhead
 from pipedream.workload import Workload, load_workload, parse_workload_args
 
@@ -181,14 +183,14 @@ def profile_workload(
         name, dict(workload_args), microbatch_size, torch.get_num_threads(), tuple(sys.path)
     )
     with Corunners(spec, num_corunners=concurrent - 1):
-        layers, cut_bytes, overhead, spread = _measure(
+        layers, cut_bytes, overhead, spread, tied = _measure(
             workload, device, warmup=warmup, repeats=repeats, depth=depth, patterns=patterns
         )
     param = next(iter(workload.model.parameters()), None)
     dtype = param.dtype if param is not None else torch.get_default_dtype()
     return Profile(
         workload=name,
-        microbatch_size=int(workload.example_input.shape[0]),
+        microbatch_size=batch_size(workload.example_input),
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
         layers=tuple(layers),
@@ -197,6 +199,7 @@ def profile_workload(
         overhead=overhead,
         concurrent=concurrent,
         spread=spread,
+        tied=tuple(tied),
     )
 
 
@@ -208,30 +211,43 @@ def _measure(
     repeats: int,
     depth: int | None,
     patterns: Sequence[str],
-) -> tuple[list[LayerProfile], tuple[int, ...] | None, ActionOverhead, PassSpread | None]:
+) -> tuple[
+    list[LayerProfile],
+    tuple[int, ...] | None,
+    ActionOverhead,
+    PassSpread | None,
+    list[TiedParameter],
+]:
     """The layers' costs, the bytes across every cut of a traced model, the runtime's costs,
-    how much the whole passes varied."""
+    how much the whole passes varied, the parameters several layers use."""
     model = workload.model.to(device)
-    example = workload.example_input.to(device)
+    example = map_tensors(lambda t: t.to(device), workload.example_input)
     cut_bytes = None
     passes: list[tuple[float, float]] = []
     options = {"warmup": warmup, "repeats": repeats, "optimizer": workload.optimizer}
     if isinstance(model, nn.Sequential) and depth is None and not patterns:
         layers = measure_sequential(model, example, passes=passes, **options)
+        tied = tied_parameters(
+            [
+                (name, child.named_parameters(prefix=name, remove_duplicate=False))
+                for name, child in model.named_children()
+            ]
+        )
     else:
         graph = layer_graph(model, example, depth=depth, patterns=patterns)
         layers = measure_graph(graph, model, example, passes=passes, **options)
         cut_bytes = tuple(graph.cut_bytes())
+        tied = graph_tied_parameters(graph, model)
     overhead = measure_overhead(workload.optimizer, device=device, warmup=warmup, repeats=repeats)
-    stream = MicrobatchStream(workload.dataset, int(workload.example_input.shape[0]), seed=0)
+    stream = MicrobatchStream(workload.dataset, batch_size(workload.example_input), seed=0)
     inputs_ms, targets_ms = measure_data_reads(
         stream, device=device, warmup=warmup, repeats=repeats
     )
     with torch.no_grad():
-        output = model(example)
+        output = call_model(model, example)
     loss_forward_ms, loss_backward_ms = measure_loss(
         workload.loss_fn,
-        output[0] if isinstance(output, (tuple, list)) else output,
+        output,
         stream,
         device=device,
         warmup=warmup,
@@ -244,7 +260,7 @@ def _measure(
         loss_forward_ms=loss_forward_ms,
         loss_backward_ms=loss_backward_ms,
     )
-    return list(layers), cut_bytes, overhead, PassSpread.from_passes(passes)
+    return list(layers), cut_bytes, overhead, PassSpread.from_passes(passes), tied
 
 
 def _share_the_host_like_ranks(concurrent: int, out: TextIO) -> None:

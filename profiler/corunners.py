@@ -234,6 +234,7 @@ def _train(spec: CorunnerSpec, stop: threading.Event, ready: Callable[[], None])
 
     from pipedream.data import MicrobatchStream
     from pipedream.host_memory import configure_host_memory
+    from pipedream.model_io import batch_size, call_model
     from pipedream.runtime.collector import frozen_heap
     from pipedream.workload import load_workload
 
@@ -244,12 +245,12 @@ def _train(spec: CorunnerSpec, stop: threading.Event, ready: Callable[[], None])
     )
     model = workload.model
     optimizer = workload.optimizer(model.parameters())
-    stream = MicrobatchStream(workload.dataset, int(workload.example_input.shape[0]), seed=0)
+    stream = MicrobatchStream(workload.dataset, batch_size(workload.example_input), seed=0)
     step = 0
     with frozen_heap():
         while not stop.is_set():
             inputs, targets = stream.microbatch(step)
-            workload.loss_fn(model(inputs), targets).backward()
+            workload.loss_fn(call_model(model, inputs), targets).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from pipedream.formats.profile import LayerProfile
+from pipedream.formats.profile import LayerProfile, TiedParameter
 from pipedream.graph import LayerGraph, trace_model
 from pipedream.graph.stages import build_stage_module, stage_ios
+from pipedream.model_io import first_device
 from pipedream.profiler.chain import ChainLayer, time_chain
 from pipedream.profiler.measure import (
     OptimizerFactory,
@@ -25,7 +27,7 @@ from pipedream.profiler.measure import (
     describe_layer,
 )
 
-__all__ = ["layer_graph", "measure_graph"]
+__all__ = ["graph_tied_parameters", "layer_graph", "measure_graph"]
 
 
 class _Unpack(nn.Module):
@@ -41,7 +43,7 @@ class _Unpack(nn.Module):
 
 def layer_graph(
     model: nn.Module,
-    example_input: Tensor,
+    example_input: Any,
     *,
     depth: int | None = None,
     patterns: Sequence[str] = (),
@@ -61,7 +63,7 @@ def layer_graph(
 def measure_graph(
     graph: LayerGraph,
     model: nn.Module,
-    example_input: Tensor,
+    example_input: Any,
     *,
     warmup: int = 3,
     repeats: int = 10,
@@ -77,8 +79,10 @@ def measure_graph(
     check_repetitions(warmup, repeats)
     count = len(graph.layers)
     ios = stage_ios(graph, [(i, i) for i in range(count)])
-    values: dict[str, Tensor] = {graph.input_name: example_input}
+    inputs_by_name = dict(zip(graph.input_names, graph.model_io.flatten_inputs(example_input)))
+    values: dict[str, Tensor] = dict(inputs_by_name)
     profiles, chain, modules = [], [], []
+    counted: set[int] = set()
     for index, io in enumerate(ios):
         module = build_stage_module(graph, model, index, index, io)
         inputs = tuple(values[name] for name in io.inputs)
@@ -92,6 +96,7 @@ def measure_graph(
             warmup=warmup,
             repeats=repeats,
             optimizer=optimizer,
+            counted=counted,
         )
         shapes = ", ".join(str(list(t.shape)) for t in outputs)
         operations = sum(1 for n in graph.nodes if graph.layer_of[n.name] == index)
@@ -101,9 +106,9 @@ def measure_graph(
     timer = UpdateTimer(modules, optimizer) if optimizer is not None else None
     times = time_chain(
         chain,
-        {graph.input_name: example_input},
+        inputs_by_name,
         model.parameters(),
-        device=example_input.device,
+        device=first_device(example_input),
         warmup=warmup,
         repeats=repeats,
         after_backward=timer,
@@ -115,4 +120,19 @@ def measure_graph(
     return [
         dataclasses.replace(profile, forward_ms=forward, backward_ms=backward, update_ms=update)
         for profile, (forward, backward), update in zip(profiles, times, updates)
+    ]
+
+
+def graph_tied_parameters(graph: LayerGraph, model: nn.Module) -> list[TiedParameter]:
+    """The parameters that several layers of ``graph`` use (tied weights, shared modules)."""
+    params = dict(model.named_parameters())
+    users: dict[str, list[str]] = {}
+    for index, layer in enumerate(graph.layers):
+        for name in graph.layer_state_names(index):
+            if name in params:
+                users.setdefault(name, []).append(layer)
+    return [
+        TiedParameter(name, tuple(layers), params[name].numel() * params[name].element_size())
+        for name, layers in users.items()
+        if len(layers) > 1
     ]

@@ -10,7 +10,8 @@ keys).
   gradients and the gradient of the layer's input (what a stage sends back); the model's input
   gets no gradient, as on the first stage.
 - ``output_bytes``: bytes of the output (summed over tensors if it is a tuple/list/dict).
-- ``parameter_bytes``: parameters plus buffers.
+- ``parameter_bytes``: parameters plus buffers; a tensor several layers use (tied weights) counts
+  in the first of them only, and :func:`tied_parameters` lists the layers that share it.
 - ``saved_bytes``: storages that autograd keeps for backward (found with
   ``torch.autograd.graph.saved_tensors_hooks``), each distinct storage once, *excluding* the
   layer's parameters/buffers (counted in ``parameter_bytes``) and the layer's input (it is the
@@ -30,14 +31,14 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from pipedream.errors import PipedreamError
-from pipedream.formats.profile import LayerProfile
+from pipedream.formats.profile import LayerProfile, TiedParameter
 from pipedream.profiler.chain import ChainLayer, time_chain
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "measure_sequential",
     "sync_device",
     "tensors_in",
+    "tied_parameters",
 ]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -134,10 +136,12 @@ def _saved_bytes(layer: nn.Module, x: Any) -> int:
     return sum(seen.values())
 
 
-def _optimizer_state_bytes(layer: nn.Module, optimizer: OptimizerFactory) -> int:
+def _optimizer_state_bytes(
+    layer: nn.Module, optimizer: OptimizerFactory, skip: Collection[int] = ()
+) -> int:
     """Bytes of state the optimizer creates in one step over copies of the layer's parameters
-    (the layer itself is not touched)."""
-    params = [p for p in layer.parameters() if p.requires_grad]
+    (the layer itself is not touched), but for those whose ``id`` is in ``skip``."""
+    params = [p for p in layer.parameters() if p.requires_grad and id(p) not in skip]
     if not params:
         return 0
     copies = [nn.Parameter(torch.zeros_like(p)) for p in params]
@@ -229,24 +233,54 @@ def describe_layer(
     warmup: int = 3,
     repeats: int = 10,
     optimizer: OptimizerFactory | None = None,
+    counted: set[int] | None = None,
 ) -> LayerProfile:
     """Everything about one layer on input ``x`` except its compute times (0 here; they come
-    from whole passes, :func:`pipedream.profiler.chain.time_chain`)."""
+    from whole passes, :func:`pipedream.profiler.chain.time_chain`).
+
+    ``counted`` holds the ``id`` of every parameter and buffer an earlier layer counted: the
+    layer's bytes leave them out, and its own are added to it (tied weights count once).
+    """
     check_repetitions(warmup, repeats)
     with torch.enable_grad():
         output = tensors_in(layer(_fresh_input(x)))
         saved = _saved_bytes(layer, x)
-    state_bytes = None if optimizer is None else _optimizer_state_bytes(layer, optimizer)
+    skip = set() if counted is None else set(counted)
+    state_bytes = None if optimizer is None else _optimizer_state_bytes(layer, optimizer, skip)
+    own = [t for t in (*layer.parameters(), *layer.buffers()) if id(t) not in skip]
+    if counted is not None:
+        counted.update(id(t) for t in own)
     return LayerProfile(
         name=name,
         type=_describe(layer, output),
         forward_ms=0.0,
         backward_ms=0.0,
         output_bytes=_nbytes(output),
-        parameter_bytes=_nbytes([*layer.parameters(), *layer.buffers()]),
+        parameter_bytes=_nbytes(own),
         saved_bytes=saved,
         optimizer_state_bytes=state_bytes,
     )
+
+
+def tied_parameters(
+    layers: Sequence[tuple[str, Iterable[tuple[str, Tensor]]]],
+) -> list[TiedParameter]:
+    """The parameters that several layers use, from each layer's (name, named parameters).
+
+    A parameter is named by the first name it has (that of the first layer using it, as
+    ``named_parameters()`` of the whole model names it).
+    """
+    users: dict[int, tuple[str, list[str], int]] = {}
+    for layer, params in layers:
+        for name, param in params:
+            known = users.setdefault(id(param), (name, [], param.numel() * param.element_size()))
+            if layer not in known[1]:
+                known[1].append(layer)
+    return [
+        TiedParameter(name, tuple(used), size)
+        for name, used, size in users.values()
+        if len(used) > 1
+    ]
 
 
 def measure_sequential(
@@ -280,11 +314,20 @@ def measure_sequential(
         example_input = example_input.to(device)
     inputs = layer_inputs(model, example_input)
     profiles = []
+    counted: set[int] = set()
     for index, ((name, layer), x) in enumerate(zip(model.named_children(), inputs)):
         if progress is not None:
             progress(index, len(model), name)
         profiles.append(
-            describe_layer(name, layer, x, warmup=warmup, repeats=repeats, optimizer=optimizer)
+            describe_layer(
+                name,
+                layer,
+                x,
+                warmup=warmup,
+                repeats=repeats,
+                optimizer=optimizer,
+                counted=counted,
+            )
         )
     chain = [
         ChainLayer(_single(layer), (str(index),), (str(index + 1),))

@@ -31,12 +31,14 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from pipedream.data import MicrobatchStream
 from pipedream.formats.profile import ActionOverhead
+from pipedream.model_io import map_tensors
 from pipedream.profiler.measure import OptimizerFactory, sync_device
 from pipedream.runtime.actions import Op
 from pipedream.runtime.schedule import PipelineSpec, build_tables
@@ -206,14 +208,18 @@ def measure_data_reads(
     as the first and the last stage do on every forward; a different microbatch each time."""
     sync = functools.partial(sync_device, device)
     count = warmup + max(repeats, 5)
-    inputs = [_ms(lambda i=i: stream.inputs(i).to(device), sync) for i in range(count)]
-    targets = [_ms(lambda i=i: stream.targets(i).to(device), sync) for i in range(count)]
+
+    def to_device(value: Any) -> Any:
+        return map_tensors(lambda t: t.to(device), value)
+
+    inputs = [_ms(lambda i=i: to_device(stream.inputs(i)), sync) for i in range(count)]
+    targets = [_ms(lambda i=i: to_device(stream.targets(i)), sync) for i in range(count)]
     return statistics.median(inputs[warmup:]), statistics.median(targets[warmup:])
 
 
 def measure_loss(
-    loss_fn: Callable[[Tensor, Tensor], Tensor],
-    output: Tensor,
+    loss_fn: Callable[[Any, Any], Tensor],
+    output: Any,
     stream: MicrobatchStream,
     *,
     device: torch.device,
@@ -227,28 +233,38 @@ def measure_loss(
     sync = functools.partial(sync_device, device)
     count = warmup + max(repeats, 5)
     times = [
-        _loss_ms(loss_fn, output, stream.targets(index).to(device), sync) for index in range(count)
+        _loss_ms(loss_fn, output, map_tensors(lambda t: t.to(device), stream.targets(index)), sync)
+        for index in range(count)
     ]
     forward = statistics.median(f for f, _ in times[warmup:])
     return forward, statistics.median(b for _, b in times[warmup:])
 
 
 def _loss_ms(
-    loss_fn: Callable[[Tensor, Tensor], Tensor],
-    output: Tensor,
-    targets: Tensor,
+    loss_fn: Callable[[Any, Any], Tensor],
+    output: Any,
+    targets: Any,
     sync: Callable[[], None],
 ) -> tuple[float, float]:
-    """One timed loss and its gradient (see :func:`measure_loss`)."""
-    leaf = output.detach().requires_grad_(output.is_floating_point())
+    """One timed loss and its gradient (see :func:`measure_loss`); ``output`` is the model's
+    output, one tensor or a structure of them."""
+    leaves: list[Tensor] = []
+
+    def fresh(tensor: Tensor) -> Tensor:
+        leaf = tensor.detach().requires_grad_(tensor.is_floating_point())
+        if leaf.requires_grad:
+            leaves.append(leaf)
+        return leaf
+
+    value = map_tensors(fresh, output)
     losses: list[Tensor] = []
 
     def loss() -> None:
-        value = loss_fn(leaf, targets)
-        bool(torch.isfinite(value.detach()))
-        losses.append(value)
+        computed = loss_fn(value, targets)
+        bool(torch.isfinite(computed.detach()))
+        losses.append(computed)
 
     forward = _ms(loss, sync)
-    if not losses[0].requires_grad:
+    if not losses[0].requires_grad or not leaves:
         return forward, 0.0
-    return forward, _ms(lambda: torch.autograd.grad(losses[0], leaf, allow_unused=True), sync)
+    return forward, _ms(lambda: torch.autograd.grad(losses[0], leaves, allow_unused=True), sync)

@@ -17,6 +17,7 @@ __all__ = [
     "LayerProfile",
     "PassSpread",
     "Profile",
+    "TiedParameter",
     "load_profile",
     "save_profile",
 ]
@@ -210,6 +211,52 @@ class PassSpread:
 
 
 @dataclass(frozen=True)
+class TiedParameter:
+    """A parameter that several layers use (a language model's embedding and output head).
+
+    Its bytes are counted once, in ``parameter_bytes`` (and ``optimizer_state_bytes``) of the
+    first layer that uses it. A plan that puts its layers in different stages gives each later
+    stage a copy (its memory) and exchanges the copies' gradients and new versions with the
+    first stage after every update (their transfer time).
+    """
+
+    name: str
+    """The parameter's name in the model (the first one, if it has several)."""
+    layers: tuple[str, ...]
+    """The layers that use it, in model order (two or more)."""
+    bytes: int
+    """Its size."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "layers": list(self.layers), "bytes": self.bytes}
+
+    @classmethod
+    def from_reader(cls, reader: MappingReader, layer_names: Sequence[str]) -> TiedParameter:
+        name = reader.str("name")
+        raw = reader.list("layers")
+        entries = {f"layers[{i}]": value for i, value in enumerate(raw)}
+        items = MappingReader(entries, source=reader.source, path=reader.path)
+        names = [items.str(key) for key in entries]
+        order = {layer: i for i, layer in enumerate(layer_names)}
+        unknown = [layer for layer in names if layer not in order]
+        if unknown:
+            raise reader.error(
+                "layers",
+                f"names {unknown[0]!r}, which is not a layer of the profile",
+                "list the names of the layers that use the parameter",
+            )
+        if len(set(names)) < 2:
+            raise reader.error(
+                "layers",
+                f"lists {len(set(names))} distinct layer(s)",
+                "a tied parameter is used by two or more layers; drop the entry otherwise",
+            )
+        tied = cls(name, tuple(sorted(set(names), key=order.__getitem__)), reader.int("bytes"))
+        reader.finish()
+        return tied
+
+
+@dataclass(frozen=True)
 class Profile:
     """Per-layer costs of a workload, layers in execution (topological) order."""
 
@@ -234,6 +281,8 @@ class Profile:
     (``pipedream profile --concurrent``: CPU ranks sharing a host); optional, default 1."""
     spread: PassSpread | None = None
     """How much the profiler's whole passes varied (``pass_spread``); optional."""
+    tied: tuple[TiedParameter, ...] = ()
+    """Parameters used by several layers (``tied``); optional."""
 
     def __post_init__(self) -> None:
         assert self.cut_bytes is None or len(self.cut_bytes) == len(self.layers) - 1
@@ -278,6 +327,8 @@ class Profile:
             out["overhead_ms"] = self.overhead.to_dict()
         if self.spread is not None:
             out["pass_spread"] = self.spread.to_dict()
+        if self.tied:
+            out["tied"] = [tied.to_dict() for tied in self.tied]
         return out
 
     @classmethod
@@ -328,6 +379,10 @@ class Profile:
         spread = None
         if raw_spread is not None:
             spread = PassSpread.from_reader(reader.child(raw_spread, "pass_spread"))
+        tied = tuple(
+            TiedParameter.from_reader(reader.child(raw, f"tied[{i}]"), [lay.name for lay in layers])
+            for i, raw in enumerate(reader.list("tied", [], nonempty=False))
+        )
         reader.finish()
         return cls(
             workload=workload,
@@ -340,6 +395,7 @@ class Profile:
             overhead=overhead,
             concurrent=concurrent,
             spread=spread,
+            tied=tied,
         )
 
 

@@ -20,6 +20,7 @@ from torch import fx, nn
 from torch.export import ExportedProgram
 
 from pipedream.errors import WorkloadError
+from pipedream.model_io import ModelIO
 
 __all__ = ["LayerGraph", "StageIO"]
 
@@ -49,6 +50,23 @@ def _module_path(node: fx.Node) -> str:
     return str(list(stack.values())[-1][0])
 
 
+def _holds_module_list(module: nn.Module) -> bool:
+    return any(isinstance(m, (nn.ModuleList, nn.ModuleDict)) for m in module.modules())
+
+
+def _auto_names(module: nn.Module, prefix: str) -> list[str]:
+    names: list[str] = []
+    for name, child in module.named_children():
+        path = prefix + name
+        if isinstance(child, _CONTAINERS):
+            names += [f"{path}.{sub}" for sub, _ in child.named_children()]
+        elif _holds_module_list(child):
+            names += _auto_names(child, path + ".")
+        else:
+            names.append(path)
+    return names
+
+
 def _within(path: str, layer: str) -> bool:
     return path == layer or path.startswith(layer + ".")
 
@@ -59,36 +77,57 @@ class LayerGraph:
     def __init__(self, program: ExportedProgram, layer_names: Sequence[str]) -> None:
         self.program = program
         signature = program.graph_signature
+        # a tied tensor (one object under several names) is known by its first name, the one
+        # ``named_parameters()`` gives it: torch.export lifts one placeholder per name and may
+        # use any of them
+        canonical: dict[str, str] = {}
+        first_name: dict[int, str] = {}
+        for name, tensor in {**program.state_dict, **program.constants}.items():
+            canonical[name] = first_name.setdefault(id(tensor), name)
         self.tensor_names: dict[str, str] = {
-            **signature.inputs_to_parameters,
-            **signature.inputs_to_buffers,
-            **signature.inputs_to_lifted_tensor_constants,
+            placeholder: canonical.get(target, target)
+            for placeholder, target in {
+                **signature.inputs_to_parameters,
+                **signature.inputs_to_buffers,
+                **signature.inputs_to_lifted_tensor_constants,
+            }.items()
         }
-        """Placeholder name -> the model's own state name (``blocks.0.l.weight``)."""
-        if len(signature.user_inputs) != 1 or len(signature.user_outputs) != 1:
+        """Placeholder name -> the model's own (canonical) state name (``blocks.0.l.weight``)."""
+        if not signature.user_inputs or not signature.user_outputs:
             raise WorkloadError(
-                f"the traced model takes {len(signature.user_inputs)} inputs and returns "
-                f"{len(signature.user_outputs)} outputs; pipedream pipelines models with one "
-                "tensor input and one tensor output"
+                f"the traced model takes {len(signature.user_inputs)} tensor inputs and returns "
+                f"{len(signature.user_outputs)} tensors; pipedream pipelines models with at "
+                "least one tensor in and one tensor out"
             )
-        self.input_name = signature.user_inputs[0]
-        self.output_name = signature.user_outputs[0]
+        self.input_names: tuple[str, ...] = tuple(signature.user_inputs)
+        """The model's tensor inputs, in the order of its flattened ``(args, kwargs)``."""
+        self.output_names: tuple[str, ...] = tuple(str(o) for o in signature.user_outputs)
+        """The tensors the model returns, in the order of its flattened output."""
         self.nodes = [n for n in program.graph.nodes if n.op == "call_function"]
         self.by_name = {n.name: n for n in program.graph.nodes}
+        for value in self.output_names:
+            if value not in self.by_name:
+                raise WorkloadError(
+                    f"the traced model returns {value!r}, which is not a tensor it computes; "
+                    "return tensors (a tensor, a tuple or a dict of them, a ModelOutput)"
+                )
         self.layers = list(layer_names)
         self.layer_of = self._assign()
+
+    @property
+    def model_io(self) -> ModelIO:
+        """How the model's own inputs and output map to the stages' flat tensor lists."""
+        spec = self.program.call_spec
+        return ModelIO(spec.in_spec, spec.out_spec, len(self.input_names))
 
     # -- granularity -------------------------------------------------------------------------
     @staticmethod
     def auto_layer_names(program: ExportedProgram, model: nn.Module) -> list[str]:
-        """Top-level children, with containers (Sequential, ModuleList) expanded one level."""
-        names: list[str] = []
-        for name, child in model.named_children():
-            if isinstance(child, _CONTAINERS):
-                names += [f"{name}.{sub}" for sub, _ in child.named_children()]
-            else:
-                names.append(name)
-        return LayerGraph._in_execution_order(program, names)
+        """Top-level children, with containers (Sequential, ModuleList) expanded one level, and
+        children that hold a ``ModuleList`` somewhere below (a Hugging Face model's
+        ``transformer`` or ``model``) descended into by the same rule: ``transformer.wte``,
+        ``transformer.h.0`` .. ``transformer.ln_f``, ``lm_head``."""
+        return LayerGraph._in_execution_order(program, _auto_names(model, ""))
 
     @staticmethod
     def depth_layer_names(program: ExportedProgram, depth: int) -> list[str]:
@@ -172,8 +211,8 @@ class LayerGraph:
 
     # -- values crossing boundaries ------------------------------------------------------------
     def defined_in(self, value: str) -> int:
-        """The layer that computes ``value`` (-1: the model input)."""
-        return -1 if value == self.input_name else self.layer_of[value]
+        """The layer that computes ``value`` (-1: a model input)."""
+        return -1 if value in self.input_names else self.layer_of[value]
 
     def _users_layers(self, node: fx.Node) -> list[int]:
         out = []
@@ -188,10 +227,10 @@ class LayerGraph:
         """Values made at or before layer ``boundary`` and used after it (graph order)."""
         names = []
         for node in self.program.graph.nodes:
-            if node.name != self.input_name and node.name not in self.layer_of:
+            if node.name not in self.input_names and node.name not in self.layer_of:
                 continue
             if self.defined_in(node.name) <= boundary and any(
-                layer > boundary for layer in self._users_layers(node) if layer < len(self.layers)
+                layer > boundary for layer in self._users_layers(node)
             ):
                 names.append(node.name)
         return names

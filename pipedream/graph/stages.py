@@ -15,17 +15,22 @@ from torch import fx, nn
 from pipedream.errors import WorkloadError
 from pipedream.graph.layers import LayerGraph, StageIO
 
-__all__ = ["build_stage_module", "stage_ios"]
+__all__ = ["build_stage_module", "stage_ios", "stages_using"]
 
 
 def stage_ios(graph: LayerGraph, ranges: Sequence[tuple[int, int]]) -> list[StageIO]:
-    """What every stage receives from and sends to which stage, for layer ranges (inclusive)."""
+    """What every stage receives from and sends to which stage, for layer ranges (inclusive).
+
+    The first stage reads every model input from the data; an input that a later stage uses is
+    sent to it by the first stage, as a skip connection is. A model output made before the last
+    stage is sent to the last stage, which hands all of them to the loss.
+    """
     stage_of_layer = {}
     for stage, (first, last) in enumerate(ranges):
         for layer in range(first, last + 1):
             stage_of_layer[layer] = stage
     num_stages = len(ranges)
-    _check_tied_parameters(graph, stage_of_layer)
+    last_stage = num_stages - 1
 
     def stage_of_value(value: str) -> int:
         layer = graph.defined_in(value)
@@ -33,46 +38,55 @@ def stage_ios(graph: LayerGraph, ranges: Sequence[tuple[int, int]]) -> list[Stag
 
     # producer stage -> consumer stage -> values, in graph order
     sends: dict[int, dict[int, list[str]]] = {s: {} for s in range(num_stages)}
+
+    def send(value: str, producer: int, consumer: int) -> None:
+        if consumer < producer:
+            raise WorkloadError(f"value {value} flows backwards between stages")
+        if consumer > producer:
+            values = sends[producer].setdefault(consumer, [])
+            if value not in values:
+                values.append(value)
+
+    returned = set(graph.output_names)
     for node in graph.program.graph.nodes:
-        if node.name != graph.input_name and node.name not in graph.layer_of:
+        if node.name not in graph.input_names and node.name not in graph.layer_of:
             continue
         producer = stage_of_value(node.name)
         for user in node.users:
             if user.op == "output" or user.name not in graph.layer_of:
                 continue
-            consumer = stage_of_layer[graph.layer_of[user.name]]
-            if consumer < producer:
-                raise WorkloadError(f"value {node.name} flows backwards between stages")
-            if consumer > producer:
-                values = sends[producer].setdefault(consumer, [])
-                if node.name not in values:
-                    values.append(node.name)
+            send(node.name, producer, stage_of_layer[graph.layer_of[user.name]])
+        if node.name in returned:
+            send(node.name, producer, last_stage)
     ios = []
     for stage in range(num_stages):
         producers = tuple((p, tuple(sends[p][stage])) for p in range(stage) if stage in sends[p])
         inputs = tuple(v for _, values in producers for v in values)
         if stage == 0:
-            producers = ((-1, (graph.input_name,)),)
-            inputs = (graph.input_name,)
+            producers = ((-1, graph.input_names),)
+            inputs = graph.input_names
         consumers = tuple((c, tuple(values)) for c, values in sorted(sends[stage].items()))
-        if stage == num_stages - 1:
-            outputs: tuple[str, ...] = (graph.output_name,)
+        if stage == last_stage:
+            outputs: tuple[str, ...] = graph.output_names
         else:
             outputs = tuple(dict.fromkeys(v for _, values in consumers for v in values))
         ios.append(StageIO(stage, inputs, producers, outputs, consumers))
     return ios
 
 
-def _check_tied_parameters(graph: LayerGraph, stage_of_layer: dict[int, int]) -> None:
-    owner: dict[str, int] = {}
+def stages_using(graph: LayerGraph, ranges: Sequence[tuple[int, int]]) -> dict[str, list[int]]:
+    """Canonical name of every parameter and buffer -> the stages whose layers use it."""
+    stage_of_layer = {}
+    for stage, (first, last) in enumerate(ranges):
+        for layer in range(first, last + 1):
+            stage_of_layer[layer] = stage
+    users: dict[str, list[int]] = {}
     for layer in range(len(graph.layers)):
         for name in graph.layer_state_names(layer):
-            stage = stage_of_layer[layer]
-            if owner.setdefault(name, stage) != stage:
-                raise WorkloadError(
-                    f"parameter {name!r} is used in stages {owner[name]} and {stage} (tied "
-                    "weights); keep the layers that share it in one stage"
-                )
+            stages = users.setdefault(name, [])
+            if stage_of_layer[layer] not in stages:
+                stages.append(stage_of_layer[layer])
+    return users
 
 
 def _attach(root: nn.Module, name: str, tensor: object) -> None:

@@ -6,12 +6,14 @@ import contextlib
 import io
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 from torch.export import ExportedProgram
 
 from pipedream.errors import WorkloadError
+from pipedream.model_io import model_args
 
 __all__ = ["TraceError", "trace_model"]
 
@@ -20,24 +22,26 @@ class TraceError(WorkloadError):
     """``torch.export`` could not trace the model."""
 
 
-def trace_model(model: nn.Module, example_input: Tensor) -> ExportedProgram:
+def trace_model(model: nn.Module, example_input: Any) -> ExportedProgram:
     """Export ``model`` on one microbatch (non-strict, training IR, parameters lifted).
 
-    The graph is specialised to the example's shapes, which is what a pipeline needs: every
-    microbatch has the same shape.
+    ``example_input`` is a tensor, a tuple of tensors (positional arguments) or a dict of
+    tensors (keyword arguments). The graph is specialised to the example's shapes, which is
+    what a pipeline needs: every microbatch has the same shape.
     """
+    args, kwargs = model_args(example_input)
     chatter = io.StringIO()  # torch.export prints the partial graph when it fails
     try:
         with _quiet_torch_logs(), contextlib.redirect_stdout(chatter):
             with contextlib.redirect_stderr(chatter):
-                return torch.export.export(model, (example_input,), strict=False)
+                return torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:  # torch.export raises many types; the user needs one message
         first = " ".join(str(exc).strip().splitlines()[:1])[:300]
         raise TraceError(
             f"torch.export could not trace {type(model).__name__} ({type(exc).__name__}: "
             f"{first}); make its forward traceable (no data-dependent Python control flow, "
-            "one tensor input), or express the model as an nn.Sequential of layers, which "
-            "pipedream splits without tracing"
+            "tensors in and out; a Hugging Face model with use_cache=False), or express the "
+            "model as an nn.Sequential of layers, which pipedream splits without tracing"
         ) from None
 
 
