@@ -13,6 +13,16 @@ Compact string form (used in tests and printed grids)::
     "1RB3"     stage 1 receives the output gradient of microbatch 3 (from stage 2)
     "1SB3"     stage 1 sends the input gradient of microbatch 3 (to stage 0)
     "1A0"      stage 1 averages its gradients of minibatch 0 with its replicas (allreduce)
+
+Tied parameters (one tensor used by layers of several stages, such as a language model's
+embedding and output head) belong to the first of those stages, their *owner*; each later stage
+holds a copy, sends the gradient of its copy to the owner before the owner's update and
+receives every new version of the owner's tensor::
+
+    "3SG0"     stage 3 sends its tied copies' gradient of update 0 to their owner
+    "0RG0"     stage 0 (the owner) receives it and adds it to its own, before update 0
+    "0SW1"     stage 0 sends version 1 of the tied tensors (made by update 0) to the copies
+    "3RW1"     stage 3 receives version 1, right before its first forward that uses it
 """
 
 from __future__ import annotations
@@ -21,7 +31,15 @@ import enum
 import re
 from dataclasses import dataclass
 
-__all__ = ["Action", "Op", "parse_action"]
+__all__ = [
+    "MATCHING_RECEIVE",
+    "MESSAGE_KIND",
+    "RECEIVES",
+    "SENDS",
+    "Action",
+    "Op",
+    "parse_action",
+]
 
 
 class Op(enum.Enum):
@@ -35,6 +53,10 @@ class Op(enum.Enum):
     SEND_ACT = "SF"
     RECV_GRAD = "RB"
     SEND_GRAD = "SB"
+    SEND_TIED_GRAD = "SG"
+    RECV_TIED_GRAD = "RG"
+    SEND_WEIGHTS = "SW"
+    RECV_WEIGHTS = "RW"
 
     @property
     def is_compute(self) -> bool:
@@ -42,7 +64,15 @@ class Op(enum.Enum):
 
     @property
     def is_comm(self) -> bool:
-        return self in (Op.RECV_ACT, Op.SEND_ACT, Op.RECV_GRAD, Op.SEND_GRAD)
+        return self in SENDS or self in RECEIVES
+
+    @property
+    def is_send(self) -> bool:
+        return self in SENDS
+
+    @property
+    def is_receive(self) -> bool:
+        return self in RECEIVES
 
 
 @dataclass(frozen=True)
@@ -54,7 +84,9 @@ class Action:
     stage: int
     """Stage the action belongs to."""
     index: int
-    """Microbatch index (F, B, sends, receives) or minibatch index (U, A)."""
+    """Microbatch index (F, B, sends and receives of activations and gradients), update index
+    (U, A: the stage's update number; SG, RG: the update they feed), or weight version (SW,
+    RW)."""
     peer: int | None = None
     """Global rank on the other end (sends and receives only)."""
     version: int | None = None
@@ -74,6 +106,10 @@ class Action:
             Op.SEND_ACT: "send of the activations of microbatch",
             Op.RECV_GRAD: "receive of the gradient of microbatch",
             Op.SEND_GRAD: "send of the gradient of microbatch",
+            Op.SEND_TIED_GRAD: "send of the tied copies' gradient of update",
+            Op.RECV_TIED_GRAD: "receive of the tied copies' gradient of update",
+            Op.SEND_WEIGHTS: "send of the tied tensors' version",
+            Op.RECV_WEIGHTS: "receive of the tied tensors' version",
         }
         text = f"{names[self.op]} {self.index} at stage {self.stage}"
         if self.peer is not None:
@@ -81,7 +117,30 @@ class Action:
         return text
 
 
-_PATTERN = re.compile(r"^(\d+)(RF|SF|RB|SB|F|B|U|A)(\d+)$")
+SENDS = frozenset({Op.SEND_ACT, Op.SEND_GRAD, Op.SEND_TIED_GRAD, Op.SEND_WEIGHTS})
+"""The ops that send a message."""
+RECEIVES = frozenset({Op.RECV_ACT, Op.RECV_GRAD, Op.RECV_TIED_GRAD, Op.RECV_WEIGHTS})
+"""The ops that receive a message."""
+MATCHING_RECEIVE = {
+    Op.SEND_ACT: Op.RECV_ACT,
+    Op.SEND_GRAD: Op.RECV_GRAD,
+    Op.SEND_TIED_GRAD: Op.RECV_TIED_GRAD,
+    Op.SEND_WEIGHTS: Op.RECV_WEIGHTS,
+}
+"""The receive that matches each send."""
+MESSAGE_KIND = {
+    Op.SEND_ACT: "act",
+    Op.RECV_ACT: "act",
+    Op.SEND_GRAD: "grad",
+    Op.RECV_GRAD: "grad",
+    Op.SEND_TIED_GRAD: "tied-grad",
+    Op.RECV_TIED_GRAD: "tied-grad",
+    Op.SEND_WEIGHTS: "weights",
+    Op.RECV_WEIGHTS: "weights",
+}
+"""The kind of message each send and receive moves (its channel and tags)."""
+
+_PATTERN = re.compile(r"^(\d+)(RF|SF|RB|SB|SG|RG|SW|RW|F|B|U|A)(\d+)$")
 
 
 def parse_action(text: str) -> Action:

@@ -6,12 +6,16 @@ Layout (DESIGN.md section 8)::
         stage-00.pt      {"model": slice of the model's state_dict (the model's own keys),
         stage-01.pt       "optimizer": {"state": {param name: {...}}, "param_groups": [...]},
         ...               "step", "rng", "data_position", "stage", "layers"}
-        manifest.yaml    format, step, stages with their files and sha256 checksums
+        manifest.yaml    format, step, stages with their files and sha256 checksums, and
+                         ``tied``: the names of each tensor the model reaches under several
 
 Files are written atomically (temporary name, fsync, rename) and loaded with
 ``torch.load(weights_only=True)``, so a checkpoint cannot run code. Because every file holds
 slices keyed by the model's own names, :func:`load_full_state_dict` rebuilds the whole model's
-state dict, and a run can resume under a different plan.
+state dict, and a run can resume under a different plan. A tied tensor (a language model's
+embedding that its output head reuses) is stored once, by the first stage that uses it; the
+manifest's ``tied`` lists all its names, and :func:`load_full_state_dict` maps each of them to
+that one tensor, as the model's own ``state_dict()`` does.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import hashlib
 import os
 import sys
 import tempfile
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +34,7 @@ from torch import nn
 
 from pipedream.errors import CheckpointError
 from pipedream.formats.yamlio import atomic_write_text
+from pipedream.ties import expand_aliases
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -40,6 +46,7 @@ __all__ = [
     "restore_stage",
     "save_stage_file",
     "step_dir_name",
+    "tied_names",
     "write_manifest",
 ]
 
@@ -73,7 +80,8 @@ def optimizer_state_by_name(optimizer: torch.optim.Optimizer, names: list[str]) 
 def load_optimizer_by_name(
     optimizer: torch.optim.Optimizer, names: list[str], saved: dict[str, Any]
 ) -> None:
-    """Inverse of :func:`optimizer_state_by_name` for a (possibly differently split) stage."""
+    """Inverse of :func:`optimizer_state_by_name` for a (possibly differently split) stage;
+    ``names`` are the names of the optimizer's parameters, in its order."""
     index = {name: i for i, name in enumerate(names)}
     groups = optimizer.state_dict()["param_groups"]
     hyper = saved["param_groups"][0] if saved["param_groups"] else {}
@@ -100,15 +108,23 @@ def save_stage_file(directory: Path, stage: int, payload: dict[str, Any]) -> tup
 
 
 def write_manifest(
-    directory: Path, *, step: int, files: list[tuple[str, str]], extra: dict[str, Any]
+    directory: Path,
+    *,
+    step: int,
+    files: list[tuple[str, str]],
+    extra: dict[str, Any],
+    tied: Sequence[Sequence[str]] = (),
 ) -> None:
-    """The manifest is written last: a step directory without one is incomplete."""
+    """The manifest is written last: a step directory without one is incomplete. ``tied``
+    lists the names of each tensor the model reaches under several names."""
     manifest = {
         "format": CHECKPOINT_FORMAT,
         "step": step,
         "stages": [{"file": name, "sha256": digest} for name, digest in files],
         **extra,
     }
+    if tied:
+        manifest["tied"] = [list(names) for names in tied]
     atomic_write_text(directory / "manifest.yaml", yaml.safe_dump(manifest, sort_keys=False))
 
 
@@ -144,7 +160,21 @@ def load_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
             f"{path}: stages: expected a list of {{file, sha256}} entries naming files in the "
             "checkpoint directory; the manifest is corrupt"
         )
+    tied = manifest.get("tied", [])
+    if not isinstance(tied, list) or not all(
+        isinstance(names, list) and len(names) > 1 and all(isinstance(n, str) for n in names)
+        for names in tied
+    ):
+        raise CheckpointError(
+            f"{path}: tied: expected a list of lists of two or more tensor names; the manifest "
+            "is corrupt"
+        )
     return manifest
+
+
+def tied_names(manifest: dict[str, Any]) -> list[list[str]]:
+    """The manifest's groups of names of one tensor (empty for checkpoints without ties)."""
+    return [list(names) for names in manifest.get("tied", [])]
 
 
 def load_stage_file(directory: Path, entry: dict[str, Any]) -> dict[str, Any]:
@@ -164,31 +194,47 @@ def load_stage_file(directory: Path, entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_full_state_dict(directory: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """The whole model's state dict, merged from every stage file of a checkpoint."""
+    """The whole model's state dict, merged from every stage file of a checkpoint.
+
+    Like ``model.state_dict()``, it holds a tied tensor under each of its names, all of them
+    the same tensor object, so ``model.load_state_dict`` and ``torch.save`` keep the tie.
+    """
     root = Path(directory)
     manifest = load_manifest(root)
     merged: dict[str, torch.Tensor] = {}
     for entry in manifest["stages"]:
         merged.update(load_stage_file(root, entry)["model"])
-    return merged
+    return expand_aliases(merged, tied_names(manifest))
 
 
 def stage_payload(
     module: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     *,
     stage: int,
     step: int,
     data_position: int,
+    param_names: Sequence[str] | None = None,
+    omit: Collection[str] = (),
 ) -> dict[str, Any]:
-    names = [name for name, _ in module.named_parameters()]
+    """A stage file's contents: the module's state dict but for the names in ``omit`` (tied
+    tensors another stage stores), and the optimizer's state keyed by ``param_names`` (the
+    names of its parameters in its order; default: all of the module's)."""
+    if param_names is None:
+        param_names = [name for name, _ in module.named_parameters()]
     return {
         "format": CHECKPOINT_FORMAT,
         "stage": stage,
         "step": step,
         "layers": [name for name, _ in module.named_children()],
-        "model": {k: v.detach().cpu().clone() for k, v in module.state_dict().items()},
-        "optimizer": optimizer_state_by_name(optimizer, names),
+        "model": {
+            k: v.detach().cpu().clone() for k, v in module.state_dict().items() if k not in omit
+        },
+        "optimizer": (
+            {"state": {}, "param_groups": []}
+            if optimizer is None
+            else optimizer_state_by_name(optimizer, list(param_names))
+        ),
         "rng": torch.get_rng_state(),
         "data_position": data_position,
     }
@@ -217,12 +263,18 @@ def find_latest_checkpoint(checkpoints: Path) -> Path | None:
 
 
 def restore_stage(
-    directory: Path, module: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int
+    directory: Path,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    stage: int,
+    param_names: Sequence[str] | None = None,
 ) -> None:
     """Load this stage's slice of weights and optimizer state from any checkpoint layout.
 
     The checkpoint may come from a different plan: tensors and optimizer state are matched by
-    the model's parameter names, not by stage.
+    the model's parameter names (any of a tied tensor's names), not by stage. ``param_names``
+    names the optimizer's parameters in its order (default: all of the module's).
     """
     manifest = load_manifest(directory)
     model: dict[str, torch.Tensor] = {}
@@ -236,6 +288,8 @@ def restore_stage(
         groups = groups or payload["optimizer"]["param_groups"]
         if index == stage:
             rng = payload.get("rng")
+    model = expand_aliases(model, tied_names(manifest))
+    opt_state = expand_aliases(opt_state, tied_names(manifest))
     wanted = module.state_dict()
     missing = [key for key in wanted if key not in model]
     if missing:
@@ -250,7 +304,10 @@ def restore_stage(
                 f"{tuple(value.shape)}; resume with the same workload arguments"
             )
     module.load_state_dict({key: model[key] for key in wanted})
-    names = [name for name, _ in module.named_parameters()]
-    load_optimizer_by_name(optimizer, names, {"state": opt_state, "param_groups": groups})
+    if optimizer is not None:
+        if param_names is None:
+            param_names = [name for name, _ in module.named_parameters()]
+        saved = {"state": opt_state, "param_groups": groups}
+        load_optimizer_by_name(optimizer, list(param_names), saved)
     if isinstance(rng, torch.Tensor):
         torch.set_rng_state(rng)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +39,14 @@ def write_checkpoint(
     stage: int,
     step: int,
     keep: int,
+    omit: Collection[str] = (),
+    tied: Sequence[Sequence[str]] = (),
 ) -> None:
-    """Collective: every rank calls it at the same step, after the pipeline drained."""
+    """Collective: every rank calls it at the same step, after the pipeline drained.
+
+    ``omit``: names in the stage's state dict that another stage's file stores (copies of tied
+    tensors); ``tied``: the names of each tensor the model reaches under several names.
+    """
     entry = None
     if plan.stages[stage].ranks[0] == rank:
         payload = stage_payload(
@@ -48,6 +55,8 @@ def write_checkpoint(
             stage=stage,
             step=step,
             data_position=step * plan.microbatches,
+            param_names=worker.param_names,
+            omit=omit,
         )
         entry = (stage, *save_stage_file(directory, stage, payload))
     entries: list[Any] = [None] * plan.world_size
@@ -66,6 +75,7 @@ def write_checkpoint(
                 "microbatch_size": plan.microbatch_size,
                 "microbatches": plan.microbatches,
             },
+            tied=tied,
         )
         if keep > 0:
             prune_checkpoints(directory.parent, keep=keep)

@@ -110,7 +110,8 @@ _DTYPES = [
     torch.uint8,
     torch.bool,
 ]
-_KINDS = {"act": 0, "grad": 1}
+_KINDS = {"act": 0, "grad": 1, "tied-grad": 2, "weights": 3}
+"""Message kinds (see ``actions.MESSAGE_KIND``); a tag has room for four."""
 
 Spec = tuple[torch.dtype, tuple[int, ...]]
 """The dtype and shape of one tensor of a message."""

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pipedream.graph.layers import StageIO
-from pipedream.runtime.actions import Action, Op
+from pipedream.runtime.actions import MESSAGE_KIND, Action, Op
 from pipedream.runtime.comm import P2P, PeerTimeoutError
 from pipedream.runtime.posting import RECEIVE_WINDOW, receives_posted_before
 from pipedream.runtime.routing import (
@@ -35,6 +35,7 @@ __all__ = ["SKIP_TAG", "Executor"]
 
 _RECVS = {Op.RECV_ACT: "act", Op.RECV_GRAD: "grad"}
 _SENDS = {Op.SEND_ACT: "act", Op.SEND_GRAD: "grad"}
+_TIED = (Op.SEND_TIED_GRAD, Op.RECV_TIED_GRAD, Op.SEND_WEIGHTS, Op.RECV_WEIGHTS)
 
 SKIP_TAG = -1
 """Version tag of the gradient message of a microbatch whose non-finite loss was skipped."""
@@ -88,7 +89,7 @@ class Executor:
             posting = time.perf_counter()
             for ahead in (self.table[p] for p in posts[position]):
                 assert ahead.peer is not None
-                self.p2p.post_recv(_RECVS[ahead.op], ahead.index, ahead.peer)
+                self.p2p.post_recv(MESSAGE_KIND[ahead.op], ahead.index, ahead.peer)
             reclaiming = time.perf_counter()
             self.p2p.poll()
             start = time.perf_counter()
@@ -155,6 +156,8 @@ class Executor:
                 self._outbox_tags[key] = SKIP_TAG if skip else action.version
             self._since_update.append(action.index)
             self.worker.release(position + 1)
+        elif op in _TIED:
+            self._tied(action, what)
         elif op is Op.ALLREDUCE:
             self._allreduce(what)
         elif op is Op.UPDATE:
@@ -164,6 +167,23 @@ class Executor:
                 self.on_update(action, done)
         else:  # pragma: no cover - every Op is handled above
             raise AssertionError(f"unknown action {action}")
+
+    def _tied(self, action: Action, what: str) -> None:
+        """The exchanges of tied parameters between an owner stage and a copy's stage."""
+        assert action.peer is not None
+        kind, peer_stage = MESSAGE_KIND[action.op], self.stage_of_rank[action.peer]
+        if action.op is Op.SEND_TIED_GRAD:
+            tensors = self.worker.copy_gradients(peer_stage)
+            self.p2p.send(kind, action.index, action.peer, tensors, action.index)
+        elif action.op is Op.SEND_WEIGHTS:
+            tensors = self.worker.owned_tensors(peer_stage)
+            self.p2p.send(kind, action.index, action.peer, tensors, action.index)
+        else:
+            tensors, _ = self.p2p.recv(kind, action.index, action.peer, what=what)
+            if action.op is Op.RECV_TIED_GRAD:
+                self.worker.add_copy_gradients(peer_stage, tensors)
+            else:
+                self.worker.set_copies(peer_stage, tensors)
 
     def _allreduce(self, what: str) -> None:
         grads = self.worker.gradients()

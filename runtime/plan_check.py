@@ -22,11 +22,16 @@ VALIDATION_MINIBATCHES = 64
 
 
 def plan_spec(
-    plan: Plan, first: int, count: int, edges: tuple[tuple[int, int], ...] | None = None
+    plan: Plan,
+    first: int,
+    count: int,
+    edges: tuple[tuple[int, int], ...] | None = None,
+    tied: tuple[tuple[int, int], ...] = (),
 ) -> PipelineSpec:
     """The schedule generator's view of ``count`` minibatches of ``plan`` from ``first`` on.
 
-    ``edges`` are the stage pairs that exchange tensors (None: a plain chain).
+    ``edges`` are the stage pairs that exchange tensors (None: a plain chain); ``tied`` the
+    (owner, copy) stage pairs of tied parameters.
     """
     return PipelineSpec(
         schedule=plan.schedule,
@@ -35,6 +40,7 @@ def plan_spec(
         num_minibatches=count,
         first_minibatch=first,
         edges=edges,
+        tied=tied,
     )
 
 
@@ -49,6 +55,7 @@ def validate_plan_schedule(
     *,
     source: str,
     edges: tuple[tuple[int, int], ...] | None = None,
+    tied: tuple[tuple[int, int], ...] = (),
 ) -> None:
     """Validate every rank's action table for segments of each of ``counts`` minibatches.
 
@@ -58,7 +65,7 @@ def validate_plan_schedule(
     """
     bound = validation_bound(plan)
     for count in sorted(set(counts)):
-        spec = plan_spec(plan, 0, min(count, bound), edges)
+        spec = plan_spec(plan, 0, min(count, bound), edges, tied)
         try:
             validate_tables(spec, build_tables(spec))
         except ScheduleError as exc:

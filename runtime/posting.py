@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipedream.runtime.actions import Action, Op
+from pipedream.runtime.actions import Action
 
 __all__ = ["MAX_SENDS_IN_FLIGHT", "RECEIVE_WINDOW", "receives_posted_before"]
 
@@ -32,8 +32,6 @@ RECEIVE_WINDOW = 32
 MAX_SENDS_IN_FLIGHT = 16
 """Message parts (headers and tensors) sent but not yet waited on when an action starts, at
 most."""
-
-_RECVS = (Op.RECV_ACT, Op.RECV_GRAD)
 
 
 def receives_posted_before(
@@ -50,7 +48,7 @@ def receives_posted_before(
     [(0, 2), (4,), (), (), (), ()]
     """
     assert window >= 1, window
-    receives = [position for position, action in enumerate(table) if action.op in _RECVS]
+    receives = [position for position, action in enumerate(table) if action.op.is_receive]
     posted, out = 0, []
     for position in range(len(table)):
         start = posted

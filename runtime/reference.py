@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from pipedream.graph.layers import StageIO
-from pipedream.runtime.actions import Action, Op
+from pipedream.runtime.actions import MATCHING_RECEIVE, Action, Op
 from pipedream.runtime.routing import (
     gather_inputs,
     gather_output_grads,
@@ -24,8 +24,6 @@ from pipedream.runtime.routing import (
 from pipedream.runtime.worker import StageWorker
 
 __all__ = ["run_reference"]
-
-_SEND_TO_RECV = {Op.SEND_ACT: Op.RECV_ACT, Op.SEND_GRAD: Op.RECV_GRAD}
 
 
 def run_reference(
@@ -55,16 +53,27 @@ def run_reference(
                 action = table[pos]
                 op = action.op
                 peer = action.peer if action.peer is not None else -1
-                if op in (Op.RECV_ACT, Op.RECV_GRAD):
+                if op.is_receive:
                     key = (op, action.index, peer, rank)
                     if key not in mail:
                         break
-                    kind = "act" if op is Op.RECV_ACT else "grad"
-                    inbox.setdefault((rank, kind, action.index), {})[stage_of[peer]] = mail.pop(key)
-                elif op in _SEND_TO_RECV:
-                    kind = "act" if op is Op.SEND_ACT else "grad"
-                    tensors = outbox[(rank, kind, action.index)].pop(stage_of[peer])
-                    key = (_SEND_TO_RECV[op], action.index, rank, peer)
+                    tensors = mail.pop(key)
+                    if op is Op.RECV_TIED_GRAD:
+                        worker.add_copy_gradients(stage_of[peer], tensors)
+                    elif op is Op.RECV_WEIGHTS:
+                        worker.set_copies(stage_of[peer], tensors)
+                    else:
+                        kind = "act" if op is Op.RECV_ACT else "grad"
+                        inbox.setdefault((rank, kind, action.index), {})[stage_of[peer]] = tensors
+                elif op.is_send:
+                    if op is Op.SEND_TIED_GRAD:
+                        tensors = worker.copy_gradients(stage_of[peer])
+                    elif op is Op.SEND_WEIGHTS:
+                        tensors = worker.owned_tensors(stage_of[peer])
+                    else:
+                        kind = "act" if op is Op.SEND_ACT else "grad"
+                        tensors = outbox[(rank, kind, action.index)].pop(stage_of[peer])
+                    key = (MATCHING_RECEIVE[op], action.index, rank, peer)
                     mail[key] = [t.detach().clone() for t in tensors]
                 elif op is Op.FORWARD:
                     received = inbox.pop((rank, "act", action.index), None)

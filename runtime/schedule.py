@@ -17,6 +17,19 @@ PipeDream's 1F1B for S = 3 stages, one microbatch per minibatch (``pipedream``):
 
 Minibatch t goes to replica ``t mod r_s`` of stage s. A replicated stage averages gradients with
 its replicas (``A``) before every update, so it updates once per ``r_s`` minibatches.
+
+A tied parameter used by several stages belongs to the first of them (its *owner*); every
+later one holds a copy. Each forward of a copy uses the version of the tensor that the owner
+uses for the same microbatch, so one microbatch sees one value of the tensor everywhere: after
+the last backward of minibatch ``t`` the copy's replica sends its copy's gradient to the owner's
+replica of ``t``, which adds it to its own before its update (``SG``/``RG``), and the owner
+sends every new version to the copies (``SW``; owner replica ``j`` to the copy replicas ``k``
+with ``k mod r_owner = j``), which receive it right before the first forward that uses it
+(``RW``)::
+
+    pipedream, S = 2, stage 0 owns the embedding that stage 1's head reuses:
+    stage 0:  F0 F1 B0 RG0 U0 SW1 F2 B1 RG1 U1 SW2 F3 ...   forward t on version max(0, t - 1)
+    stage 1:     F0 B0 SG0 U0 F1 B1 SG1 U1 RW1 F2 ...       its copy on the same versions
 """
 
 from __future__ import annotations
@@ -32,6 +45,7 @@ __all__ = [
     "PipelineSpec",
     "build_tables",
     "compute_order",
+    "forward_versions",
     "warmup_depth",
 ]
 
@@ -55,6 +69,17 @@ class PipelineSpec:
     edges: tuple[tuple[int, int], ...] | None = None
     """(producer stage, consumer stage) pairs that exchange tensors; None: each stage with the
     next. A skip connection adds a pair (s, s + k), k > 1: the tensor is sent directly."""
+    tied: tuple[tuple[int, int], ...] = ()
+    """(owner stage, copy stage) pairs: the copy stage holds copies of tied parameters that
+    the owner stage (the first stage using them) owns (see the module docstring)."""
+
+    def tie_owners(self, stage: int) -> list[int]:
+        """The stages that own the tied tensors ``stage`` holds copies of."""
+        return sorted({owner for owner, copy in self.tied if copy == stage})
+
+    def tie_copies(self, stage: int) -> list[int]:
+        """The stages that hold copies of tensors ``stage`` owns."""
+        return sorted({copy for owner, copy in self.tied if owner == stage})
 
     def producers(self, stage: int) -> list[int]:
         if self.edges is None:
@@ -119,6 +144,11 @@ class PipelineSpec:
         flat = [rank for ranks in self.stage_ranks for rank in ranks]
         if sorted(flat) != list(range(len(flat))):
             raise ScheduleError(f"ranks must be 0..{len(flat) - 1}, each once; got {flat}")
+        for owner, copy in self.tied:
+            if not 0 <= owner < copy < self.num_stages:
+                raise ScheduleError(
+                    f"tied pair ({owner}, {copy}) must name an owner stage before a copy stage"
+                )
 
 
 def warmup_depth(spec: PipelineSpec, stage: int) -> int:
@@ -152,22 +182,33 @@ def _one_f_one_b(items: Sequence[int], warmup: int) -> list[tuple[Op, int]]:
 
 
 def compute_order(spec: PipelineSpec, stage: int, replica: int) -> list[tuple[Op, int]]:
-    """F, B, A and U of one stage replica, in execution order (no communication yet).
+    """F, B, A and U of one stage replica, in execution order, with the tied-parameter
+    exchanges around its updates (SG, RG, SW; no other communication yet).
 
     F/B carry microbatch indices, A/U carry the minibatch index of the update's last minibatch
     divided by the replica count (the replica-group's update number, counted from
-    ``first_minibatch``).
+    ``first_minibatch``), SG/RG the minibatch whose tied gradient they move, SW the version
+    the update makes (its number + 1).
     """
     m = spec.microbatches
     minibatches = _replica_minibatches(spec, stage, replica)
     replicated = spec.replicas(stage) > 1
     order: list[tuple[Op, int]] = []
 
+    holds_copies = bool(spec.tie_owners(stage))
+    owns_tied = bool(spec.tie_copies(stage))
+
     def close_minibatch(local: int) -> None:
         update = spec.first_minibatch // spec.replicas(stage) + local
+        if holds_copies:
+            order.append((Op.SEND_TIED_GRAD, minibatches[local]))
+        if owns_tied:
+            order.append((Op.RECV_TIED_GRAD, minibatches[local]))
         if replicated:
             order.append((Op.ALLREDUCE, update))
         order.append((Op.UPDATE, update))
+        if owns_tied:
+            order.append((Op.SEND_WEIGHTS, update + 1))
 
     if spec.schedule in ("pipedream", "pipedream-vs", "2bw"):
         # Asynchronous: 1F1B across minibatch boundaries, no flush. An update follows the
@@ -211,6 +252,19 @@ def _version_of(spec: PipelineSpec, stage: int, microbatch: int, updates_done: i
     return updates_done
 
 
+def forward_versions(spec: PipelineSpec, stage: int, replica: int) -> dict[int, int]:
+    """Microbatch -> the weight version its forward (and backward) uses at a stage replica."""
+    updates_done = spec.first_minibatch // spec.replicas(stage)
+    versions: dict[int, int] = {}
+    for op, index in compute_order(spec, stage, replica):
+        if op is Op.FORWARD:
+            versions[index] = _version_of(spec, stage, index, updates_done)
+            assert versions[index] <= updates_done, (spec, stage, index, versions[index])
+        elif op is Op.UPDATE:
+            updates_done += 1
+    return versions
+
+
 def build_tables(
     spec: PipelineSpec, *, only_ranks: Collection[int] | None = None
 ) -> dict[int, list[Action]]:
@@ -219,37 +273,71 @@ def build_tables(
     tables: dict[int, list[Action]] = {}
     for stage, ranks in enumerate(spec.stage_ranks):
         for replica, rank in enumerate(ranks):
-            if only_ranks is not None and rank not in only_ranks:
-                continue
-            table: list[Action] = []
-            updates_done = spec.first_minibatch // spec.replicas(stage)
-            versions: dict[int, int] = {}
-            for op, index in compute_order(spec, stage, replica):
-                if op is Op.FORWARD:
-                    minibatch = index // spec.microbatches
-                    version = _version_of(spec, stage, index, updates_done)
-                    assert version <= updates_done, (spec, stage, index, version)
-                    versions[index] = version
-                    for producer in spec.producers(stage):
-                        peer = spec.rank_of(producer, minibatch)
-                        table.append(Action(Op.RECV_ACT, stage, index, peer=peer))
-                    table.append(Action(Op.FORWARD, stage, index, version=version))
-                    for consumer in spec.consumers(stage):
-                        peer = spec.rank_of(consumer, minibatch)
-                        table.append(Action(Op.SEND_ACT, stage, index, peer=peer))
-                elif op is Op.BACKWARD:
-                    minibatch = index // spec.microbatches
-                    for consumer in spec.consumers(stage):
-                        peer = spec.rank_of(consumer, minibatch)
-                        table.append(Action(Op.RECV_GRAD, stage, index, peer=peer))
-                    table.append(Action(Op.BACKWARD, stage, index, version=versions.pop(index)))
-                    for producer in spec.producers(stage):
-                        peer = spec.rank_of(producer, minibatch)
-                        table.append(Action(Op.SEND_GRAD, stage, index, peer=peer))
-                elif op is Op.UPDATE:
-                    table.append(Action(Op.UPDATE, stage, index))
-                    updates_done += 1
-                else:
-                    table.append(Action(op, stage, index))
-            tables[rank] = table
+            if only_ranks is None or rank in only_ranks:
+                tables[rank] = _table(spec, stage, replica)
     return tables
+
+
+def _table(spec: PipelineSpec, stage: int, replica: int) -> list[Action]:
+    """One stage replica's table: its compute order with the communication around it."""
+    table: list[Action] = []
+    versions = forward_versions(spec, stage, replica)
+    owners = spec.tie_owners(stage)
+    copies = spec.tie_copies(stage)
+    # the owners' versions of every microbatch, and the newest version received from each
+    owner_versions = {
+        owner: {
+            microbatch: version
+            for owner_replica in range(spec.replicas(owner))
+            for microbatch, version in forward_versions(spec, owner, owner_replica).items()
+        }
+        for owner in owners
+    }
+    received = {owner: spec.first_minibatch // spec.replicas(owner) for owner in owners}
+
+    def receive_versions(owner: int, upto: int) -> None:
+        assert upto >= received[owner], (spec, stage, replica, owner, upto)  # never backwards
+        peer = spec.stage_ranks[owner][replica % spec.replicas(owner)]
+        while received[owner] < upto:
+            received[owner] += 1
+            table.append(Action(Op.RECV_WEIGHTS, stage, received[owner], peer=peer))
+
+    for op, index in compute_order(spec, stage, replica):
+        if op is Op.FORWARD:
+            minibatch = index // spec.microbatches
+            for owner in owners:
+                receive_versions(owner, owner_versions[owner][index])
+            for producer in spec.producers(stage):
+                peer = spec.rank_of(producer, minibatch)
+                table.append(Action(Op.RECV_ACT, stage, index, peer=peer))
+            table.append(Action(Op.FORWARD, stage, index, version=versions[index]))
+            for consumer in spec.consumers(stage):
+                peer = spec.rank_of(consumer, minibatch)
+                table.append(Action(Op.SEND_ACT, stage, index, peer=peer))
+        elif op is Op.BACKWARD:
+            minibatch = index // spec.microbatches
+            for consumer in spec.consumers(stage):
+                peer = spec.rank_of(consumer, minibatch)
+                table.append(Action(Op.RECV_GRAD, stage, index, peer=peer))
+            table.append(Action(Op.BACKWARD, stage, index, version=versions[index]))
+            for producer in spec.producers(stage):
+                peer = spec.rank_of(producer, minibatch)
+                table.append(Action(Op.SEND_GRAD, stage, index, peer=peer))
+        elif op is Op.SEND_TIED_GRAD:  # to the owners' replicas of minibatch `index`
+            for owner in owners:
+                table.append(Action(op, stage, index, peer=spec.rank_of(owner, index)))
+        elif op is Op.RECV_TIED_GRAD:
+            for copy in copies:
+                table.append(Action(op, stage, index, peer=spec.rank_of(copy, index)))
+        elif op is Op.SEND_WEIGHTS:  # to the copy replicas k with k mod replicas = replica
+            for copy in copies:
+                for k, peer in enumerate(spec.stage_ranks[copy]):
+                    if k % spec.replicas(stage) == replica:
+                        table.append(Action(op, stage, index, peer=peer))
+        else:
+            table.append(Action(op, stage, index))
+    # the versions made by the last updates: the copies end as the owners' final tensors
+    for owner in owners:
+        first_version = spec.first_minibatch // spec.replicas(owner)
+        receive_versions(owner, first_version + spec.num_minibatches // spec.replicas(owner))
+    return table

@@ -2,13 +2,17 @@
 
 ``nn.Sequential`` models are cut between children without tracing; any other model is traced
 with ``torch.export`` and cut at module boundaries of its graph (see ``pipedream.graph``).
+
+A parameter that layers of several stages use (tied weights) belongs to the first of those
+stages; each later one holds a copy (:class:`SharedTensor`, the runtime's
+:class:`~pipedream.runtime.worker.TiedLinks`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -16,11 +20,38 @@ from pipedream.errors import FormatError, WorkloadError
 from pipedream.formats.plan import Plan
 from pipedream.graph import LayerGraph, StageIO, trace_model
 from pipedream.graph.stages import build_stage_module as build_graph_stage
-from pipedream.graph.stages import stage_ios
+from pipedream.graph.stages import stage_ios, stages_using
+from pipedream.model_io import ModelIO
 from pipedream.runtime.routing import sequential_ios
+from pipedream.runtime.worker import TiedLinks
+from pipedream.ties import TiedTensor, find_tied, owned_layers
 from pipedream.workload import Workload
 
-__all__ = ["StageLayout", "build_stage_module", "layer_names", "stage_layer_names", "stage_layout"]
+__all__ = [
+    "SharedTensor",
+    "StageLayout",
+    "build_stage_module",
+    "layer_names",
+    "stage_layer_names",
+    "stage_layout",
+]
+
+
+@dataclass(frozen=True)
+class SharedTensor:
+    """A parameter or buffer of the model that layers of several stages use."""
+
+    name: str
+    """Its canonical name (the first of its names in the model)."""
+    stages: tuple[int, ...]
+    """The stages that use it, ascending (two or more); the first owns it."""
+    is_parameter: bool
+    """A parameter (the copies trade gradients and versions with the owner) or a buffer (each
+    stage keeps its own; a checkpoint stores the owner's)."""
+
+    @property
+    def owner(self) -> int:
+        return self.stages[0]
 
 
 @dataclass(frozen=True)
@@ -35,6 +66,55 @@ class StageLayout:
     """Stage pairs that exchange tensors (None: a plain chain)."""
     build: Callable[[int], nn.Module]
     """Builds the module of a stage (sharing the model's parameter tensors)."""
+    model: nn.Module
+    """The whole model the stage modules are cut from."""
+    model_io: ModelIO = field(default_factory=ModelIO)
+    """How the model's inputs and output map to the stages' flat tensor lists."""
+    tied: tuple[TiedTensor, ...] = ()
+    """Every tensor of the model that has several names (checkpoints rebuild all of them)."""
+    shared: tuple[SharedTensor, ...] = ()
+    """The tensors used by layers of more than one stage."""
+
+    @property
+    def tied_pairs(self) -> tuple[tuple[int, int], ...]:
+        """(owner stage, copy stage) pairs of the shared parameters (the schedule's ``tied``)."""
+        pairs = {
+            (shared.owner, stage)
+            for shared in self.shared
+            if shared.is_parameter
+            for stage in shared.stages[1:]
+        }
+        return tuple(sorted(pairs))
+
+    def tied_links(self, stage: int, module: nn.Module) -> TiedLinks:
+        """The shared parameters of ``stage`` by their names in its ``module``."""
+        local = _local_names(self.model, module)
+        owned: dict[int, list[str]] = {}
+        copies: dict[int, list[str]] = {}
+        for shared in sorted(self.shared, key=lambda s: s.name):
+            if not shared.is_parameter or stage not in shared.stages:
+                continue
+            if stage == shared.owner:
+                for copy in shared.stages[1:]:
+                    owned.setdefault(copy, []).append(local[shared.name])
+            else:
+                copies.setdefault(shared.owner, []).append(local[shared.name])
+        return TiedLinks(
+            owned={s: tuple(names) for s, names in owned.items()},
+            copies={s: tuple(names) for s, names in copies.items()},
+        )
+
+    def stored_elsewhere(self, stage: int, module: nn.Module) -> set[str]:
+        """Names in ``module``'s state dict of shared tensors that an earlier stage owns (a
+        checkpoint stores each tensor once: in its owner's file)."""
+        tensors = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
+        others = {
+            id(tensors[shared.name])
+            for shared in self.shared
+            if stage in shared.stages and stage != shared.owner
+        }
+        state = module.state_dict(keep_vars=True)
+        return {name for name, tensor in state.items() if id(tensor) in others}
 
 
 def layer_names(model: nn.Module) -> list[str]:
@@ -52,11 +132,21 @@ def stage_layout(workload: Workload, plan: Plan, *, source: str) -> StageLayout:
     if children is not None and (plan.layers is None or list(plan.layers) == children):
         names = children
         groups = stage_layer_names(plan, names, source=source)
+        tied = find_tied(model)
+        stage_of = {layer: s for s, group in enumerate(groups) for layer in group}
+        shared = []
+        for tensor in tied:
+            stages = sorted({stage_of[names[i]] for i in owned_layers(names, tensor.names)})
+            if len(stages) > 1:
+                shared.append(SharedTensor(tensor.name, tuple(stages), tensor.is_parameter))
         return StageLayout(
             names,
             sequential_ios(plan.num_stages),
             None,
             lambda s: build_stage_module(model, groups[s]),
+            model,
+            tied=tied,
+            shared=tuple(shared),
         )
     program = trace_model(model, workload.example_input)
     names = list(plan.layers) if plan.layers else LayerGraph.auto_layer_names(program, model)
@@ -76,11 +166,21 @@ def stage_layout(workload: Workload, plan: Plan, *, source: str) -> StageLayout:
     ranges = [(index[g[0]], index[g[-1]]) for g in groups]
     ios = stage_ios(graph, ranges)
     edges = tuple(sorted({(io.stage, c) for io in ios for c, _ in io.consumers}))
+    parameters = dict(model.named_parameters())
+    shared = tuple(
+        SharedTensor(name, tuple(sorted(stages)), name in parameters)
+        for name, stages in stages_using(graph, ranges).items()
+        if len(stages) > 1
+    )
     return StageLayout(
         graph.layers,
         ios,
         edges,
         lambda s: build_graph_stage(graph, model, *ranges[s], ios[s]),
+        model,
+        model_io=graph.model_io,
+        tied=find_tied(model),
+        shared=shared,
     )
 
 
@@ -133,6 +233,14 @@ def stage_layer_names(plan: Plan, names: Sequence[str], *, source: str) -> list[
             f"let the last stage end at {names[-1]!r}",
         )
     return out
+
+
+def _local_names(model: nn.Module, module: nn.Module) -> dict[str, str]:
+    """Canonical name of each of the model's parameters -> its name in a stage ``module``."""
+    local = {id(param): name for name, param in module.named_parameters()}
+    return {
+        name: local[id(param)] for name, param in model.named_parameters() if id(param) in local
+    }
 
 
 def build_stage_module(model: nn.Module, names: Sequence[str]) -> nn.Sequential:

@@ -47,6 +47,10 @@ CATEGORIES: dict[Op, str] = {
     Op.SEND_GRAD: "send",
     Op.RECV_ACT: "receive-wait",
     Op.RECV_GRAD: "receive-wait",
+    Op.SEND_TIED_GRAD: "send",
+    Op.SEND_WEIGHTS: "send",
+    Op.RECV_TIED_GRAD: "receive-wait",
+    Op.RECV_WEIGHTS: "receive-wait",
 }
 """Chrome trace category of each kind of action (a receive's time is the wait for its data)."""
 

@@ -128,7 +128,13 @@ def train(options: TrainOptions) -> int:
         )
         return 0
     todo = segments(options.steps, options.checkpoint_every, start)
-    validate_plan_schedule(plan, {count for _, count in todo}, source=source, edges=layout.edges)
+    validate_plan_schedule(
+        plan,
+        {count for _, count in todo},
+        source=source,
+        edges=layout.edges,
+        tied=layout.tied_pairs,
+    )
 
     device, backend = device_and_backend(env)
     timeout = timedelta(seconds=options.timeout)
@@ -188,9 +194,10 @@ class _RankJob:
         self.stage = plan.stages[self.stage_index]
         self.run_dir = _agree_on_run_dir(options.run_dir)
         self.last_checkpoint: Path | None = None
+        self.stored_elsewhere: set[str] = set()
 
     def _table(self, first: int, count: int) -> list[Action]:
-        spec = plan_spec(self.plan, first, count, self.layout.edges)
+        spec = plan_spec(self.plan, first, count, self.layout.edges, self.layout.tied_pairs)
         return build_tables(spec, only_ranks=(self.rank,))[self.rank]
 
     def _worker(self, first: int, count: int) -> StageWorker:
@@ -207,14 +214,19 @@ class _RankJob:
             precision=self.options.precision,
             skip_nonfinite=self.options.on_nonfinite == "skip",
         )
+        module = self.layout.build(self.stage_index)
+        # before the worker moves the module: which tensors other stages store, by identity
+        self.stored_elsewhere = self.layout.stored_elsewhere(self.stage_index, module)
         return StageWorker(
             config,
-            self.layout.build(self.stage_index),
+            module,
             self._table(first, count),
             optimizer_factory=self.workload.optimizer,
             loss_fn=self.workload.loss_fn,
             data=data,
             initial_version=first // self.stage.replicas,
+            model_io=self.layout.model_io,
+            tied=self.layout.tied_links(self.stage_index, module),
         )
 
     def _logger(self) -> MetricsLogger | None:
@@ -273,6 +285,8 @@ class _RankJob:
                 stage=self.stage_index,
                 step=step,
                 keep=self.options.keep,
+                omit=self.stored_elsewhere,
+                tied=[tensor.names for tensor in self.layout.tied],
             )
             self.last_checkpoint = directory
         return compute_s
@@ -281,7 +295,13 @@ class _RankJob:
         first, count = todo[0]
         worker = self._worker(first, count)
         if resume_from is not None:
-            restore_stage(resume_from, worker.module, worker.optimizer, stage=self.stage_index)
+            restore_stage(
+                resume_from,
+                worker.module,
+                worker.optimizer,
+                stage=self.stage_index,
+                param_names=worker.param_names,
+            )
             self.last_checkpoint = resume_from
             # the first version must be taken of the restored weights, not the initial ones
             worker.start_segment(

@@ -14,12 +14,12 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from pipedream.errors import ScheduleError
-from pipedream.runtime.actions import Action, Op
+from pipedream.runtime.actions import MATCHING_RECEIVE, Action, Op
 from pipedream.runtime.schedule import PipelineSpec
 
 __all__ = ["format_grid", "simulate_dependencies", "validate_tables"]
 
-_MATCH = {Op.SEND_ACT: Op.RECV_ACT, Op.SEND_GRAD: Op.RECV_GRAD}
+_MATCH = MATCHING_RECEIVE
 
 
 def format_grid(
@@ -75,7 +75,7 @@ def simulate_dependencies(tables: Mapping[int, Sequence[Action]]) -> None:
                 if action.op in _MATCH:
                     assert action.peer is not None
                     sent.add((_MATCH[action.op], action.index, rank, action.peer))
-                elif action.op in (Op.RECV_ACT, Op.RECV_GRAD):
+                elif action.op.is_receive:
                     key = (action.op, action.index, action.peer, rank)
                     if key not in sent:
                         break
@@ -134,7 +134,7 @@ def validate_tables(spec: PipelineSpec, tables: Mapping[int, Sequence[Action]]) 
                         _fail(tables, rank, pos, f"backward of {action.index} before its forward")
                 elif action.op in _MATCH:
                     sends[(_MATCH[action.op], action.index, rank, action.peer or 0)] += 1
-                elif action.op in (Op.RECV_ACT, Op.RECV_GRAD):
+                elif action.op.is_receive:
                     recvs[(action.op, action.index, action.peer or 0, rank)] += 1
         for name, counter in (("forward", forwards), ("backward", backwards)):
             if set(counter) != expected_micro or any(c != 1 for c in counter.values()):

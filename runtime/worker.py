@@ -3,12 +3,19 @@
 A :class:`StageWorker` knows nothing about communication: the distributed executor and the
 single-process reference executor feed it tensors and ship what it returns. This keeps the
 numerics in one place, so both interpreters of an action table compute exactly the same thing.
+
+Tied parameters shared with other stages (:class:`TiedLinks`): a tensor this stage *owns* is an
+ordinary parameter of it, to whose gradient the copies' gradients are added before the update;
+a *copy* of another stage's tensor is not trained here (the optimizer and the weight versions
+leave it out): every forward uses the copy's current value (the owner's version for that
+microbatch, received right before), its gradient goes to the owner, and each new version from
+the owner replaces its value.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -16,11 +23,12 @@ from torch import Tensor, nn
 
 from pipedream.data import MicrobatchStream
 from pipedream.errors import RunFailure
+from pipedream.model_io import ModelIO, map_tensors
 from pipedream.runtime.actions import Action
 from pipedream.runtime.swap import ParameterSwap
-from pipedream.runtime.weights import WeightVersions
+from pipedream.runtime.weights import WeightVersions, accumulate_grads
 
-__all__ = ["NonFiniteLossError", "StageWorker", "WorkerConfig"]
+__all__ = ["NonFiniteLossError", "StageWorker", "TiedLinks", "WorkerConfig"]
 
 
 class NonFiniteLossError(RunFailure):
@@ -55,6 +63,25 @@ class WorkerConfig:
         return self.stage == self.num_stages - 1
 
 
+@dataclass(frozen=True)
+class TiedLinks:
+    """A stage's tied parameters shared with other stages, by local parameter name.
+
+    Each list is in the order of the tensors' canonical names, so an owner's list for a copy
+    stage pairs up with that stage's list for the owner (the local names may differ: an
+    ``nn.Sequential`` stage names a tensor by its own child).
+    """
+
+    owned: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
+    """Copy stage -> this stage's parameters that the copy stage holds copies of."""
+    copies: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
+    """Owner stage -> this stage's copies of that stage's parameters."""
+
+    @property
+    def copy_names(self) -> frozenset[str]:
+        return frozenset(name for names in self.copies.values() for name in names)
+
+
 @dataclass
 class _Stashed:
     """What a forward leaves for its backward."""
@@ -64,6 +91,9 @@ class _Stashed:
     outputs: list[Tensor] = field(default_factory=list)
     params: dict[str, Tensor] = field(default_factory=dict)
     loss: Tensor | None = None
+    copies: dict[str, Tensor] = field(default_factory=dict)
+    """With recomputation: the tied copies' values the forward used (a new version may come
+    before the backward)."""
 
 
 class StageWorker:
@@ -79,15 +109,25 @@ class StageWorker:
         loss_fn: Callable[[Tensor, Tensor], Tensor],
         data: MicrobatchStream | None,
         initial_version: int = 0,
+        model_io: ModelIO | None = None,
+        tied: TiedLinks | None = None,
     ) -> None:
         self.config = config
         self.module = module.to(config.device)
         self.loss_fn = loss_fn
         self.data = data
-        self.optimizer = optimizer_factory(list(self.module.parameters()))
-        self.param_names = [name for name, _ in self.module.named_parameters()]
+        self.model_io = model_io or ModelIO()
+        self.tied = tied or TiedLinks()
+        named = dict(self.module.named_parameters())
+        self._copies = {name: named[name] for name in sorted(self.tied.copy_names)}
+        trained = [p for name, p in named.items() if name not in self._copies]
+        # a stage without parameters of its own (or only copies) has nothing to step
+        self.optimizer = optimizer_factory(trained) if trained else None
+        self.param_names = [name for name in named if name not in self._copies]
         self._call = ParameterSwap(self.module)
-        self.versions = WeightVersions(self.module, table, initial_version=initial_version)
+        self.versions = WeightVersions(
+            self.module, table, initial_version=initial_version, exclude=self._copies
+        )
         self._stash: dict[int, _Stashed] = {}
         self.max_in_flight = 0
         self.skipped: set[int] = set()
@@ -109,17 +149,19 @@ class StageWorker:
         # activations cross stages in fp32 so that receivers need not know the autocast policy
         return [o.float() if o.is_floating_point() else o for o in outputs]
 
-    def _leaf_params(self, version: int) -> dict[str, Tensor]:
-        return {
-            name: tensor.detach().requires_grad_(True)
-            for name, tensor in self.versions.get(version).items()
-        }
+    def _leaf_params(
+        self, version: int, copies: Mapping[str, Tensor] | None = None
+    ) -> dict[str, Tensor]:
+        # a copy's value is replaced (never modified) by each new version: the detached alias
+        # keeps the version this microbatch started with for its backward
+        tensors = {**self.versions.get(version), **(self._copies if copies is None else copies)}
+        return {name: tensor.detach().requires_grad_(True) for name, tensor in tensors.items()}
 
     def _inputs(self, microbatch: int, received: list[Tensor] | None) -> list[Tensor]:
         if self.config.is_first:
             assert self.data is not None
-            inputs = self.data.inputs(microbatch)
-            return [inputs.to(self.config.device)]
+            inputs = self.model_io.flatten_inputs(self.data.inputs(microbatch))
+            return [t.to(self.config.device) for t in inputs]
         assert received is not None
         return [t.detach().requires_grad_(t.is_floating_point()) for t in received]
 
@@ -131,8 +173,8 @@ class StageWorker:
         zero gradient to every stage while the schedule runs on unchanged.
         """
         assert self.data is not None
-        targets = self.data.targets(microbatch)
-        loss = self.loss_fn(outputs[0], targets.to(self.config.device))
+        targets = map_tensors(lambda t: t.to(self.config.device), self.data.targets(microbatch))
+        loss = self.loss_fn(self.model_io.unflatten_outputs(outputs), targets)
         if not bool(torch.isfinite(loss.detach())):
             if not self.config.skip_nonfinite:
                 raise NonFiniteLossError(
@@ -146,7 +188,9 @@ class StageWorker:
     def start_segment(self, table: Sequence[Action], *, initial_version: int) -> None:
         """Continue with the next table (after a drain), keeping module and optimizer state."""
         assert not self._stash, "a segment must start with an empty pipeline"
-        self.versions = WeightVersions(self.module, table, initial_version=initial_version)
+        self.versions = WeightVersions(
+            self.module, table, initial_version=initial_version, exclude=self._copies
+        )
 
     # -- actions ---------------------------------------------------------------------------
     def forward(self, action: Action, received: list[Tensor] | None) -> list[Tensor]:
@@ -159,8 +203,9 @@ class StageWorker:
         stash = _Stashed(version=action.version, inputs=inputs)
         if self.config.recompute:
             # keep only the inputs; backward recomputes the forward on the same version
+            stash.copies = {name: p.detach() for name, p in self._copies.items()}
             with torch.no_grad():
-                outputs = self._run(self.versions.get(action.version), inputs)
+                outputs = self._run({**self.versions.get(action.version), **stash.copies}, inputs)
                 if self.config.is_last:
                     loss = self._loss(action.index, outputs)
                     if action.index not in self.skipped:
@@ -186,7 +231,7 @@ class StageWorker:
         stash = self._stash.pop(action.index)
         assert stash.version == action.version, (stash.version, action)
         if self.config.recompute:
-            stash.params = self._leaf_params(stash.version)
+            stash.params = self._leaf_params(stash.version, stash.copies)
             stash.outputs = self._run(stash.params, stash.inputs)
             if self.config.is_last:
                 stash.loss = self._loss(action.index, stash.outputs)
@@ -203,7 +248,10 @@ class StageWorker:
         wrt = wrt_inputs + list(stash.params.values())
         computed = torch.autograd.grad(roots, wrt, root_grads, allow_unused=True)
         input_grads = iter(computed[: len(wrt_inputs)])
-        self.versions.accumulate(dict(zip(stash.params, computed[len(wrt_inputs) :])))
+        param_grads = dict(zip(stash.params, computed[len(wrt_inputs) :]))
+        copy_grads = {name: param_grads.pop(name) for name in self._copies}
+        self.versions.accumulate(param_grads)
+        accumulate_grads(self._copies, copy_grads)
         if self.config.is_first:
             return []
         out = []
@@ -222,9 +270,10 @@ class StageWorker:
         return [torch.zeros_like(t) for t in stash.inputs]
 
     def gradients(self) -> list[Tensor]:
-        """The live parameters' gradients (zeros where a parameter got none)."""
+        """The live parameters' gradients (zeros where a parameter got none); copies of other
+        stages' tied parameters are not among them (their gradients go to the owner)."""
         out = []
-        for param in self.module.parameters():
+        for param in self.versions.params.values():
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             out.append(param.grad)
@@ -233,9 +282,43 @@ class StageWorker:
     def update(self, position: int) -> None:
         """Optimizer step on the live weights, then they become the next version."""
         self.versions.release_before(position)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.versions.updated()
+
+    # -- tied parameters -------------------------------------------------------------------
+    def copy_gradients(self, owner: int) -> list[Tensor]:
+        """The gradients of this stage's copies of ``owner``'s tensors since the last call
+        (zeros where none came), to send to the owner; the copies start afresh."""
+        out = []
+        for name in self.tied.copies[owner]:
+            param = self._copies[name]
+            out.append(torch.zeros_like(param) if param.grad is None else param.grad)
+            param.grad = None
+        return out
+
+    @torch.no_grad()
+    def add_copy_gradients(self, copy_stage: int, grads: Sequence[Tensor]) -> None:
+        """Add a copy stage's gradients to those of the tensors this stage owns."""
+        names = self.tied.owned[copy_stage]
+        assert len(grads) == len(names), (names, len(grads))
+        accumulate_grads(self.versions.params, {n: g.clone() for n, g in zip(names, grads)})
+
+    def owned_tensors(self, copy_stage: int) -> list[Tensor]:
+        """The current values of the tensors ``copy_stage`` holds copies of (fresh tensors:
+        the next update changes the live ones in place while the send may still read them)."""
+        return [self.versions.params[n].detach().clone() for n in self.tied.owned[copy_stage]]
+
+    @torch.no_grad()
+    def set_copies(self, owner: int, tensors: Sequence[Tensor]) -> None:
+        """Replace the values of the copies of ``owner``'s tensors with a new version."""
+        names = self.tied.copies[owner]
+        assert len(tensors) == len(names), (names, len(tensors))
+        for name, tensor in zip(names, tensors):
+            param = self._copies[name]
+            assert tensor.shape == param.shape, (name, tensor.shape, param.shape)
+            param.data = tensor.to(device=param.device, dtype=param.dtype)
 
     def release(self, position: int) -> None:
         self.versions.release_before(position)

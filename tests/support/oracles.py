@@ -4,6 +4,11 @@ They use nothing from pipedream.runtime: plain autograd on the whole, unsplit mo
 stage's weights taken from the version the rule prescribes, and a torch optimizer applying the
 update to the latest weights (so momentum and Adam state live with the latest weights, as in
 the runtime).
+
+Tied parameters follow the documented rule by construction: ``named_parameters()`` lists a
+tied tensor once, under its first name, so it belongs to the first stage that uses it; every
+use of it in a minibatch takes that stage's version, and autograd sums the gradients of all
+uses.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-__all__ = ["plain_training", "stage_param_names", "stale_oracle"]
+__all__ = ["plain_training", "replicated_oracle", "stage_param_names", "stale_oracle"]
 
 Batch = tuple[Tensor, Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -86,3 +91,46 @@ def plain_training(
         loss.backward()
         opt.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def replicated_oracle(
+    model: nn.Module,
+    stages: Sequence[Sequence[str]],
+    replicas: Sequence[int],
+    *,
+    num_minibatches: int,
+    minibatch: Callable[[int], list[Batch]],
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    optimizer: OptimizerFactory,
+) -> dict[str, Tensor]:
+    """Synchronous training of replicated stages (1F1B-RR with a flush per minibatch): stage s
+    computes minibatch t at W_s^(t // r_s) and updates once per r_s minibatches with the mean
+    of their gradients."""
+    names = stage_param_names(model, stages)
+    live = {n: nn.Parameter(p.detach().clone()) for n, p in model.named_parameters()}
+    optimizers = [optimizer([live[n] for n in stage_names]) for stage_names in names]
+    history = [[{n: live[n].detach().clone() for n in stage_names}] for stage_names in names]
+    sums = [{n: torch.zeros_like(live[n]) for n in stage_names} for stage_names in names]
+    buffers = dict(model.named_buffers())
+    for t in range(num_minibatches):
+        params: dict[str, Tensor] = {}
+        for s, count in enumerate(replicas):
+            for name, value in history[s][t // count].items():
+                params[name] = value.clone().requires_grad_(True)
+        micro = minibatch(t)
+        total = sum(
+            loss_fn(functional_call(model, {**params, **buffers}, (x,)), y) / len(micro)
+            for x, y in micro
+        )
+        grads = dict(zip(params, torch.autograd.grad(total, list(params.values()))))
+        for s, count in enumerate(replicas):
+            for name in names[s]:
+                sums[s][name] += grads[name] / count
+            if (t + 1) % count == 0:
+                for name in names[s]:
+                    live[name].grad = sums[s][name]
+                optimizers[s].step()
+                optimizers[s].zero_grad(set_to_none=True)
+                sums[s] = {n: torch.zeros_like(live[n]) for n in names[s]}
+                history[s].append({n: live[n].detach().clone() for n in names[s]})
+    return {n: p.detach().clone() for n, p in live.items()}

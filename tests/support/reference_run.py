@@ -5,14 +5,17 @@ from __future__ import annotations
 import torch
 
 from pipedream.data import MicrobatchStream
+from pipedream.formats.plan import Plan, StagePlan
+from pipedream.runtime.plan_check import plan_spec
 from pipedream.runtime.reference import run_reference
 from pipedream.runtime.routing import sequential_ios
 from pipedream.runtime.schedule import PipelineSpec, build_tables
-from pipedream.runtime.stage import build_stage_module
+from pipedream.runtime.stage import StageLayout, build_stage_module, stage_layout
 from pipedream.runtime.worker import StageWorker, WorkerConfig
+from pipedream.ties import expand_aliases
 from pipedream.workload import load_workload
 
-__all__ = ["reference_weights"]
+__all__ = ["reference_layout_weights", "reference_weights"]
 
 
 def reference_weights(
@@ -51,3 +54,70 @@ def reference_weights(
     for stage_ranks in ranks:
         merged.update(workers[stage_ranks[0]].module.state_dict())
     return merged, workers
+
+
+def reference_layout_weights(
+    workload: str,
+    workload_args: dict[str, str],
+    stages: list[list[str]],
+    *,
+    schedule: str,
+    microbatches: int,
+    steps: int,
+    microbatch_size: int,
+    replicas: list[int] | None = None,
+    layers: list[str] | None = None,
+    recompute: bool = False,
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """The model's state dict (every name of a tied tensor included) after the reference
+    executor ran ``steps`` minibatches of the plan, its stages cut as ``pipedream train`` cuts
+    them (:func:`~pipedream.runtime.stage.stage_layout`: traced models, tied parameters)."""
+    replicas = replicas or [1] * len(stages)
+    plan_stages, rank = [], 0
+    for group, count in zip(stages, replicas):
+        plan_stages.append(StagePlan(group[0], group[-1], count, tuple(range(rank, rank + count))))
+        rank += count
+    plan = Plan(
+        workload=workload,
+        workload_args=dict(workload_args),
+        schedule=schedule,
+        microbatch_size=microbatch_size,
+        microbatches=microbatches,
+        world_size=rank,
+        stages=tuple(plan_stages),
+        layers=None if layers is None else tuple(layers),
+    )
+
+    def layout_of() -> StageLayout:
+        built = load_workload(workload, workload_args, microbatch_size=microbatch_size)
+        return stage_layout(built, plan, source="plan")
+
+    first = layout_of()
+    spec = plan_spec(plan, 0, steps, first.edges, first.tied_pairs)
+    tables = build_tables(spec)
+    workers: dict[int, StageWorker] = {}
+    layouts: dict[int, StageLayout] = {}
+    for stage, entry in enumerate(plan_stages):
+        for rank in entry.ranks:  # every rank its own model, as every process has
+            layout = layouts[rank] = layout_of()
+            module = layout.build(stage)
+            built = load_workload(workload, workload_args, microbatch_size=microbatch_size)
+            workers[rank] = StageWorker(
+                WorkerConfig(stage, len(plan_stages), microbatches, recompute=recompute),
+                module,
+                tables[rank],
+                optimizer_factory=built.optimizer,
+                loss_fn=built.loss_fn,
+                data=MicrobatchStream(built.dataset, microbatch_size, seed),
+                model_io=layout.model_io,
+                tied=layout.tied_links(stage, module),
+            )
+    run_reference(tables, workers, first.ios)
+    merged: dict[str, torch.Tensor] = {}
+    for stage, entry in enumerate(plan_stages):
+        rank = entry.ranks[0]
+        skip = layouts[rank].stored_elsewhere(stage, workers[rank].module)
+        state = workers[rank].module.state_dict()
+        merged.update({k: v for k, v in state.items() if k not in skip})
+    return expand_aliases(merged, [tensor.names for tensor in first.tied])

@@ -1,0 +1,149 @@
+"""Tied weights across stages on gloo: the ``gpt`` model whose head reuses its token embedding
+(``tie=true``), the embedding on the first stage and the head on the last, against the
+documented rule and plain training; checkpoints store the tied tensor once, export and resume
+under another plan keep the tie."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import yaml
+
+from pipedream.cli import main
+from pipedream.data import MicrobatchStream
+from pipedream.runtime.checkpoint import load_full_state_dict
+from pipedream.workload import load_workload
+
+from launching import launch, straight_plan, write_plan
+from oracles import stale_oracle
+from runs import train_and_load
+
+ARGS = {
+    "layers": "2",
+    "dim": "16",
+    "heads": "2",
+    "seq": "8",
+    "vocab": "32",
+    "samples": "256",
+    "tie": "true",
+    "optimizer": "sgd",
+    "lr": "0.5",
+    "momentum": "0.5",
+}
+B = 4
+THREE = [["embed"], ["h0", "h1"], ["norm", "head"]]
+TWO = [["embed", "h0"], ["h1", "norm", "head"]]
+
+
+def _diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    return max(
+        float((got[k] - want[k]).abs().max() / want[k].abs().max().clamp_min(1e-12)) for k in want
+    )
+
+
+def test_pipedream_three_stages_equal_the_tied_rule(tmp_path: Path) -> None:
+    steps = 6
+    got = train_and_load(
+        tmp_path,
+        THREE,
+        steps=steps,
+        workload="gpt",
+        workload_args=ARGS,
+        schedule="pipedream",
+        microbatch_size=B,
+        extra=("--checkpoint-every", "3"),
+    )
+    workload = load_workload("gpt", ARGS)
+    data = MicrobatchStream(workload.dataset, B, 0)
+    want = stale_oracle(
+        workload.model,
+        THREE,
+        num_minibatches=steps,
+        minibatch=lambda t: [data.microbatch(t)],
+        loss_fn=workload.loss_fn,
+        # the checkpoint at 3 drains the pipeline: the next segment starts without staleness
+        staleness=lambda t, s: max(3 * (t // 3), t - (2 - s)),
+        optimizer=workload.optimizer,
+    )
+    assert _diff(got, want) < 1e-5
+    assert got["head.weight"] is got["embed.tok.weight"]
+
+    # the tied tensor is stored once, by its owner (stage 0); the manifest names all its names
+    checkpoint = tmp_path / "run" / "checkpoints" / f"step-{steps:06d}"
+    manifest = yaml.safe_load((checkpoint / "manifest.yaml").read_text())
+    assert manifest["tied"] == [["embed.tok.weight", "head.weight"]]
+    files = [torch.load(checkpoint / f"stage-{s:02d}.pt", weights_only=True) for s in range(3)]
+    assert "embed.tok.weight" in files[0]["model"]
+    assert not {"embed.tok.weight", "head.weight"} & set(files[2]["model"])
+    assert not {"embed.tok.weight", "head.weight"} & set(files[2]["optimizer"]["state"])
+
+    # export: the model's own state dict, the tie intact
+    exported = tmp_path / "model.pt"
+    assert main(["export", str(checkpoint), "-o", str(exported)]) == 0
+    state = torch.load(exported, weights_only=True)
+    assert state["head.weight"].data_ptr() == state["embed.tok.weight"].data_ptr()
+    fresh = load_workload("gpt", ARGS).model
+    fresh.load_state_dict(state)
+    assert fresh.head.weight is fresh.embed.tok.weight
+
+
+def test_replicated_stages_then_resume_under_another_plan(tmp_path: Path) -> None:
+    """4 minibatches on 2 replicas of both stages (1f1b), then 4 more resumed from that
+    checkpoint on a 3-stage plan: the owner's tensor and its optimizer state reach every stage,
+    and the whole run equals plain training (2 updates of 2 minibatches, then 4 of one)."""
+    m, first_steps, steps = 2, 4, 8
+    plan = straight_plan(
+        "gpt",
+        TWO,
+        schedule="1f1b",
+        microbatch_size=B,
+        microbatches=m,
+        workload_args=ARGS,
+        replicas=[2, 2],
+    )
+    run_dir = tmp_path / "run"
+    result = launch(
+        write_plan(plan, tmp_path / "a.yaml"),
+        "--steps",
+        str(first_steps),
+        "--run-dir",
+        str(run_dir),
+        "--timeout",
+        "60",
+        "--no-progress",
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    plan = straight_plan(
+        "gpt", THREE, schedule="1f1b", microbatch_size=B, microbatches=m, workload_args=ARGS
+    )
+    result = launch(
+        write_plan(plan, tmp_path / "b.yaml"),
+        "--steps",
+        str(steps),
+        "--run-dir",
+        str(run_dir),
+        "--resume",
+        "auto",
+        "--timeout",
+        "60",
+        "--no-progress",
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    got = load_full_state_dict(run_dir / "checkpoints" / f"step-{steps:06d}")
+    assert got["head.weight"] is got["embed.tok.weight"]
+
+    workload = load_workload("gpt", ARGS)
+    data = MicrobatchStream(workload.dataset, B, 0)
+    model = workload.model
+    optimizer = workload.optimizer(model.parameters())  # one optimizer: its momentum carries on
+    batches = [list(range(t * m, (t + 2) * m)) for t in (0, 2)]
+    batches += [list(range(t * m, (t + 1) * m)) for t in range(first_steps, steps)]
+    for microbatches in batches:
+        optimizer.zero_grad()
+        for index in microbatches:
+            inputs, targets = data.microbatch(index)
+            (workload.loss_fn(model(inputs), targets) / len(microbatches)).backward()
+        optimizer.step()
+    want = {k: v.detach() for k, v in model.named_parameters()}
+    assert _diff(got, want) < 1e-5

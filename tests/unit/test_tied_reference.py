@@ -1,0 +1,175 @@
+"""Tied weights across stages, in one process: the ``gpt`` model with its head reusing the token
+embedding (``tie=true``), cut so that the embedding is on the first stage and the head on the
+last, run by the reference executor on the runtime's own action tables, stage modules and
+workers, against independent oracles (tests/support/oracles.py): plain single-process training
+for the synchronous schedules, the documented rule for the asynchronous ones."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from pipedream.data import MicrobatchStream
+from pipedream.workload import load_workload
+
+from oracles import plain_training, replicated_oracle, stale_oracle
+from reference_run import reference_layout_weights
+
+ARGS = {
+    "layers": "2",
+    "dim": "16",
+    "heads": "2",
+    "seq": "8",
+    "vocab": "32",
+    "samples": "256",
+    "tie": "true",
+    "optimizer": "sgd",  # Adam turns float rounding into 1e-4 differences within steps
+    "lr": "0.5",
+    "momentum": "0.5",
+}
+B = 4
+LAYERS = ["embed", "h0", "h1", "norm", "head"]
+CUTS = {  # the embedding on the first stage, the head on the last
+    2: [LAYERS[:2], LAYERS[2:]],
+    3: [LAYERS[:1], LAYERS[1:3], LAYERS[3:]],
+    4: [LAYERS[:1], LAYERS[1:2], LAYERS[2:4], LAYERS[4:]],
+}
+
+
+def _canonical(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in state.items() if k != "head.weight"}
+
+
+def _diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    assert set(_canonical(got)) == set(want), sorted(set(_canonical(got)) ^ set(want))
+    return max(
+        float((got[k] - want[k]).abs().max() / want[k].abs().max().clamp_min(1e-12)) for k in want
+    )
+
+
+def _run(stages: list[list[str]], schedule: str, m: int, steps: int, **kw) -> dict:
+    got = reference_layout_weights(
+        "gpt", ARGS, stages, schedule=schedule, microbatches=m, steps=steps, microbatch_size=B, **kw
+    )
+    assert got["head.weight"] is got["embed.tok.weight"]  # the state dict keeps the tie
+    return got
+
+
+def _data() -> MicrobatchStream:
+    return MicrobatchStream(load_workload("gpt", ARGS).dataset, B, 0)
+
+
+@pytest.mark.parametrize("num_stages", [2, 3, 4])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_flush_schedules_equal_tied_single_process_training(schedule: str, num_stages: int) -> None:
+    m, steps = 3, 4
+    got = _run(CUTS[num_stages], schedule, m, steps)
+    data, workload = _data(), load_workload("gpt", ARGS)
+    want = plain_training(
+        workload.model,
+        num_updates=steps,
+        batch=lambda k: tuple(  # type: ignore[arg-type]
+            torch.cat(part) for part in zip(*(data.microbatch(k * m + j) for j in range(m)))
+        ),
+        loss_fn=workload.loss_fn,
+        optimizer=workload.optimizer,
+    )
+    assert _diff(got, want) < 1e-5
+
+
+def test_untied_training_is_measurably_different() -> None:
+    """What the runtime did before ties were handled (each stage trained its own copy)."""
+    m, steps = 3, 4
+    got = _run(CUTS[3], "1f1b", m, steps)
+    data, workload = _data(), load_workload("gpt", ARGS)
+    untied = copy.deepcopy(workload.model)
+    untied.head.weight = nn.Parameter(untied.head.weight.detach().clone())
+    want = plain_training(
+        untied,
+        num_updates=steps,
+        batch=lambda k: tuple(  # type: ignore[arg-type]
+            torch.cat(part) for part in zip(*(data.microbatch(k * m + j) for j in range(m)))
+        ),
+        loss_fn=workload.loss_fn,
+        optimizer=workload.optimizer,
+    )
+    assert _diff(got, {k: v for k, v in want.items() if k != "head.weight"}) > 1e-3
+
+
+def test_recomputation_and_replicas_equal_tied_training() -> None:
+    """Both stages with 2 replicas: data parallelism over 2 minibatches per update."""
+    m, steps = 2, 4
+    got = _run(CUTS[2], "1f1b", m, steps, replicas=[2, 2], recompute=True)
+    data, workload = _data(), load_workload("gpt", ARGS)
+    want = plain_training(
+        workload.model,
+        num_updates=steps // 2,
+        batch=lambda k: tuple(  # type: ignore[arg-type]
+            torch.cat(part) for part in zip(*(data.microbatch(2 * k * m + j) for j in range(2 * m)))
+        ),
+        loss_fn=workload.loss_fn,
+        optimizer=workload.optimizer,
+    )
+    assert _diff(got, want) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("replicas", "schedule"), [([2, 1, 1], "1f1b"), ([1, 1, 2], "gpipe"), ([1, 2, 2], "1f1b")]
+)
+def test_owner_and_copy_with_different_replica_counts(replicas: list[int], schedule: str) -> None:
+    """The owner updates the tied tensor once per r_owner minibatches; the copies follow."""
+    m, steps = 2, 4
+    got = _run(CUTS[3], schedule, m, steps, replicas=replicas)
+    data, workload = _data(), load_workload("gpt", ARGS)
+    want = replicated_oracle(
+        workload.model,
+        CUTS[3],
+        replicas,
+        num_minibatches=steps,
+        minibatch=lambda t: [data.microbatch(t * m + j) for j in range(m)],
+        loss_fn=workload.loss_fn,
+        optimizer=workload.optimizer,
+    )
+    assert _diff(got, want) < 1e-5
+
+
+def _rule(schedule: str, num_stages: int):
+    if schedule == "pipedream":
+        return lambda t, s: max(0, t - (num_stages - 1 - s))
+    if schedule == "pipedream-vs":
+        return lambda t, s: max(0, t - (num_stages - 1))
+    return lambda t, s: max(0, t - 1)  # 2bw
+
+
+@pytest.mark.parametrize("num_stages", [2, 3, 4])
+@pytest.mark.parametrize("schedule", ["pipedream", "pipedream-vs", "2bw"])
+def test_async_schedules_equal_the_tied_rule(schedule: str, num_stages: int) -> None:
+    """Every use of the tied tensor in minibatch t takes the owner's version of t; the owner
+    applies the sum of all uses' gradients of t."""
+    m = num_stages if schedule == "2bw" else 1
+    steps = 6
+    got = _run(CUTS[num_stages], schedule, m, steps)
+    data, workload = _data(), load_workload("gpt", ARGS)
+    want = stale_oracle(
+        workload.model,
+        CUTS[num_stages],
+        num_minibatches=steps,
+        minibatch=lambda t: [data.microbatch(t * m + j) for j in range(m)],
+        loss_fn=workload.loss_fn,
+        staleness=_rule(schedule, num_stages),
+        optimizer=workload.optimizer,
+    )
+    assert _diff(got, want) < 1e-5
+    synchronous = stale_oracle(
+        workload.model,
+        CUTS[num_stages],
+        num_minibatches=steps,
+        minibatch=lambda t: [data.microbatch(t * m + j) for j in range(m)],
+        loss_fn=workload.loss_fn,
+        staleness=lambda t, s: t,
+        optimizer=workload.optimizer,
+    )
+    assert _diff(got, synchronous) > 1e-4  # the staleness is real
