@@ -51,7 +51,7 @@ __all__ = [
     "message_times",
 ]
 
-_SENDS = (Op.SEND_ACT, Op.SEND_GRAD)
+_SENDS = (Op.SEND_ACT, Op.SEND_GRAD, Op.SEND_TIED_GRAD, Op.SEND_WEIGHTS)
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,14 @@ there already takes a tenth of that in the runtime: decoding the header, taking 
 
 
 def message_kind(op: Op) -> str:
-    """``activations`` or ``gradients``: what a send or receive action carries."""
+    """What a send or receive action carries: ``activations``, ``gradients``, ``tied
+    gradients`` (a copy's to its owner) or ``tied weights`` (a new version to the copies)."""
     assert op.is_comm, op
-    return "activations" if op in (Op.SEND_ACT, Op.RECV_ACT) else "gradients"
+    if op in (Op.SEND_ACT, Op.RECV_ACT):
+        return "activations"
+    if op in (Op.SEND_GRAD, Op.RECV_GRAD):
+        return "gradients"
+    return "tied gradients" if op in (Op.SEND_TIED_GRAD, Op.RECV_TIED_GRAD) else "tied weights"
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,8 @@ class MessageTime:
     destination: int
     """Receiving stage."""
     kind: str
-    """``activations`` (to a later stage) or ``gradients`` (back to an earlier one)."""
+    """``activations`` (to a later stage), ``gradients`` (back to an earlier one), or a tied
+    parameter's ``tied gradients`` / ``tied weights`` (:func:`message_kind`)."""
     sent_ms: float
     """When the sender started posting it."""
     reached_ms: float

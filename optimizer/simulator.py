@@ -64,8 +64,8 @@ import itertools
 import math
 import random
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from pipedream.errors import PlanningError
 from pipedream.formats.plan import Plan
@@ -73,7 +73,7 @@ from pipedream.formats.profile import ActionOverhead, PassSpread, Profile
 from pipedream.formats.topology import Topology
 from pipedream.optimizer.messages import MessageTime, message_kind
 from pipedream.optimizer.transfers import Transfer, TransferPool
-from pipedream.runtime.actions import Action, Op
+from pipedream.runtime.actions import MATCHING_RECEIVE, Action, Op
 from pipedream.runtime.posting import MAX_SENDS_IN_FLIGHT, RECEIVE_WINDOW, receives_posted_before
 from pipedream.runtime.schedule import PipelineSpec, build_tables
 from pipedream.runtime.versions import version_use
@@ -88,6 +88,8 @@ __all__ = [
     "simulate",
     "stage_work",
     "steady_window",
+    "tied_bytes",
+    "tied_pairs",
 ]
 
 
@@ -110,6 +112,10 @@ class StageWork:
     accumulate_ms: float = 0.0
     """Adding one microbatch's gradients into ``.grad`` (every backward of a minibatch but its
     first)."""
+    tied_bytes: Mapping[int, float] = field(default_factory=dict)
+    """Other stage -> bytes of the tied parameters this stage shares with it (owned by the
+    earlier of the two): the copies' gradients go to the owner and every new version back,
+    once per update each."""
 
 
 @dataclass(frozen=True)
@@ -287,7 +293,6 @@ def stage_work(plan: Plan, profile: Profile) -> list[StageWork]:
     """
     index = {name: i for i, name in enumerate(profile.layer_names)}
     overhead = profile.overhead or ActionOverhead(0.0, 0.0, 0.0)
-    work = []
     for number, stage in enumerate(plan.stages):
         for name in (stage.first_layer, stage.last_layer):
             if name not in index:
@@ -296,6 +301,9 @@ def stage_work(plan: Plan, profile: Profile) -> list[StageWork]:
                     f"{profile.workload} does not have; pass the profile the plan was made from "
                     "with --profile"
                 )
+    tied = tied_bytes(plan, profile)
+    work = []
+    for number, stage in enumerate(plan.stages):
         first, last = index[stage.first_layer], index[stage.last_layer]
         layers = profile.layers[first : last + 1]
         params = float(sum(layer.parameter_bytes for layer in layers))
@@ -306,6 +314,7 @@ def stage_work(plan: Plan, profile: Profile) -> list[StageWork]:
         loss_backward_ms = overhead.loss_backward_ms if last_stage else 0.0
         work.append(
             StageWork(
+                tied_bytes=tied.get(number, {}),
                 forward_ms=sum(layer.forward_ms for layer in layers) + overhead.forward_ms + reads,
                 backward_ms=sum(layer.backward_ms for layer in layers)
                 + overhead.backward_ms
@@ -318,6 +327,29 @@ def stage_work(plan: Plan, profile: Profile) -> list[StageWork]:
             )
         )
     return work
+
+
+def tied_bytes(plan: Plan, profile: Profile) -> dict[int, dict[int, float]]:
+    """Stage -> other stage -> bytes of the tied parameters the two share (the profile's
+    ``tied`` entries whose layers the plan puts in several stages; the first owns them)."""
+    stage_of: dict[str, int] = {}
+    names = profile.layer_names
+    index = {name: i for i, name in enumerate(names)}
+    for number, stage in enumerate(plan.stages):
+        for name in names[index[stage.first_layer] : index[stage.last_layer] + 1]:
+            stage_of[name] = number
+    out: dict[int, dict[int, float]] = {}
+    for tied in profile.tied:
+        stages = sorted({stage_of[layer] for layer in tied.layers})
+        for copy in stages[1:]:
+            for a, b in ((stages[0], copy), (copy, stages[0])):
+                out.setdefault(a, {})[b] = out.get(a, {}).get(b, 0.0) + tied.bytes
+    return out
+
+
+def tied_pairs(work: Sequence[StageWork]) -> tuple[tuple[int, int], ...]:
+    """The (owner, copy) stage pairs of ``work``'s tied parameters (the schedule's ``tied``)."""
+    return tuple(sorted((s, p) for s, w in enumerate(work) for p in w.tied_bytes if p > s))
 
 
 def _period(plan: Plan) -> int:
@@ -485,6 +517,7 @@ def _simulate(
         stage_ranks=tuple(stage.ranks for stage in plan.stages),
         microbatches=plan.microbatches,
         num_minibatches=num_minibatches,
+        tied=tied_pairs(work),
     )
     tables = build_tables(spec)
     run = _Run(tables, work, network, spec, spread, random.Random(seed))
@@ -605,7 +638,7 @@ class _Run:
         if ready is None:
             return None
         action = table[self.position[rank]]
-        if action.op in (Op.RECV_ACT, Op.RECV_GRAD):
+        if action.op.is_receive:
             arrival = self.messages.get((action.op, action.index, action.peer or 0, rank))
             return None if arrival is None else max(ready, arrival)
         return ready
@@ -660,18 +693,22 @@ class _Run:
         if reclaimed > self.clock[rank]:
             self.events.append(Event(rank, stage, "W", action.index, self.clock[rank], reclaimed))
         self._reclaim(rank)
-        if op in (Op.RECV_ACT, Op.RECV_GRAD):
+        if op.is_receive:
             key = (op, action.index, action.peer or 0, rank)
             del self.messages[key]
             source, sent = self.stage_of[action.peer or 0], self.sent.pop(key)
             message = MessageTime(source, stage, message_kind(op), sent, reclaimed, now)
             self.message_times.append(message)  # reached the receive once sends were reclaimed
-        elif op in (Op.SEND_ACT, Op.SEND_GRAD):
+        elif op.is_send:
             peer = action.peer or 0
             link = (min(rank, peer), max(rank, peer))
-            size = self.work[stage if op is Op.SEND_ACT else stage - 1].output_bytes
-            recv = Op.RECV_ACT if op is Op.SEND_ACT else Op.RECV_GRAD
-            key = (recv, action.index, rank, peer)
+            if op is Op.SEND_ACT:
+                size = self.work[stage].output_bytes
+            elif op is Op.SEND_GRAD:
+                size = self.work[stage - 1].output_bytes
+            else:  # a tied parameter's gradient or new version
+                size = self.work[stage].tied_bytes[self.stage_of[peer]]
+            key = (MATCHING_RECEIVE[op], action.index, rank, peer)
             self.unwaited[rank].append(key)
             self.sent[key] = now
             moved = size  # the bytes its transfer takes as long as
