@@ -17,6 +17,11 @@ pipeline's time is its largest term (the original's "time per stage in pipeline"
       2 * a / (bandwidth * r)          # activations forward, gradients backward
 
   It overlaps with compute, so it counts as its own term (``max``, not a sum).
+* tied parameters (:mod:`~pipedream.optimizer.tied_costs`): a stage that shares ``b`` bytes of
+  them with other stages trades them once per minibatch (the copy's gradient to the owner, the
+  new version back), another overlapped term::
+
+      2 * b / (bandwidth * r) / microbatches
 
 The two variants (``--cost-model``) differ only in which terms are charged:
 
@@ -39,11 +44,12 @@ as the second. Times are in milliseconds, sizes in bytes, bandwidths in bytes/se
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 from pipedream.formats.plan import SCHEDULES
 from pipedream.formats.profile import Profile
+from pipedream.optimizer.tied_costs import TiedLayers
 
 if TYPE_CHECKING:
     import numpy as np
@@ -85,6 +91,8 @@ class LayerCosts:
     """Optimizer-state bytes of each layer (0 where the profile does not say)."""
     boundary_bytes: tuple[float, ...]
     """Bytes crossing the cut after each layer but the last (``len - 1`` entries)."""
+    tied: TiedLayers = field(default_factory=TiedLayers)
+    """Parameters several layers use (counted in ``parameter_bytes`` of the first)."""
 
     @property
     def num_layers(self) -> int:
@@ -108,6 +116,7 @@ class LayerCosts:
                 float(layer.optimizer_state_bytes or 0) for layer in layers
             ),
             boundary_bytes=tuple(float(profile.boundary_bytes(i)) for i in range(len(layers) - 1)),
+            tied=TiedLayers.from_profile(profile),
         )
 
 
@@ -121,11 +130,13 @@ class StageCost:
     """The allreduce part of ``compute_ms`` (already divided as above)."""
     transfer_ms: float
     """Largest charged input or output transfer time / replicas (0 if none is charged)."""
+    tied_ms: float = 0.0
+    """Trading tied parameters with the other stages that use them, per microbatch."""
 
     @property
     def total_ms(self) -> float:
-        """The stage's time: compute and communication overlap, the slower one counts."""
-        return max(self.compute_ms, self.transfer_ms)
+        """The stage's time: compute and communication overlap, the slowest part counts."""
+        return max(self.compute_ms, self.transfer_ms, self.tied_ms)
 
 
 @dataclass(frozen=True)
@@ -164,6 +175,11 @@ class CostModel:
     def transfer_ms(self, boundary_bytes: Amount, *, replicas: int) -> Amount:
         """Average time per microbatch to move a cut's activations and gradients."""
         return 2.0 * boundary_bytes / (self.bandwidth * replicas) * 1e3
+
+    def tied_ms(self, tied_bytes: Amount, *, replicas: int) -> Amount:
+        """Average time per microbatch to trade ``tied_bytes`` of tied parameters (a gradient
+        and a version once per minibatch)."""
+        return self.transfer_ms(tied_bytes, replicas=replicas) / self.microbatches
 
     def charges(
         self, *, first: int, last: int, range_first: int, range_last: int, num_layers: int
@@ -204,10 +220,12 @@ class CostModel:
         if charge_out:
             transfer = max(transfer, self.transfer_ms(costs.cut_bytes(last), replicas=replicas))
         allreduce = self.allreduce_ms(params, replicas=replicas, lead=lead)
+        tied = costs.tied.exchanged_bytes(first, last) if costs.tied else 0.0
         return StageCost(
             compute_ms=self.compute_ms(compute, param_bytes=params, replicas=replicas, lead=lead),
             allreduce_ms=allreduce / self.microbatches / replicas,
             transfer_ms=transfer,
+            tied_ms=self.tied_ms(tied, replicas=replicas),
         )
 
     def pipeline_ms(self, costs: LayerCosts, *, stages: Sequence[tuple[int, int, int]]) -> float:

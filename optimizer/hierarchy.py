@@ -234,6 +234,9 @@ class _Solver:
             q_key=(cum / workers + min(lead_coef, later_coef) * pcum) / r,
             count=count,
             memory=mask,
+            tied=self.costs.tied or None,
+            offset=lo,
+            tied_coef=model.tied_ms(1.0, replicas=r),
         )
 
     def rebuild(

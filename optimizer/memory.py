@@ -7,6 +7,9 @@ A worker running a stage (layers ``first..last``) holds::
     optimizer    optimizer_state_bytes    (0 when the profile does not record it)
     activations  in_flight x activations  (saved_bytes, else output_bytes, per microbatch)
 
+where params include the copies of tied parameters that the stage holds without owning them
+(:mod:`~pipedream.optimizer.tied_costs`; their optimizer state lives with the owner).
+
 ``in_flight`` is the number of microbatches whose activations a worker keeps at once, read
 off the runtime's action tables (``pipedream.runtime.schedule``) for a stage of ``R`` replicas
 with ``W_from`` workers in it and all later stages, ``S - s`` stages from it on:
@@ -147,8 +150,9 @@ class MemoryModel:
             workers_from=workers_from, replicas=replicas, context=context
         )
         span = slice(first, last + 1)
+        copies = costs.tied.copy_bytes(first, last) if costs.tied else 0.0
         return (
-            param_factor * sum(costs.parameter_bytes[span])
+            param_factor * (sum(costs.parameter_bytes[span]) + copies)
             + sum(costs.optimizer_state_bytes[span])
             + activation_factor * sum(costs.activation_bytes[span])
         )

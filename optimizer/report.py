@@ -95,6 +95,7 @@ def format_summary(
         f"{prediction.data_parallel_time_per_minibatch_ms:.3f} ms per minibatch "
         f"(this plan is {speedup:.2f}x as fast)",
     ]
+    lines += _tied_lines(result, profile)
     if memory_limit is not None:
         lines.append(
             f"memory limit per worker: {format_bytes(memory_limit)} (checked against the "
@@ -102,6 +103,34 @@ def format_summary(
             "flight)"
         )
     return "\n".join(lines)
+
+
+def _tied_lines(result: PlanResult, profile: Profile) -> list[str]:
+    """Where the plan puts each tied parameter, and what trading it costs."""
+    leaves = result.evaluation.leaves
+    index = {name: i for i, name in enumerate(profile.layer_names)}
+    lines = []
+    for tied in profile.tied:
+        stages = sorted(
+            {
+                number
+                for layer in tied.layers
+                for number, leaf in enumerate(leaves)
+                if leaf.first <= index[layer] <= leaf.last
+            }
+        )
+        head = f"tied {tied.name} ({format_bytes(tied.bytes)}, layers {', '.join(tied.layers)})"
+        if len(stages) == 1:
+            lines.append(f"{head}: all in stage {stages[0]}, nothing to trade")
+            continue
+        costs = ", ".join(f"stage {s} {leaves[s].cost.tied_ms:.3f} ms" for s in stages)
+        lines.append(
+            f"{head}: owned by stage {stages[0]}, copied on stage"
+            f"{'s' if len(stages) > 2 else ''} {', '.join(str(s) for s in stages[1:])}; "
+            f"each update trades the copies' gradient and the new version ({costs} per "
+            f"{'microbatch' if result.plan.microbatches > 1 else 'minibatch'}, in stage ms)"
+        )
+    return lines
 
 
 def format_candidates(result: PlanResult, *, microbatch_size: int) -> str:

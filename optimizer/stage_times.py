@@ -13,7 +13,9 @@ A stage of layers ``x..y`` on ``r`` units (see :mod:`~pipedream.optimizer.cost_m
     later = max((base[x, y] + later_coef * params(x..y)) / r, in_ms[x])   after a cut
 
 with ``base`` the layers' compute (innermost level) or the best pipeline of the range on one
-unit of the level below, and ``inf`` where the memory estimate exceeds the limit.
+unit of the level below, and ``inf`` where the memory estimate exceeds the limit. A stage that
+shares tied parameters with other stages also takes at least ``tied_coef * tied(x..y)`` (their
+traffic, :mod:`~pipedream.optimizer.tied_costs`), and the copies it holds count in its memory.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 from numpy.typing import NDArray
+
+from pipedream.optimizer.tied_costs import TiedLayers
 
 __all__ = ["MemoryMask", "StageTimes"]
 
@@ -75,6 +79,21 @@ class StageTimes:
     """The memory limit, if any."""
     matrix: FloatArray | None = None
     """``later`` for all ranges, once :meth:`materialised`."""
+    tied: TiedLayers | None = None
+    """Tied parameters of the whole chain (None: none)."""
+    offset: int = 0
+    """Index in the whole chain of this (sub)chain's first layer (``tied`` counts whole-chain
+    layers: a stage's partners may lie outside the sub-chain)."""
+    tied_coef: float = 0.0
+    """Ms per microbatch per byte of tied parameters a stage trades (already / replicas)."""
+
+    def _tied(self, x: IntArray, y: IntArray) -> tuple[FloatArray | float, FloatArray | float]:
+        """(the traffic time, the bytes of copies held) of the stages ``x..y``."""
+        if not self.tied:
+            return 0.0, 0.0
+        first, last = x + self.offset, y + self.offset
+        traffic = self.tied_coef * self.tied.exchanged_bytes(first, last)
+        return traffic, self.tied.copy_bytes(first, last)
 
     @property
     def split_in_ms(self) -> FloatArray:
@@ -86,8 +105,10 @@ class StageTimes:
         starts = np.arange(len(self.base))[rows]
         params = self.param_cum[None, 1:] - self.param_cum[starts, None]
         times = (self.base[rows] + self.lead_coef * params) / self.replicas
+        traffic, copies = self._tied(starts[:, None], np.arange(len(self.base))[None, :])
+        times = np.maximum(times, traffic)
         if self.memory is not None:
-            times = np.where(self._fits(starts[:, None], params, None), times, np.inf)
+            times = np.where(self._fits(starts[:, None], params + copies, None), times, np.inf)
         return times
 
     def later_at(self, x: IntArray, y: IntArray) -> FloatArray:
@@ -96,8 +117,10 @@ class StageTimes:
             return self.matrix[x, y]
         params = self.param_cum[y + 1] - self.param_cum[x]
         times = (self.base[x, y] + self.later_coef * params) / self.replicas
+        traffic, copies = self._tied(x, y)
+        times = np.maximum(times, traffic)
         if self.memory is not None:
-            times = np.where(self._fits(x, params, y), times, np.inf)
+            times = np.where(self._fits(x, params + copies, y), times, np.inf)
         return np.maximum(times, self.in_ms[x])
 
     def materialised(self) -> StageTimes:
@@ -108,8 +131,10 @@ class StageTimes:
         params = self.param_cum[None, 1:] - self.param_cum[:-1, None]
         times = self.base + self.later_coef * params
         times /= self.replicas
+        traffic, copies = self._tied(starts[:, None], starts[None, :])
+        np.maximum(times, traffic, out=times)
         if self.memory is not None:
-            times[~self._fits(starts[:, None], params, None)] = np.inf
+            times[~self._fits(starts[:, None], params + copies, None)] = np.inf
         np.maximum(times, self.in_ms[:, None], out=times)
         return replace(self, matrix=times)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -15,6 +16,7 @@ from pipedream.optimizer.cost_model import COST_MODELS, LayerCosts
 from pipedream.optimizer.hierarchy import solve_cluster
 from pipedream.optimizer.memory import MemoryModel
 from pipedream.optimizer.planner import PlanOptions, make_plan
+from pipedream.optimizer.tied_costs import TiedLayers
 from pipedream.optimizer.tree import Cluster, Node, Tree, evaluate_tree, leaf_ranks
 from pipedream.profiler.pipedream_import import import_pipedream_graph
 
@@ -159,6 +161,61 @@ def test_dp_with_memory_limit_matches_brute_force(seed: int, schedule: str) -> N
     if found:
         leaves = evaluate_tree(costs, found[0].tree, cluster=cluster, memory=memory).leaves
         assert max(leaf.memory_bytes for leaf in leaves) <= limit * (1 + 1e-9)
+
+
+def random_tied(rng: random.Random, n: int) -> TiedLayers:
+    """One or two tied parameters over 2-3 layers each (a tied embedding and head first)."""
+    groups = [(0, n - 1)]
+    if n >= 4 and rng.random() < 0.5:
+        groups.append(tuple(sorted(rng.sample(range(1, n - 1), 2))))
+    return TiedLayers(tuple(groups), tuple(rng.uniform(1e6, 4e7) for _ in groups))
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_dp_with_tied_parameters_matches_brute_force(seed: int) -> None:
+    """Tied parameters make a stage's time and memory depend on where the other stages that use
+    them are: the program still finds the best tree under the plain evaluation."""
+    costs, cluster = random_case(300 + seed)
+    if costs.num_layers < 2:
+        return
+    rng = random.Random(seed)
+    costs = dataclasses.replace(costs, tied=random_tied(rng, costs.num_layers))
+    memory = MemoryModel("pipedream") if seed % 3 == 0 else None
+    limit = None
+    if memory is not None:  # the untied optimum's peak: the copies may push a plan over it
+        tree = solve_cluster(costs, cluster)[0].tree
+        limit = max(
+            leaf.memory_bytes
+            for leaf in evaluate_tree(costs, tree, cluster=cluster, memory=memory).leaves
+        )
+    expected = brute_force(costs, cluster, memory=memory, limit=limit)
+    found = solve_cluster(costs, cluster, memory=memory, memory_limit=limit)
+    assert bool(found) == bool(expected)
+    if found:
+        assert found[0].time_ms == pytest.approx(min(expected.values()), rel=1e-9, abs=1e-12)
+        evaluation = evaluate_tree(costs, found[0].tree, cluster=cluster)
+        assert evaluation.microbatch_ms == pytest.approx(found[0].time_ms, rel=1e-9, abs=1e-12)
+
+
+def test_tied_parameters_literal_costs() -> None:
+    """Layers 0 and 3 share 8 MB: a stage holding one of them trades 2 x 8 MB per minibatch
+    (16 ms at 1e9 bytes/s, / 2 microbatches); the stage holding layer 3 keeps a copy."""
+    costs = LayerCosts(
+        compute_ms=(1.0, 1.0, 1.0, 1.0),
+        parameter_bytes=(8e6, 0.0, 0.0, 0.0),  # counted in the first layer using it
+        activation_bytes=(0.0,) * 4,
+        optimizer_state_bytes=(0.0,) * 4,
+        boundary_bytes=(0.0,) * 3,
+        tied=TiedLayers(((0, 3),), (8e6,)),
+    )
+    cluster = Cluster((2,), (1e9,), microbatches=2)
+    split = evaluate_tree(costs, (Node(0, 1, 1), Node(2, 3, 1)), cluster=cluster)
+    assert [leaf.cost.tied_ms for leaf in split.leaves] == [8.0, 8.0]
+    whole = evaluate_tree(costs, (Node(0, 3, 2),), cluster=cluster)
+    assert whole.leaves[0].cost.tied_ms == 0.0
+    memory = MemoryModel("1f1b", 2)
+    sizes = evaluate_tree(costs, (Node(0, 1, 1), Node(2, 3, 1)), cluster=cluster, memory=memory)
+    assert [leaf.memory_bytes for leaf in sizes.leaves] == [16e6, 16e6]  # weights + gradient
 
 
 # What the original optimizer_graph_hierarchical.py computes as "time per stage in pipeline" for
