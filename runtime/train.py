@@ -33,6 +33,7 @@ from pipedream.runtime.executor import Executor
 from pipedream.runtime.launch_env import LaunchEnv, device_and_backend, read_launch_env
 from pipedream.runtime.metrics import MetricsLogger
 from pipedream.runtime.plan_check import plan_spec, validate_plan_schedule
+from pipedream.runtime.routing import input_needs_grad
 from pipedream.runtime.schedule import build_tables
 from pipedream.runtime.stage import StageLayout, stage_layout
 from pipedream.runtime.summary import RankStats, peak_memory_bytes, report
@@ -227,6 +228,7 @@ class _RankJob:
             initial_version=first // self.stage.replicas,
             model_io=self.layout.model_io,
             tied=self.layout.tied_links(self.stage_index, module),
+            input_grads=input_needs_grad(self.layout.ios[self.stage_index]),
         )
 
     def _logger(self) -> MetricsLogger | None:
@@ -322,6 +324,7 @@ class _RankJob:
             copy_bytes=worker.versions.copy_bytes,
             peak_memory_bytes=peak_memory_bytes(self.device),
             skipped=len(worker.skipped),
+            tied_copy_bytes=worker.copy_bytes,
             **peaks,
         )
         everyone: list[Any] = [None] * self.env.world_size

@@ -111,6 +111,7 @@ class StageWorker:
         initial_version: int = 0,
         model_io: ModelIO | None = None,
         tied: TiedLinks | None = None,
+        input_grads: Sequence[bool] | None = None,
     ) -> None:
         self.config = config
         self.module = module.to(config.device)
@@ -118,6 +119,8 @@ class StageWorker:
         self.data = data
         self.model_io = model_io or ModelIO()
         self.tied = tied or TiedLinks()
+        self.input_grads = None if input_grads is None else tuple(input_grads)
+        """Per received input, whether its gradient goes back (None: every floating one)."""
         named = dict(self.module.named_parameters())
         self._copies = {name: named[name] for name in sorted(self.tied.copy_names)}
         trained = [p for name, p in named.items() if name not in self._copies]
@@ -163,7 +166,11 @@ class StageWorker:
             inputs = self.model_io.flatten_inputs(self.data.inputs(microbatch))
             return [t.to(self.config.device) for t in inputs]
         assert received is not None
-        return [t.detach().requires_grad_(t.is_floating_point()) for t in received]
+        wanted = self.input_grads or (True,) * len(received)
+        assert len(wanted) == len(received), (len(wanted), len(received))
+        return [
+            t.detach().requires_grad_(w and t.is_floating_point()) for t, w in zip(received, wanted)
+        ]
 
     def _loss(self, microbatch: int, outputs: list[Tensor]) -> Tensor:
         """The workload's (unscaled) loss of a microbatch; the last stage reads its targets.
@@ -222,7 +229,7 @@ class StageWorker:
         self.max_in_flight = max(self.max_in_flight, len(self._stash))
         return [] if self.config.is_last else [o.detach() for o in outputs]
 
-    def backward(self, action: Action, grads: list[Tensor] | None) -> list[Tensor]:
+    def backward(self, action: Action, grads: Sequence[Tensor | None] | None) -> list[Tensor]:
         """Backward of ``action.index`` with the version its forward used.
 
         Accumulates the parameter gradients into the live parameters and returns the gradients
@@ -241,12 +248,17 @@ class StageWorker:
             roots, root_grads = [stash.loss / self.config.microbatches], [None]
         else:
             assert grads is not None and len(grads) == len(stash.outputs)
-            pairs = [(o, g) for o, g in zip(stash.outputs, grads) if o.requires_grad]
+            pairs = [
+                (o, g) for o, g in zip(stash.outputs, grads) if o.requires_grad and g is not None
+            ]
             roots = [o for o, _ in pairs]
             root_grads = [g for _, g in pairs]
         wrt_inputs = [t for t in stash.inputs if t.requires_grad]
         wrt = wrt_inputs + list(stash.params.values())
-        computed = torch.autograd.grad(roots, wrt, root_grads, allow_unused=True)
+        if roots:
+            computed = torch.autograd.grad(roots, wrt, root_grads, allow_unused=True)
+        else:  # nothing this stage sends on depends on its parameters or its inputs
+            computed = (None,) * len(wrt)
         input_grads = iter(computed[: len(wrt_inputs)])
         param_grads = dict(zip(stash.params, computed[len(wrt_inputs) :]))
         copy_grads = {name: param_grads.pop(name) for name in self._copies}
@@ -288,6 +300,11 @@ class StageWorker:
         self.versions.updated()
 
     # -- tied parameters -------------------------------------------------------------------
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes of this stage's copies of other stages' tied parameters."""
+        return sum(p.numel() * p.element_size() for p in self._copies.values())
+
     def copy_gradients(self, owner: int) -> list[Tensor]:
         """The gradients of this stage's copies of ``owner``'s tensors since the last call
         (zeros where none came), to send to the owner; the copies start afresh."""

@@ -41,6 +41,9 @@ class StageIO:
     """Values the stage module returns, in order (the last stage: the model output)."""
     consumers: tuple[tuple[int, tuple[str, ...]], ...] = field(default_factory=tuple)
     """(consumer stage, values) per message sent, values in ``outputs`` order."""
+    no_grad: frozenset[str] = frozenset()
+    """Inputs and outputs that carry no gradient (integer tensors, masks, values computed from
+    buffers and inputs alone): no gradient message carries them back."""
 
 
 def _module_path(node: fx.Node) -> str:
@@ -113,6 +116,19 @@ class LayerGraph:
                 )
         self.layers = list(layer_names)
         self.layer_of = self._assign()
+        self.differentiable = self._differentiable(signature.inputs_to_parameters)
+        """Values with a gradient: floating point and computed from a parameter."""
+
+    def _differentiable(self, parameters: dict[str, str]) -> frozenset[str]:
+        found: set[str] = set(parameters)
+        for node in self.program.graph.nodes:
+            if node.op != "call_function" or not any(a.name in found for a in node.all_input_nodes):
+                continue
+            values = node.meta.get("val")
+            tensors = values if isinstance(values, (tuple, list)) else [values]
+            if any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tensors):
+                found.add(node.name)
+        return frozenset(found - set(parameters))
 
     @property
     def model_io(self) -> ModelIO:

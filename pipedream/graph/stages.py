@@ -70,7 +70,8 @@ def stage_ios(graph: LayerGraph, ranges: Sequence[tuple[int, int]]) -> list[Stag
             outputs: tuple[str, ...] = graph.output_names
         else:
             outputs = tuple(dict.fromkeys(v for _, values in consumers for v in values))
-        ios.append(StageIO(stage, inputs, producers, outputs, consumers))
+        no_grad = frozenset(v for v in (*inputs, *outputs) if v not in graph.differentiable)
+        ios.append(StageIO(stage, inputs, producers, outputs, consumers, no_grad))
     return ios
 
 
@@ -111,6 +112,7 @@ def build_stage_module(
     Parameters and buffers are the ``model``'s own tensor objects (shared, not copied).
     """
     state = dict(model.named_parameters()) | dict(model.named_buffers())
+    saved = set(model.state_dict(keep_vars=True))
     constants = graph.program.constants
     root = nn.Module()
     new = fx.Graph()
@@ -135,7 +137,13 @@ def build_stage_module(
         if first <= graph.layer_of[node.name] <= last:
             env[node.name] = new.node_copy(node, lookup)
     new.output(tuple(env[value] for value in io.outputs))
-    return fx.GraphModule(root, new, class_name=f"Stage{io.stage}")
+    module = fx.GraphModule(root, new, class_name=f"Stage{io.stage}")
+    # buffers the model keeps out of its state dict (and constants) stay out of the stage's
+    for name, _ in module.named_buffers():
+        if name not in saved:
+            path, _, leaf = name.rpartition(".")
+            module.get_submodule(path)._non_persistent_buffers_set.add(leaf)
+    return module
 
 
 def _has_path(root: nn.Module, name: str) -> bool:

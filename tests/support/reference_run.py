@@ -8,7 +8,7 @@ from pipedream.data import MicrobatchStream
 from pipedream.formats.plan import Plan, StagePlan
 from pipedream.runtime.plan_check import plan_spec
 from pipedream.runtime.reference import run_reference
-from pipedream.runtime.routing import sequential_ios
+from pipedream.runtime.routing import input_needs_grad, sequential_ios
 from pipedream.runtime.schedule import PipelineSpec, build_tables
 from pipedream.runtime.stage import StageLayout, build_stage_module, stage_layout
 from pipedream.runtime.worker import StageWorker, WorkerConfig
@@ -112,6 +112,7 @@ def reference_layout_weights(
                 data=MicrobatchStream(built.dataset, microbatch_size, seed),
                 model_io=layout.model_io,
                 tied=layout.tied_links(stage, module),
+                input_grads=input_needs_grad(layout.ios[stage]),
             )
     run_reference(tables, workers, first.ios)
     merged: dict[str, torch.Tensor] = {}
