@@ -12,17 +12,19 @@ the last stage would pay on every forward.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 from torch.utils.data import Dataset, TensorDataset
 
-__all__ = ["MicrobatchStream"]
+__all__ = ["MicrobatchStream", "collate"]
 
 
 class MicrobatchStream:
     """Microbatch ``i`` = samples ``i*b .. i*b+b-1`` of the epoch-wise shuffled dataset."""
 
-    def __init__(self, dataset: Dataset[tuple[Tensor, Tensor]], batch_size: int, seed: int):
+    def __init__(self, dataset: Dataset[tuple[Any, Any]], batch_size: int, seed: int):
         self.dataset = dataset
         self.batch_size = batch_size
         self.seed = seed
@@ -57,23 +59,35 @@ class MicrobatchStream:
         """Dataset indices of microbatch ``index``'s samples, in order."""
         return [int(i) for i in self._indices(index)]
 
-    def _fields(self, index: int, fields: tuple[int, ...]) -> list[Tensor]:
+    def _fields(self, index: int, fields: tuple[int, ...]) -> list[Any]:
         """The stacked ``fields`` (0: inputs, 1: targets) of microbatch ``index``."""
         if self._tensors is not None:
             indices = self._indices(index)
             return [self._tensors[field][indices] for field in fields]
         items = [self.dataset[i] for i in self.sample_indices(index)]  # each item read once
-        return [torch.stack([torch.as_tensor(item[field]) for item in items]) for field in fields]
+        return [collate([item[field] for item in items]) for field in fields]
 
-    def inputs(self, index: int) -> Tensor:
-        """Inputs of microbatch ``index`` (stacked along a new batch dimension)."""
+    def inputs(self, index: int) -> Any:
+        """Inputs of microbatch ``index`` (stacked along a new batch dimension; a tuple or dict
+        of tensors where the dataset's inputs are)."""
         return self._fields(index, (0,))[0]
 
-    def targets(self, index: int) -> Tensor:
+    def targets(self, index: int) -> Any:
         """Targets of microbatch ``index`` (stacked along a new batch dimension)."""
         return self._fields(index, (1,))[0]
 
-    def microbatch(self, index: int) -> tuple[Tensor, Tensor]:
+    def microbatch(self, index: int) -> tuple[Any, Any]:
         """Inputs and targets of microbatch ``index``."""
         inputs, targets = self._fields(index, (0, 1))
         return inputs, targets
+
+
+def collate(values: list[Any]) -> Any:
+    """Samples stacked along a new first dimension: tensors (or what ``torch.as_tensor`` takes)
+    stacked, tuples and dicts of them stacked entry by entry."""
+    first = values[0]
+    if isinstance(first, dict):
+        return {key: collate([value[key] for value in values]) for key in first}
+    if isinstance(first, tuple):
+        return tuple(collate(list(parts)) for parts in zip(*values))
+    return torch.stack([torch.as_tensor(value) for value in values])

@@ -1,8 +1,11 @@
 """The workload contract (DESIGN.md section 5) and how workloads are found by name.
 
-A workload is named by a built-in name (``mlp``, ``gpt``, ``digits``, ``resnet``, ``sleep``) or by
-``package.module:function``. The factory takes keyword options (``--workload-arg key=value``,
-converted to the types of its signature) and returns a :class:`Workload`.
+A workload is named by a built-in name (``mlp``, ``gpt``, ``digits``, ``resnet``, ``sleep``,
+``hf-lm``) or by ``package.module:function``. The factory takes keyword options
+(``--workload-arg key=value``, converted to the types of its signature) and returns a
+:class:`Workload`, or a Hugging Face ``transformers`` causal language model, which is then
+trained as ``hf-lm`` trains its own (:func:`pipedream.workloads.hf_lm.wrap`, which takes the
+options the factory does not).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ BUILTIN_WORKLOADS: dict[str, str] = {
     "digits": "pipedream.workloads.digits:build",
     "resnet": "pipedream.workloads.resnet:build",
     "sleep": "pipedream.workloads.sleep:build",
+    "hf-lm": "pipedream.workloads.hf_lm:build",
 }
 """Built-in workload names and the factories they stand for."""
 
@@ -37,12 +41,16 @@ class Workload:
 
     model: nn.Module
     """``nn.Sequential`` (layers = its children) or any module ``torch.export`` can trace."""
-    example_input: Tensor
-    """One microbatch of input, used for tracing and profiling."""
-    loss_fn: Callable[[Tensor, Tensor], Tensor]
-    """(output, target) -> mean loss over the microbatch."""
-    dataset: Dataset[tuple[Tensor, Tensor]]
-    """Items ``(input, target)``; the runtime draws them in a seeded deterministic order."""
+    example_input: Any
+    """One microbatch of input, used for tracing and profiling: a tensor, a tuple of tensors
+    (the model's positional arguments) or a dict of tensors (its keyword arguments, such as
+    ``input_ids`` and ``attention_mask``)."""
+    loss_fn: Callable[[Any, Any], Tensor]
+    """(output, target) -> mean loss over the microbatch; ``output`` is what the model returns
+    (a tensor, a tuple, a ``ModelOutput``)."""
+    dataset: Dataset[tuple[Any, Any]]
+    """Items ``(input, target)``, each input of ``example_input``'s structure without the batch
+    dimension; the runtime draws them in a seeded deterministic order."""
     optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
     """Builds the optimizer for a set of parameters (one stage's, or the whole model's)."""
     evaluate: Callable[[nn.Module], dict[str, float]] | None = None
@@ -147,28 +155,68 @@ def load_workload(
     instead of the ``--workload-arg`` option.
     """
     factory = _resolve_factory(name, source=source)
-    signature = inspect.signature(factory)
-    params = signature.parameters
+    kwargs, rest = _keyword_args(factory, args or {}, name=name, source=source)
+    params = inspect.signature(factory).parameters
+    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if microbatch_size is not None and ("microbatch_size" in params or accepts_any):
+        kwargs["microbatch_size"] = microbatch_size
+    workload = factory(**kwargs)
+    if isinstance(workload, nn.Module) and hasattr(getattr(workload, "config", None), "vocab_size"):
+        from pipedream.workloads.hf_lm import wrap  # a transformers causal LM
+
+        extra, unknown = _keyword_args(wrap, rest, name=name, source=source, model=True)
+        if unknown:
+            _unknown_option(factory, next(iter(unknown)), name=name, source=source)
+        if microbatch_size is not None:
+            extra["microbatch_size"] = microbatch_size
+        return wrap(workload, **extra)
+    if rest:
+        _unknown_option(factory, next(iter(rest)), name=name, source=source)
+    if not isinstance(workload, Workload):
+        raise WorkloadError(
+            f"workload {name!r}: factory returned {type(workload).__name__}, expected "
+            "pipedream.workload.Workload (or a transformers causal language model)"
+        )
+    return workload
+
+
+def _keyword_args(
+    function: Callable[..., Any],
+    args: Mapping[str, str],
+    *,
+    name: str,
+    source: str | None,
+    model: bool = False,
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The options ``function`` takes, converted to the types of its signature, and the rest.
+
+    ``model``: ``function`` is :func:`~pipedream.workloads.hf_lm.wrap`, whose first argument
+    (the model) is no option.
+    """
+    params = dict(inspect.signature(function).parameters)
+    if model:
+        params.pop(next(iter(params)))
     accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     kwargs: dict[str, Any] = {}
-    for key, value in (args or {}).items():
+    rest: dict[str, str] = {}
+    for key, value in args.items():
         if key not in params and not accepts_any:
-            known = ", ".join(p for p in params if p != "microbatch_size") or "none"
-            raise WorkloadError(
-                f"{_where(source, f'workload_args.{key}')}workload {name!r} has no option "
-                f"{key!r}; its options are: {known}"
-            )
+            rest[key] = value
+            continue
         annotation = params[key].annotation if key in params else str
         if annotation is inspect.Parameter.empty and key in params:
             default = params[key].default
             annotation = type(default) if default is not inspect.Parameter.empty else str
         kwargs[key] = _convert(value, annotation, key=key, workload=name, source=source)
-    if microbatch_size is not None and ("microbatch_size" in params or accepts_any):
-        kwargs["microbatch_size"] = microbatch_size
-    workload = factory(**kwargs)
-    if not isinstance(workload, Workload):
-        raise WorkloadError(
-            f"workload {name!r}: factory returned {type(workload).__name__}, "
-            "expected pipedream.workload.Workload"
-        )
-    return workload
+    return kwargs, rest
+
+
+def _unknown_option(
+    factory: Callable[..., Any], key: str, *, name: str, source: str | None
+) -> None:
+    params = inspect.signature(factory).parameters
+    known = ", ".join(p for p in params if p != "microbatch_size") or "none"
+    raise WorkloadError(
+        f"{_where(source, f'workload_args.{key}')}workload {name!r} has no option "
+        f"{key!r}; its options are: {known}"
+    )

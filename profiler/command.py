@@ -129,6 +129,11 @@ def format_table(profile: Profile) -> str:
             f"{extra.targets_ms:.3f} ms (last stage); the loss: {extra.loss_forward_ms:.3f} ms "
             f"forward, {extra.loss_backward_ms:.3f} ms backward (last stage)"
         )
+    for tied in profile.tied:
+        table.append(
+            f"tied: {tied.name} ({_human_bytes(tied.bytes)}) is used by {', '.join(tied.layers)} "
+            f"(counted in {tied.layers[0]}; a stage holding a later one keeps a copy)"
+        )
     if profile.spread is not None:
         spread = profile.spread
         table.append(

@@ -44,6 +44,8 @@ class RankStats:
     """Peak resident memory of the process (CPU) or peak allocated GPU memory."""
     skipped: int
     """Microbatches skipped for a non-finite loss."""
+    tied_copy_bytes: int = 0
+    """Bytes of the copies of other stages' tied parameters the stage holds."""
 
     @property
     def busy_fraction(self) -> float:
@@ -101,6 +103,11 @@ def report(
             f"{1 - r.busy_fraction:.0%}), peak memory {format_bytes(r.peak_memory_bytes)}, "
             f"up to {r.max_in_flight} microbatches in flight, {r.max_versions} weight versions "
             f"held ({r.max_copies} copies x {format_bytes(r.copy_bytes)})"
+            + (
+                f", a copy of {format_bytes(r.tied_copy_bytes)} of tied parameters"
+                if r.tied_copy_bytes
+                else ""
+            )
         )
     skipped = sum(r.skipped for r in ranks if r.stage == plan.num_stages - 1)
     if skipped:

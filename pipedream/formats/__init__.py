@@ -11,6 +11,7 @@ from pipedream.formats.profile import (
     LayerProfile,
     PassSpread,
     Profile,
+    TiedParameter,
     load_profile,
     save_profile,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "Prediction",
     "Profile",
     "StagePlan",
+    "TiedParameter",
     "Topology",
     "load_plan",
     "load_profile",

@@ -277,7 +277,10 @@ def test_train_bad_option(
 def test_train_unknown_workload(tmp_path: Path) -> None:
     path = _plan(tmp_path, _single(workload="nope"))
     line = _one_line(run_cli("train", str(path), "--steps", "1"), "pipedream train: error: ")
-    assert "unknown workload 'nope'; use a built-in name (mlp, gpt, digits, resnet, sleep)" in line
+    assert (
+        "unknown workload 'nope'; use a built-in name (mlp, gpt, digits, resnet, sleep, hf-lm)"
+        in line
+    )
 
 
 def test_train_bad_workload_arg_value(tmp_path: Path) -> None:

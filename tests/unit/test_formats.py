@@ -25,6 +25,7 @@ from pipedream.formats import (
     Prediction,
     Profile,
     StagePlan,
+    TiedParameter,
     Topology,
     load_plan,
     load_profile,
@@ -206,6 +207,16 @@ def test_profile_pass_spread_is_optional_and_round_trips() -> None:
     data = {**copy.deepcopy(PROFILE), "pass_spread": {"forward": [1.0, 1.25], "backward": [0.5]}}
     profile = Profile.from_dict(data)
     assert profile.spread == PassSpread((1.0, 1.25), (0.5,))
+    assert profile.to_dict() == data
+
+
+def test_profile_tied_parameters_are_optional_and_round_trip() -> None:
+    assert Profile.from_dict(PROFILE).tied == ()
+    assert "tied" not in Profile.from_dict(PROFILE).to_dict()
+    tied = [{"name": "0.weight", "layers": ["0", "2"], "bytes": 4096}]
+    data = {**copy.deepcopy(PROFILE), "tied": tied}
+    profile = Profile.from_dict(data)
+    assert profile.tied == (TiedParameter("0.weight", ("0", "2"), 4096),)
     assert profile.to_dict() == data
 
 
@@ -513,6 +524,15 @@ CASES: list[tuple[str, str, Edit, str, str, str]] = [
      "layers[0].forward_ms", "must be a finite number, got nan", "write a finite number"),
     ("profile-inf", "profile", _set("layers", 0, "backward_ms", value=math.inf),
      "layers[0].backward_ms", "must be a finite number, got inf", "write a finite number"),
+    ("profile-tied-unknown-layer", "profile",
+     _set("tied", value=[{"name": "w", "layers": ["0", "9"], "bytes": 8}]), "tied[0].layers",
+     "names '9', which is not a layer of the profile", "list the names of the layers"),
+    ("profile-tied-one-layer", "profile",
+     _set("tied", value=[{"name": "w", "layers": ["1", "1"], "bytes": 8}]), "tied[0].layers",
+     "lists 1 distinct layer(s)", "a tied parameter is used by two or more layers"),
+    ("profile-tied-no-bytes", "profile",
+     _set("tied", value=[{"name": "w", "layers": ["0", "1"]}]), "tied[0].bytes",
+     "required field is missing", "add 'bytes: ...'"),
     ("profile-zero-microbatch", "profile", _set("microbatch_size", value=0),
      "microbatch_size", "must be >= 1, got 0", "use 1 or more"),
     ("profile-wrong-format", "profile", _set("format", value="pipedream/plan@1"), "format",

@@ -14,8 +14,8 @@ from pipedream.workload import load_workload, parse_workload_args
         (
             "nope",
             {},
-            "unknown workload 'nope'; use a built-in name (mlp, gpt, digits, resnet, sleep) or "
-            "package.module:function",
+            "unknown workload 'nope'; use a built-in name (mlp, gpt, digits, resnet, sleep, "
+            "hf-lm) or package.module:function",
         ),
         ("no_such_module_xyz:build", {}, "workload 'no_such_module_xyz:build': cannot import"),
         (

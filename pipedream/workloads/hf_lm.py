@@ -1,0 +1,401 @@
+"""``hf-lm``: a Hugging Face ``transformers`` causal language model, built from a config.
+
+The model is built with random weights from a config of one of :data:`FAMILIES` (nothing is
+downloaded: the machine may have no internet) and sized by the options: ``layers``, ``dim``,
+``heads``, ``kv_heads`` (grouped-query attention, Llama-style families), ``ffn`` (hidden width
+of the MLP; default 4 x ``dim``), ``vocab``, ``seq`` (context length), ``tie`` (the output head
+reuses the token embedding, as GPT-2 and the small Llamas do). Dropout is off, so that forward
+passes are deterministic and a pipeline's numbers equal one process's.
+
+``pipedream`` traces it with ``torch.export`` and cuts it where the model's own modules are:
+``transformer.wte``, ``transformer.h.0`` .. ``lm_head`` (GPT-2), ``model.embed_tokens``,
+``model.layers.0`` .. ``lm_head`` (Llama); a tied head's matrix lives on the embedding's stage and
+the head's stage keeps a copy.
+
+Data: the ``gpt`` workload's seeded sparse Markov stream (the best possible loss is known and
+reported), or the token file ``tokens=PATH``: a 1-D array of token ids in ``.npy`` or ``.pt``, or
+``.bin`` (``uint16``, nanoGPT's format), cut into windows of ``seq + 1`` tokens, the last
+``test_samples`` held out. With ``padding=true`` every sequence ends after a random length
+(at least half of ``seq``) with padding: the model then takes ``input_ids`` and
+``attention_mask``, and the padded positions do not count in the loss.
+
+A ``package.module:function`` that returns a ``transformers`` causal LM instead of a
+:class:`~pipedream.workload.Workload` is trained the same way (:func:`wrap`): the
+``--workload-arg`` options its function does not take go to :func:`wrap`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+from torch.utils.data import Dataset, TensorDataset
+
+from pipedream.errors import WorkloadError
+from pipedream.workload import Workload
+from pipedream.workloads.common import optimizer_factory
+from pipedream.workloads.gpt import entropy_rate, markov_chain, sample_sequences
+
+__all__ = ["FAMILIES", "IGNORE", "PaddedTokens", "build", "hf_config", "lm_loss", "wrap"]
+
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2")
+"""Config families ``config=`` accepts."""
+IGNORE = -100
+"""Target of a position that does not count in the loss (padding)."""
+_EVAL_CHUNK = 32
+"""Held-out sequences evaluated at once."""
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise WorkloadError(
+            "hf-lm needs the transformers package; install the extra: pip install -e '.[hf]'"
+        ) from None
+    return transformers
+
+
+def hf_config(
+    config: str,
+    *,
+    layers: int,
+    dim: int,
+    heads: int,
+    kv_heads: int,
+    ffn: int,
+    vocab: int,
+    seq: int,
+    tie: bool,
+) -> Any:
+    """The ``transformers`` config of a model of family ``config`` at the given size."""
+    transformers = _transformers()
+    for name, value in (("layers", layers), ("dim", dim), ("heads", heads), ("vocab", vocab)):
+        if value < 1:
+            raise WorkloadError(f"hf-lm: {name} must be >= 1, got {value}")
+    if seq < 2:
+        raise WorkloadError(f"hf-lm: seq must be >= 2, got {seq}")
+    if dim % heads:
+        raise WorkloadError(
+            f"hf-lm: dim={dim} is not divisible by heads={heads}; pick heads that divide dim"
+        )
+    kv_heads = kv_heads or heads
+    if heads % kv_heads:
+        raise WorkloadError(
+            f"hf-lm: heads={heads} is not a multiple of kv_heads={kv_heads}; each group of "
+            "query heads shares one key/value head"
+        )
+    ffn = ffn or 4 * dim
+    common = {"vocab_size": vocab, "tie_word_embeddings": tie, "use_cache": False}
+    if config == "gpt2":
+        if kv_heads != heads:
+            raise WorkloadError("hf-lm: gpt2 has no grouped-query attention; leave kv_heads out")
+        return transformers.GPT2Config(
+            n_layer=layers,
+            n_embd=dim,
+            n_head=heads,
+            n_inner=ffn,
+            n_positions=seq,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=vocab - 1,
+            eos_token_id=vocab - 1,
+            **common,
+        )
+    classes = {
+        "llama": "LlamaConfig",
+        "mistral": "MistralConfig",
+        "qwen2": "Qwen2Config",
+    }
+    if config not in classes:
+        raise WorkloadError(
+            f"hf-lm: unknown config {config!r}; use one of {', '.join(FAMILIES)} (or your own "
+            "package.module:function returning a transformers model)"
+        )
+    return getattr(transformers, classes[config])(
+        num_hidden_layers=layers,
+        hidden_size=dim,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=ffn,
+        max_position_embeddings=seq,
+        attention_dropout=0.0,
+        bos_token_id=vocab - 1,
+        eos_token_id=vocab - 1,
+        pad_token_id=None,
+        **common,
+    )
+
+
+def lm_loss(output: Any, target: Tensor) -> Tensor:
+    """Mean next-token cross entropy over the positions that count (target != ``IGNORE``).
+
+    ``output``: the model's output (its ``logits`` ``[B, T, V]``) or the logits themselves.
+    """
+    logits = output.logits if hasattr(output, "logits") else output
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE
+    )
+
+
+class PaddedTokens(Dataset[tuple[dict[str, Tensor], Tensor]]):
+    """Sequences padded at the end: items ``({"input_ids", "attention_mask"}, targets)``."""
+
+    def __init__(self, windows: Tensor, lengths: Tensor) -> None:
+        seq = windows.shape[1] - 1
+        positions = torch.arange(seq)
+        real = positions[None, :] < lengths[:, None]
+        self.input_ids = torch.where(real, windows[:, :-1], 0)
+        self.attention_mask = real.long()
+        self.targets = torch.where(real, windows[:, 1:], IGNORE)
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int) -> tuple[dict[str, Tensor], Tensor]:
+        inputs = {"input_ids": self.input_ids[index], "attention_mask": self.attention_mask[index]}
+        return inputs, self.targets[index]
+
+
+def _read_tokens(path: str) -> Tensor:
+    file = Path(path)
+    if not file.is_file():
+        raise WorkloadError(f"hf-lm: tokens={path!r}: no such file; give a .npy, .pt or .bin file")
+    try:
+        if file.suffix == ".npy":
+            import numpy as np
+
+            tokens = torch.from_numpy(np.load(file).astype("int64"))
+        elif file.suffix == ".pt":
+            tokens = torch.load(file, weights_only=True)
+        elif file.suffix == ".bin":
+            import numpy as np
+
+            tokens = torch.from_numpy(np.fromfile(file, dtype=np.uint16).astype("int64"))
+        else:
+            raise WorkloadError(
+                f"hf-lm: tokens={path!r}: unknown format {file.suffix!r}; give a .npy or .pt "
+                "array of token ids, or a .bin file of uint16 ids (nanoGPT's format)"
+            )
+    except WorkloadError:
+        raise
+    except Exception as exc:
+        raise WorkloadError(
+            f"hf-lm: tokens={path!r}: cannot read it ({type(exc).__name__}: {exc})"
+        ) from None
+    if not isinstance(tokens, Tensor) or tokens.dim() != 1 or tokens.is_floating_point():
+        raise WorkloadError(f"hf-lm: tokens={path!r}: expected a 1-D array of integer token ids")
+    return tokens.long()
+
+
+def _windows(
+    *,
+    tokens: str,
+    vocab: int,
+    seq: int,
+    samples: int,
+    test_samples: int,
+    branching: int,
+    generator: torch.Generator,
+) -> tuple[Tensor, Tensor, float | None]:
+    """Training and held-out windows of ``seq + 1`` tokens, and the best loss if known."""
+    if not tokens:
+        chain = markov_chain(vocab, branching, generator)
+        train = sample_sequences(chain, num_sequences=samples, length=seq + 1, generator=generator)
+        test = sample_sequences(
+            chain, num_sequences=test_samples, length=seq + 1, generator=generator
+        )
+        return train, test, entropy_rate(chain)
+    ids = _read_tokens(tokens)
+    if len(ids) and int(ids.max()) >= vocab:
+        raise WorkloadError(
+            f"hf-lm: tokens={tokens!r} holds token id {int(ids.max())}, not below vocab={vocab}; "
+            f"pass --workload-arg vocab={int(ids.max()) + 1} (or more)"
+        )
+    count = (len(ids) - 1) // seq
+    if count < test_samples + 1:
+        raise WorkloadError(
+            f"hf-lm: tokens={tokens!r} has {len(ids)} tokens: {count} windows of seq={seq}, "
+            f"not enough for test_samples={test_samples} held out and one to train on"
+        )
+    windows = torch.stack([ids[i * seq : i * seq + seq + 1] for i in range(count)])
+    train, test = windows[: count - test_samples], windows[count - test_samples :]
+    return (train[:samples] if samples else train), test, None
+
+
+def _dataset(windows: Tensor, padding: bool, generator: torch.Generator) -> Dataset[Any]:
+    if not padding:
+        return TensorDataset(windows[:, :-1].clone(), windows[:, 1:].clone())
+    seq = windows.shape[1] - 1
+    lengths = torch.randint(max(1, seq // 2), seq + 1, (len(windows),), generator=generator)
+    return PaddedTokens(windows, lengths)
+
+
+def build(
+    config: str = "gpt2",
+    layers: int = 2,
+    dim: int = 64,
+    heads: int = 4,
+    kv_heads: int = 0,
+    ffn: int = 0,
+    vocab: int = 256,
+    seq: int = 64,
+    tie: bool = True,
+    padding: bool = False,
+    tokens: str = "",
+    samples: int = 2048,
+    test_samples: int = 128,
+    branching: int = 4,
+    lr: float = 1e-3,
+    optimizer: str = "adamw",
+    seed: int = 0,
+    data_seed: int = 0,
+    microbatch_size: int = 8,
+) -> Workload:
+    """A ``transformers`` causal LM of family ``config`` with random weights (see the module
+    docstring); every call with the same arguments gives identical weights and data."""
+    transformers = _transformers()
+    settings = hf_config(
+        config,
+        layers=layers,
+        dim=dim,
+        heads=heads,
+        kv_heads=kv_heads,
+        ffn=ffn,
+        vocab=vocab,
+        seq=seq,
+        tie=tie,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(settings)
+    model.train()
+    workload = wrap(
+        model,
+        seq=seq,
+        padding=padding,
+        tokens=tokens,
+        samples=samples,
+        test_samples=test_samples,
+        branching=branching,
+        lr=lr,
+        optimizer=optimizer,
+        data_seed=data_seed,
+        microbatch_size=microbatch_size,
+    )
+    workload.description = (
+        f"{config} {layers}x{dim} ({heads} heads"
+        + (f", {kv_heads} kv heads" if kv_heads and kv_heads != heads else "")
+        + (", tied head" if tie else "")
+        + f"), vocab {vocab}, seq {seq}, from transformers {transformers.__version__}; "
+        + workload.description
+    )
+    return workload
+
+
+def wrap(
+    model: nn.Module,
+    *,
+    seq: int = 64,
+    padding: bool = False,
+    tokens: str = "",
+    samples: int = 2048,
+    test_samples: int = 128,
+    branching: int = 4,
+    lr: float = 1e-3,
+    optimizer: str = "adamw",
+    data_seed: int = 0,
+    microbatch_size: int = 8,
+) -> Workload:
+    """A workload that trains ``model``, a ``transformers`` causal LM, on the token stream."""
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    if not isinstance(vocab, int):
+        raise WorkloadError(
+            f"the workload function returned a {type(model).__name__}, not a pipedream Workload "
+            "or a transformers causal LM (a model with config.vocab_size)"
+        )
+    if config is not None and getattr(config, "use_cache", False):
+        config.use_cache = False  # a cache is state across calls: nothing a pipeline can cut
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if isinstance(limit, int) and seq > limit:
+        raise WorkloadError(
+            f"hf-lm: seq={seq} is longer than the model's {limit} positions; pass a smaller seq"
+        )
+    if samples < 1 or test_samples < 1 or microbatch_size < 1:
+        raise WorkloadError("hf-lm: samples, test_samples and microbatch_size must be >= 1")
+    generator = torch.Generator().manual_seed(data_seed)
+    train, test, best = _windows(
+        tokens=tokens,
+        vocab=vocab,
+        seq=seq,
+        samples=samples,
+        test_samples=test_samples,
+        branching=branching,
+        generator=generator,
+    )
+    dataset = _dataset(train, padding, generator)
+    held_out = _dataset(test, padding, generator)
+    first = [dataset[i] for i in range(min(microbatch_size, len(dataset)))]
+    if len(first) < microbatch_size:
+        raise WorkloadError(
+            f"hf-lm: {len(dataset)} training sequences, fewer than a microbatch of "
+            f"{microbatch_size}; give more data or a smaller microbatch"
+        )
+    example = _stack([inputs for inputs, _ in first])
+    evaluate = _evaluator(held_out, best)
+    source = f"tokens from {tokens}" if tokens else "a sparse Markov stream"
+    padded = ", padded (attention_mask)" if padding else ""
+    return Workload(
+        model=model,
+        example_input=example,
+        loss_fn=lm_loss,
+        dataset=dataset,
+        optimizer=optimizer_factory(optimizer, lr=lr),
+        evaluate=evaluate,
+        description=(
+            f"{len(dataset)} sequences of {seq} tokens from {source}{padded}"
+            + (f" (best loss {best:.2f}, init ~{math.log(vocab):.2f})" if best is not None else "")
+        ),
+    )
+
+
+def _stack(items: list[Any]) -> Any:
+    if isinstance(items[0], dict):
+        return {key: torch.stack([item[key] for item in items]) for key in items[0]}
+    return torch.stack(items)
+
+
+def _evaluator(
+    held_out: Dataset[Any], best: float | None
+) -> Callable[[nn.Module], dict[str, float]]:
+    def evaluate(trained: nn.Module) -> dict[str, float]:
+        """Held-out loss of ``trained`` (the mean over the held-out sequences' tokens)."""
+        from pipedream.model_io import call_model, map_tensors
+
+        device = next(trained.parameters()).device
+        was_training = trained.training
+        trained.eval()
+        total, count = 0.0, 0
+        size = len(held_out)  # type: ignore[arg-type]
+        with torch.no_grad():
+            for start in range(0, size, _EVAL_CHUNK):
+                items = [held_out[i] for i in range(start, min(size, start + _EVAL_CHUNK))]
+                inputs = map_tensors(lambda t: t.to(device), _stack([x for x, _ in items]))
+                targets = torch.stack([y for _, y in items]).to(device)
+                counted = int((targets != IGNORE).sum())
+                total += float(lm_loss(call_model(trained, inputs), targets)) * counted
+                count += counted
+        trained.train(was_training)
+        metrics = {"test_loss": total / max(1, count)}
+        if best is not None:
+            metrics["best_loss"] = best
+        return metrics
+
+    return evaluate
