@@ -12,26 +12,13 @@ import yaml
 
 from pipedream.cli import main
 from pipedream.data import MicrobatchStream
-from pipedream.runtime.checkpoint import load_full_state_dict
 from pipedream.workload import load_workload
 
-from launching import launch, straight_plan, write_plan
 from oracles import stale_oracle
 from runs import train_and_load
+from tied_gpt import ARGS, MICROBATCH
 
-ARGS = {
-    "layers": "2",
-    "dim": "16",
-    "heads": "2",
-    "seq": "8",
-    "vocab": "32",
-    "samples": "256",
-    "tie": "true",
-    "optimizer": "sgd",
-    "lr": "0.5",
-    "momentum": "0.5",
-}
-B = 4
+B = MICROBATCH
 THREE = [["embed"], ["h0", "h1"], ["norm", "head"]]
 TWO = [["embed", "h0"], ["h1", "norm", "head"]]
 
@@ -93,44 +80,15 @@ def test_replicated_stages_then_resume_under_another_plan(tmp_path: Path) -> Non
     checkpoint on a 3-stage plan: the owner's tensor and its optimizer state reach every stage,
     and the whole run equals plain training (2 updates of 2 minibatches, then 4 of one)."""
     m, first_steps, steps = 2, 4, 8
-    plan = straight_plan(
-        "gpt",
-        TWO,
-        schedule="1f1b",
-        microbatch_size=B,
-        microbatches=m,
-        workload_args=ARGS,
-        replicas=[2, 2],
-    )
-    run_dir = tmp_path / "run"
-    result = launch(
-        write_plan(plan, tmp_path / "a.yaml"),
-        "--steps",
-        str(first_steps),
-        "--run-dir",
-        str(run_dir),
-        "--timeout",
-        "60",
-        "--no-progress",
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    plan = straight_plan(
-        "gpt", THREE, schedule="1f1b", microbatch_size=B, microbatches=m, workload_args=ARGS
-    )
-    result = launch(
-        write_plan(plan, tmp_path / "b.yaml"),
-        "--steps",
-        str(steps),
-        "--run-dir",
-        str(run_dir),
-        "--resume",
-        "auto",
-        "--timeout",
-        "60",
-        "--no-progress",
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    got = load_full_state_dict(run_dir / "checkpoints" / f"step-{steps:06d}")
+    common = {
+        "workload": "gpt",
+        "workload_args": ARGS,
+        "schedule": "1f1b",
+        "microbatch_size": B,
+        "microbatches": m,
+    }
+    train_and_load(tmp_path, TWO, steps=first_steps, replicas=[2, 2], **common)
+    got = train_and_load(tmp_path, THREE, steps=steps, extra=("--resume", "auto"), **common)
     assert got["head.weight"] is got["embed.tok.weight"]
 
     workload = load_workload("gpt", ARGS)

@@ -17,21 +17,9 @@ from pipedream.workload import load_workload
 
 from oracles import plain_training, replicated_oracle, stale_oracle
 from reference_run import reference_layout_weights
+from tied_gpt import ARGS, LAYERS, MICROBATCH
 
-ARGS = {
-    "layers": "2",
-    "dim": "16",
-    "heads": "2",
-    "seq": "8",
-    "vocab": "32",
-    "samples": "256",
-    "tie": "true",
-    "optimizer": "sgd",  # Adam turns float rounding into 1e-4 differences within steps
-    "lr": "0.5",
-    "momentum": "0.5",
-}
-B = 4
-LAYERS = ["embed", "h0", "h1", "norm", "head"]
+B = MICROBATCH
 CUTS = {  # the embedding on the first stage, the head on the last
     2: [LAYERS[:2], LAYERS[2:]],
     3: [LAYERS[:1], LAYERS[1:3], LAYERS[3:]],
