@@ -180,6 +180,20 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     train.add_argument("--recompute", action="store_true", help="recompute activations in backward")
     train.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda", "cuda-shared"],
+        help="auto (default): a GPU per rank with NCCL where the node has one for each rank, "
+        "else the CPU with gloo; cuda: a GPU per rank; cuda-shared: ranks share the node's "
+        "GPUs, messages over gloo through host memory; cpu: the CPU",
+    )
+    train.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="deterministic kernels (torch.use_deterministic_algorithms): the same run gives "
+        "the same numbers, also on GPUs, somewhat slower",
+    )
+    train.add_argument(
         "--timeout",
         type=float,
         default=300.0,

@@ -46,8 +46,10 @@ _use_count = getattr(torch._C, "_storage_Use_Count", None)
 class ReceiveBuffers:
     """Hands out CPU tensors for incoming messages, reusing storage nobody else holds."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, *, pin: bool = False):
         self.device = device
+        self.pin = pin and device.type == "cpu"
+        """Host buffers in pinned memory (messages staged for a GPU: faster copies)."""
         self.enabled = (
             device.type == "cpu"
             and _use_count is not None
@@ -61,11 +63,14 @@ class ReceiveBuffers:
         """An uninitialised tensor of ``dtype`` and ``shape``, in reused storage where free."""
         nbytes = math.prod(shape) * dtype.itemsize
         if not self.enabled or nbytes < MIN_POOLED_BYTES:
-            return torch.empty(shape, dtype=dtype, device=self.device)
+            return torch.empty(shape, dtype=dtype, device=self.device, pin_memory=self.pin)
         storages = self._storages.setdefault(nbytes, deque())
         storage = self._free(storages)
         if storage is None:
-            storage = torch.UntypedStorage(nbytes, device=self.device)
+            if self.pin:
+                storage = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).untyped_storage()
+            else:
+                storage = torch.UntypedStorage(nbytes, device=self.device)
             self.allocated += 1
             if len(storages) >= MAX_TRACKED:
                 storages.popleft()

@@ -36,11 +36,15 @@ payload receives once the channel's reference is known (for the messages already
 becomes known, at that moment). Only the slow payload of a message whose specs differ from the
 reference waits for its header. NCCL matches point-to-point operations between two ranks in
 issue order and ignores tags, so there nothing is posted ahead and a message is received in the
-order it is sent: header, then payload. Sends are never waited on until their buffers
-must be reclaimed (:meth:`P2P.poll` keeps at most ``MAX_SENDS_IN_FLIGHT``) or the run ends
+order it is sent: header, then payload. Sends are never waited on until their buffers must be
+reclaimed (:meth:`P2P.poll` keeps at most ``MAX_SENDS_IN_FLIGHT``) or the run ends
 (:meth:`P2P.drain`). On the CPU, payloads are received into reused storage
 (:class:`~pipedream.runtime.buffers.ReceiveBuffers`): on gloo a 32 MiB message into fresh
 pages took 15-17 ms here, into reused ones 11.5 ms.
+
+Ranks that share GPUs (``--device cuda-shared``) talk over gloo, which moves host memory only:
+their messages are *staged* (``staged=True``): copied to pinned host memory before they are
+sent, and to the rank's GPU once received; both copies are done when they return.
 """
 
 from __future__ import annotations
@@ -208,13 +212,24 @@ class _Incoming:
 class P2P:
     """Messages between this rank and its pipeline neighbours."""
 
-    def __init__(self, *, rank: int, device: torch.device, timeout: float, post_early: bool):
+    def __init__(
+        self,
+        *,
+        rank: int,
+        device: torch.device,
+        timeout: float,
+        post_early: bool,
+        staged: bool = False,
+    ):
         self.rank = rank
         self.device = device
         self.timeout = timeout
         self.post_early = post_early
+        self.staged = staged
+        self.wire = torch.device("cpu") if staged else device
+        """Where messages travel from and to (host memory when staged)."""
         self._incoming: dict[tuple[str, int, int], _Incoming] = {}
-        self._buffers = ReceiveBuffers(device)
+        self._buffers = ReceiveBuffers(self.wire, pin=staged and torch.cuda.is_available())
         self._outgoing: list[tuple[Any, list[Tensor]]] = []
         # (kind, peer) -> the specs of the first message sent to / received from the peer
         self._sent_reference: dict[tuple[str, int], list[Spec]] = {}
@@ -241,7 +256,7 @@ class P2P:
         )
 
     def _start(self, kind: str, microbatch: int, peer: int) -> _Incoming:
-        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.wire)
         work = dist.irecv(header, src=peer, tag=message_tag(kind, microbatch, 0))
         return _Incoming(peer, kind, microbatch, header, work)
 
@@ -292,6 +307,8 @@ class P2P:
             else:
                 assert not self.post_early, f"{channel}: {header} while receiving ahead"
         self._wait_all(payload, what)
+        if self.staged:  # to the rank's GPU (a copy that is done when it returns)
+            return [buffer.to(self.device) for buffer in payload.buffers], header.version
         return payload.buffers, header.version
 
     def _fast_receives(self, incoming: _Incoming, specs: list[Spec]) -> _Receives:
@@ -309,7 +326,7 @@ class P2P:
         self, kind: str, microbatch: int, peer: int, tensors: list[Tensor], version: int
     ) -> None:
         """Start sending ``tensors``; buffers are kept alive until the send completes."""
-        tensors = [t.detach().contiguous() for t in tensors]
+        tensors = [self._on_wire(t.detach()) for t in tensors]
         specs = specs_of(tensors)
         channel = (kind, peer)
         reference = self._sent_reference.get(channel)
@@ -319,7 +336,7 @@ class P2P:
             flags = FAST
         else:  # a placeholder only where the receiver may have posted reference-shaped receives
             flags = PLACEHOLDER if self.post_early else CHANGED
-        header = encode_header(specs, version, flags).to(self.device)  # raises before any send
+        header = encode_header(specs, version, flags).to(self.wire)  # raises before any send
         self._sent_reference.setdefault(channel, specs)
         self._isend(header, peer, message_tag(kind, microbatch, 0))
         tags = payload_tags(kind, microbatch, len(specs), fast=flags == FAST)
@@ -333,7 +350,16 @@ class P2P:
         """Zeros of the reference ``specs`` on the fast tags, for the receiver's speculation."""
         tags = payload_tags(kind, microbatch, len(specs), fast=True)
         for (dtype, shape), tag in zip(specs, tags):
-            self._isend(torch.zeros(shape, dtype=dtype, device=self.device), peer, tag)
+            self._isend(torch.zeros(shape, dtype=dtype, device=self.wire), peer, tag)
+
+    def _on_wire(self, tensor: Tensor) -> Tensor:
+        """``tensor`` contiguous where messages travel (a finished copy in pinned host memory
+        when staged)."""
+        if not self.staged or tensor.device == self.wire:
+            return tensor.contiguous()
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available())
+        host.copy_(tensor)  # not non_blocking: gloo reads it as soon as the send is posted
+        return host
 
     def _isend(self, tensor: Tensor, peer: int, tag: int) -> None:
         self._outgoing.append((dist.isend(tensor, dst=peer, tag=tag), [tensor]))

@@ -29,6 +29,8 @@ def run(args: argparse.Namespace) -> int:
             trace=args.trace,
             precision=args.precision,
             recompute=args.recompute,
+            device=args.device,
+            deterministic=args.deterministic,
             timeout=args.timeout,
             progress=not args.no_progress,
         )

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from pipedream.graph.layers import StageIO
 from pipedream.runtime.actions import MESSAGE_KIND, Action, Op
+from pipedream.runtime.clock import ComputeClock
 from pipedream.runtime.comm import P2P, PeerTimeoutError
 from pipedream.runtime.posting import RECEIVE_WINDOW, receives_posted_before
 from pipedream.runtime.routing import (
@@ -80,8 +81,12 @@ class Executor:
         self._outbox: dict[tuple[str, int], dict[int, list[Tensor]]] = {}
         self._outbox_tags: dict[tuple[str, int], int] = {}
         self._since_update: list[int] = []
-        self.compute_s = 0.0
-        """Seconds spent in forward, backward and update actions."""
+        self._clock = ComputeClock(worker.config.device)
+
+    @property
+    def compute_s(self) -> float:
+        """Seconds spent in forward, backward and update actions (GPU time on a GPU)."""
+        return self._clock.seconds
 
     def run(self) -> None:
         posts = receives_posted_before(self.table, self.receive_window)
@@ -92,11 +97,14 @@ class Executor:
                 self.p2p.post_recv(MESSAGE_KIND[ahead.op], ahead.index, ahead.peer)
             reclaiming = time.perf_counter()
             self.p2p.poll()
+            computes = action.op in (Op.FORWARD, Op.BACKWARD, Op.UPDATE)
             start = time.perf_counter()
+            if computes:
+                self._clock.start()
             self._execute(position, action)
+            if computes:
+                self._clock.stop()
             end = time.perf_counter()
-            if action.op in (Op.FORWARD, Op.BACKWARD, Op.UPDATE):
-                self.compute_s += end - start
             if self.trace is not None:
                 spent = (reclaiming - posting, start - reclaiming)
                 self.trace.append((str(action), start, end, *spent))

@@ -11,7 +11,14 @@ import torch
 from pipedream.errors import LaunchError
 from pipedream.formats.plan import Plan
 
-__all__ = ["LaunchEnv", "device_and_backend", "read_launch_env"]
+__all__ = [
+    "DEVICE_CHOICES",
+    "LaunchEnv",
+    "Placement",
+    "choose_placement",
+    "device_and_backend",
+    "read_launch_env",
+]
 
 
 @dataclass(frozen=True)
@@ -83,15 +90,77 @@ def _env_int(name: str, *, default: int | None = None, minimum: int = 0) -> int:
     return value
 
 
-def device_and_backend(env: LaunchEnv) -> tuple[torch.device, str]:
-    """NCCL with one GPU per rank when every local rank has one, else gloo on the CPU.
+DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda-shared")
+"""``pipedream train --device``: where the ranks compute and how they talk."""
 
-    The choice depends only on the node's GPU count and process count, so all ranks of a node
-    agree (a mix of backends would hang).
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a rank computes and how its messages travel."""
+
+    device: torch.device
+    """The rank's device."""
+    backend: str
+    """``nccl`` or ``gloo``."""
+    staged: bool = False
+    """Messages go through (pinned) host memory: gloo between ranks that compute on GPUs."""
+    gpus: int = 0
+    """GPUs of the node that the node's ranks use."""
+
+    def describe(self, world_size: int) -> str:
+        """For the start line: ``4 gloo processes``, ``4 gloo processes sharing 1 GPU``."""
+        text = f"{world_size} {self.backend} processes"
+        if self.staged:
+            gpus = f"{self.gpus} GPU{'s' if self.gpus != 1 else ''}"
+            return f"{text} sharing {gpus} (messages through host memory)"
+        if self.device.type == "cuda":
+            return text + ", one GPU each"
+        return text
+
+
+def choose_placement(
+    choice: str, *, local_rank: int, local_world_size: int, gpus: int
+) -> Placement:
+    """The placement ``--device choice`` asks for on a node with ``gpus`` GPUs.
+
+    It depends only on the node's GPU count and process count, so all ranks of a node agree
+    (a mix of backends would hang).
+
+    - ``auto``: NCCL with a GPU of its own for every rank when the node has one for each of its
+      ranks, else gloo on the CPU;
+    - ``cpu``: gloo on the CPU;
+    - ``cuda``: NCCL, a GPU of its own for every rank (an error if there are fewer GPUs);
+    - ``cuda-shared``: local rank ``r`` on GPU ``r mod gpus``, gloo between the ranks with
+      every message copied through pinned host memory (so a one-GPU machine runs, checks and
+      profiles a whole pipeline on CUDA).
     """
-    local = max(env.local_world_size, env.local_rank + 1)
-    if torch.cuda.is_available() and torch.cuda.device_count() >= local:
-        device = torch.device("cuda", env.local_rank)
-        torch.cuda.set_device(device)
-        return device, "nccl"
-    return torch.device("cpu"), "gloo"
+    if choice not in DEVICE_CHOICES:
+        raise LaunchError(f"--device {choice!r}: use one of {', '.join(DEVICE_CHOICES)}")
+    local = max(local_world_size, local_rank + 1)
+    exclusive = gpus >= local
+    if choice == "cpu" or (choice == "auto" and not exclusive):
+        return Placement(torch.device("cpu"), "gloo")
+    if choice in ("auto", "cuda"):
+        if not exclusive:
+            raise LaunchError(
+                f"--device cuda: the node runs {local} ranks but has {gpus} GPU(s); give every "
+                "rank its own GPU, or let ranks share them with --device cuda-shared"
+            )
+        return Placement(torch.device("cuda", local_rank), "nccl", gpus=local)
+    if gpus < 1:
+        raise LaunchError(
+            "--device cuda-shared: this node has no GPU that PyTorch can use; use --device cpu"
+        )
+    used = min(gpus, local)
+    return Placement(torch.device("cuda", local_rank % used), "gloo", staged=True, gpus=used)
+
+
+def device_and_backend(env: LaunchEnv, choice: str = "auto") -> Placement:
+    """This rank's :func:`choose_placement` on its node; selects its GPU."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    placement = choose_placement(
+        choice, local_rank=env.local_rank, local_world_size=env.local_world_size, gpus=gpus
+    )
+    if placement.device.type == "cuda":
+        torch.cuda.set_device(placement.device)
+    return placement

@@ -39,8 +39,17 @@ class MetricsLogger:
 
             self._bar = tqdm(total=total_steps, unit="step", file=stream, dynamic_ncols=True)
 
-    def log(self, step: int, loss: float, extra: dict[str, Any] | None = None) -> None:
-        now = time.perf_counter()
+    def log(
+        self,
+        step: int,
+        loss: float,
+        extra: dict[str, Any] | None = None,
+        *,
+        at: float | None = None,
+    ) -> None:
+        """One update's line; ``at``: when the update was issued (``time.perf_counter()``;
+        default: now)."""
+        now = time.perf_counter() if at is None else at
         self.step_times.append(now)
         self.losses.append(loss)
         elapsed = now - self.start

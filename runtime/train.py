@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -30,7 +31,13 @@ from pipedream.runtime.checkpointing import resume_point, write_checkpoint
 from pipedream.runtime.collector import frozen_heap
 from pipedream.runtime.comm import P2P
 from pipedream.runtime.executor import Executor
-from pipedream.runtime.launch_env import LaunchEnv, device_and_backend, read_launch_env
+from pipedream.runtime.launch_env import (
+    LaunchEnv,
+    Placement,
+    device_and_backend,
+    read_launch_env,
+)
+from pipedream.runtime.loss_log import LossLog
 from pipedream.runtime.metrics import MetricsLogger
 from pipedream.runtime.plan_check import plan_spec, validate_plan_schedule
 from pipedream.runtime.routing import input_needs_grad
@@ -41,7 +48,7 @@ from pipedream.runtime.tracing import TracedAction, write_trace
 from pipedream.runtime.worker import StageWorker, WorkerConfig
 from pipedream.workload import Workload, load_workload
 
-__all__ = ["TrainOptions", "segments", "train"]
+__all__ = ["TrainOptions", "make_deterministic", "segments", "train"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,8 @@ class TrainOptions:
     trace: bool = False
     precision: str = "fp32"
     recompute: bool = False
+    device: str = "auto"
+    deterministic: bool = False
     timeout: float = 300.0
     progress: bool = True
 
@@ -102,8 +111,18 @@ def _check_options(options: TrainOptions, plan: Plan) -> None:
                 )
 
 
+def make_deterministic() -> None:
+    """Deterministic kernels (``--deterministic``): the same run gives the same numbers, also on
+    a GPU. cuBLAS needs its workspace setting before its first use."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+
+
 def train(options: TrainOptions) -> int:
     configure_host_memory()  # before anything is allocated: every step reuses its memory
+    if options.deterministic:
+        make_deterministic()
     plan = load_plan(options.plan_path)
     source = options.plan_path
     _check_options(options, plan)
@@ -137,7 +156,8 @@ def train(options: TrainOptions) -> int:
         tied=layout.tied_pairs,
     )
 
-    device, backend = device_and_backend(env)
+    placement = device_and_backend(env, options.device)
+    device, backend = placement.device, placement.backend
     timeout = timedelta(seconds=options.timeout)
     if env.under_torchrun:
         # torchrun's store outlives worker restarts (--max-restarts): a namespace per attempt
@@ -156,7 +176,7 @@ def train(options: TrainOptions) -> int:
             "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )
     try:
-        job = _RankJob(options, plan, env, workload, layout, device=device, backend=backend)
+        job = _RankJob(options, plan, env, workload, layout, placement=placement)
         return job.run(todo, resume_from)
     finally:
         gc.collect()  # drop lingering gloo work objects (in cycles) while the interpreter lives
@@ -175,8 +195,7 @@ class _RankJob:
         workload: Workload,
         layout: StageLayout,
         *,
-        device: torch.device,
-        backend: str,
+        placement: Placement,
     ) -> None:
         self.options = options
         self.plan = plan
@@ -184,8 +203,9 @@ class _RankJob:
         self.workload = workload
         self.layout = layout
         self.stage_of_rank = {r: i for i, st in enumerate(plan.stages) for r in st.ranks}
-        self.device = device
-        self.backend = backend
+        self.placement = placement
+        self.device = placement.device
+        self.backend = placement.backend
         self.rank = env.rank
         self.groups: dict[int, Any] = {}
         for index, stage in enumerate(plan.stages):  # every rank creates every group, in order
@@ -236,8 +256,15 @@ class _RankJob:
         if self.stage_index != self.plan.num_stages - 1 or self.stage.ranks[0] != self.rank:
             return None
         plan = self.plan
+        unused = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if unused and self.device.type == "cpu" and self.options.device == "auto":
+            print(
+                f"pipedream: note: {unused} GPU(s) for {self.env.local_world_size} ranks on this "
+                "node: training on the CPU; --device cuda-shared puts the ranks on the GPUs",
+                file=sys.stderr,
+            )
         print(
-            f"pipedream: {plan.workload} on {plan.world_size} {self.backend} processes, "
+            f"pipedream: {plan.workload} on {self.placement.describe(plan.world_size)}, "
             f"{plan.num_stages} stages, schedule {plan.schedule}, {self.options.steps} "
             f"minibatches of {plan.microbatches} x {plan.microbatch_size} samples; "
             f"run dir {self.run_dir}",
@@ -255,7 +282,7 @@ class _RankJob:
         self,
         todo: list[tuple[int, int]],
         worker: StageWorker,
-        logger: MetricsLogger | None,
+        loss_log: LossLog,
         trace: list[TracedAction] | None,
         peaks: dict[str, int],
     ) -> float:
@@ -267,9 +294,10 @@ class _RankJob:
                 worker.start_segment(
                     self._table(first, count), initial_version=first // self.stage.replicas
                 )
-            executor = self._executor(worker, logger, trace)
+            executor = self._executor(worker, loss_log, trace)
             try:
                 executor.run()
+                loss_log.read()  # every loss of the segment checked before its checkpoint
             except RunFailure as exc:
                 where = self.last_checkpoint or "none yet"
                 raise type(exc)(f"{exc}; the last good checkpoint: {where}") from None
@@ -314,7 +342,10 @@ class _RankJob:
         peaks = {"max_versions": 0, "max_copies": 0, "max_in_flight": 0}
         with frozen_heap():  # no full collection pauses the loop (runtime/collector.py)
             start = time.perf_counter()
-            compute_s = self._segments(todo, worker, logger, trace, peaks)
+            loss_log = LossLog(logger, microbatches=self.plan.microbatches, device=self.device)
+            compute_s = self._segments(todo, worker, loss_log, trace, peaks)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the wall time covers the queued work
             elapsed = time.perf_counter() - start
         stats = RankStats(
             rank=self.rank,
@@ -356,13 +387,12 @@ class _RankJob:
     def _executor(
         self,
         worker: StageWorker,
-        logger: MetricsLogger | None,
+        loss_log: LossLog,
         trace: list[TracedAction] | None,
     ) -> Executor:
         def on_update(action: Action, microbatches: list[int]) -> None:
-            losses = [worker.losses.pop(mb) for mb in microbatches if mb in worker.losses]
-            if logger is not None and losses:
-                logger.log(action.index, float(torch.stack(losses).mean()))
+            losses = [(mb, worker.losses.pop(mb)) for mb in microbatches if mb in worker.losses]
+            loss_log.add(action.index, losses)
 
         return Executor(
             worker,
@@ -372,6 +402,7 @@ class _RankJob:
                 device=self.device,
                 timeout=self.options.timeout,
                 post_early=self.backend == "gloo",
+                staged=self.placement.staged,
             ),
             rank=self.rank,
             io=self.layout.ios[self.stage_index],

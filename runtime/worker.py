@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from pipedream.data import MicrobatchStream
 from pipedream.errors import RunFailure
-from pipedream.model_io import ModelIO, map_tensors
+from pipedream.model_io import ModelIO, to_device
 from pipedream.runtime.actions import Action
 from pipedream.runtime.swap import ParameterSwap
 from pipedream.runtime.weights import WeightVersions, accumulate_grads
@@ -164,7 +164,7 @@ class StageWorker:
         if self.config.is_first:
             assert self.data is not None
             inputs = self.model_io.flatten_inputs(self.data.inputs(microbatch))
-            return [t.to(self.config.device) for t in inputs]
+            return to_device(inputs, self.config.device)
         assert received is not None
         wanted = self.input_grads or (True,) * len(received)
         assert len(wanted) == len(received), (len(wanted), len(received))
@@ -175,19 +175,16 @@ class StageWorker:
     def _loss(self, microbatch: int, outputs: list[Tensor]) -> Tensor:
         """The workload's (unscaled) loss of a microbatch; the last stage reads its targets.
 
-        A non-finite loss stops the run (:class:`NonFiniteLossError`) or, with
-        ``skip_nonfinite``, is replaced by a constant zero: the microbatch then contributes a
-        zero gradient to every stage while the schedule runs on unchanged.
+        With ``skip_nonfinite`` a non-finite loss is replaced by a constant zero at once: the
+        microbatch then contributes a zero gradient to every stage while the schedule runs on
+        unchanged. Otherwise the loss is not read here (that would wait for the GPU): the run's
+        :class:`~pipedream.runtime.loss_log.LossLog` checks the losses in batches and stops the
+        run at the first non-finite one (:class:`NonFiniteLossError`).
         """
         assert self.data is not None
-        targets = map_tensors(lambda t: t.to(self.config.device), self.data.targets(microbatch))
+        targets = to_device(self.data.targets(microbatch), self.config.device)
         loss = self.loss_fn(self.model_io.unflatten_outputs(outputs), targets)
-        if not bool(torch.isfinite(loss.detach())):
-            if not self.config.skip_nonfinite:
-                raise NonFiniteLossError(
-                    f"non-finite loss ({float(loss.detach())}) at microbatch {microbatch} "
-                    f"(minibatch {microbatch // self.config.microbatches})"
-                )
+        if self.config.skip_nonfinite and not bool(torch.isfinite(loss.detach())):
             self.skipped.add(microbatch)
             return torch.zeros((), device=self.config.device, requires_grad=True)
         return loss

@@ -107,6 +107,9 @@ def _receive(p2p: P2P, messages: list[Message], known: set[str]) -> tuple[list[i
         if speculative is not None and comm.specs_of(speculative.buffers) != reference:
             problems.append(f"{kind} {mb}: speculative buffers not of the reference {reference}")
         got, got_version = p2p.recv(kind, mb, 0, what="test")
+        if any(g.device != p2p.device for g in got):
+            problems.append(f"{kind} {mb}: received on {[g.device for g in got]}")
+        got = [g.cpu() for g in got]
         known.add(kind)
         same = len(got) == len(tensors) and all(
             g.dtype == t.dtype and g.shape == t.shape and torch.equal(g, t)
@@ -122,16 +125,19 @@ def _flags_by_channel(messages: list[Message], flags: list[int]) -> dict[str, li
     return {k: [f for (kind, *_), f in zip(messages, flags) if kind == k] for k in FLAGS}
 
 
-def _worker(rank: int, port: int, post_early: bool, queue) -> None:  # pragma: no cover - child
+def _worker(
+    rank: int, port: int, post_early: bool, staged: bool, queue
+) -> None:  # pragma: no cover - child
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-    p2p = P2P(rank=rank, device=torch.device("cpu"), timeout=20, post_early=post_early)
+    device = torch.device("cuda" if staged and torch.cuda.is_available() else "cpu")
+    p2p = P2P(rank=rank, device=device, timeout=20, post_early=post_early, staged=staged)
     rounds = [_messages(0), _again(1)]
     try:
         if rank == 0:
             for messages in rounds:
                 for kind, mb, tensors, version in messages:
-                    p2p.send(kind, mb, 1, tensors, version)
+                    p2p.send(kind, mb, 1, [t.to(device) for t in tensors], version)
                 p2p.drain(what="sends")
                 dist.barrier()  # the receiver checks for leftovers after each round
             queue.put(("sender", ["sends left after drain"] if p2p._outgoing else []))
@@ -155,16 +161,19 @@ def _worker(rank: int, port: int, post_early: bool, queue) -> None:  # pragma: n
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("post_early", [True, False])
-def test_messages_round_trip(post_early: bool) -> None:
+@pytest.mark.parametrize(("post_early", "staged"), [(True, False), (False, False), (True, True)])
+def test_messages_round_trip(post_early: bool, staged: bool) -> None:
     """Shape, count and dtype changes on a channel round-trip bit-exactly with their versions,
     each with the header flag the protocol prescribes; receives are speculative once a
     channel's reference is known; afterwards nothing is outstanding: the same tags carry a
-    second round of messages intact (a dangling receive or placeholder would take one)."""
+    second round of messages intact (a dangling receive or placeholder would take one).
+    ``staged``: through host memory, as ranks sharing a GPU talk (from and to the GPU where
+    there is one)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, post_early, queue)) for r in range(2)]
+    args = (port, post_early, staged, queue)
+    procs = [ctx.Process(target=_worker, args=(r, *args)) for r in range(2)]
     for proc in procs:
         proc.start()
     try:

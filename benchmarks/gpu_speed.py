@@ -1,0 +1,163 @@
+"""One stage of the runtime against a plain PyTorch loop on the same GPU, fp32 and bf16.
+
+Both train the built-in ``gpt`` workload at GPT-2-small width (12 layers of 768, 12 heads,
+sequences of 256 tokens, a vocabulary of 256) with its Adam, on the same microbatches of 16
+samples: the plain loop in this process, written as a careful user writes it (inputs copied
+through pinned memory without waiting, bf16 by ``torch.autocast``), the runtime as one
+``torchrun`` process (``pipedream train --device cuda``). Each side runs ``--warmup`` steps, then
+``--steps`` timed ones: the plain loop from a synchronised start to a synchronised end, the
+runtime between the issue times of its updates in ``metrics.jsonl`` (a step is issued once the
+GPU has room for it, so in the steady state their spacing is the GPU's pace). Printed as a
+table with the ratio of the two and each side's loss after the last step. No assertions: speed
+is measured, not tested.
+
+    python benchmarks/gpu_speed.py [--steps 40] [--warmup 10] [--out FILE.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from pipedream.data import MicrobatchStream  # noqa: E402
+from pipedream.model_io import to_device  # noqa: E402
+from pipedream.workload import load_workload  # noqa: E402
+
+ARGS = {
+    "layers": "12",
+    "dim": "768",
+    "heads": "12",
+    "seq": "256",
+    "vocab": "256",
+    "samples": "1024",
+}
+MICROBATCH = 16
+
+
+def plain_loop(precision: str, *, warmup: int, steps: int) -> tuple[float, float]:
+    """(ms per step, loss of the last step) of the plain loop."""
+    torch.manual_seed(0)
+    workload = load_workload("gpt", ARGS, microbatch_size=MICROBATCH)
+    device = torch.device("cuda")
+    model = workload.model.to(device)
+    optimizer = workload.optimizer(model.parameters())
+    data = MicrobatchStream(workload.dataset, MICROBATCH, 0)
+    loss = torch.zeros(())
+    start = 0.0
+    for step in range(warmup + steps):
+        if step == warmup:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+        inputs, targets = (to_device(t, device) for t in data.microbatch(step))
+        with torch.autocast("cuda", torch.bfloat16, enabled=precision == "bf16"):
+            output = model(inputs)
+        loss = workload.loss_fn(output.float(), targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1000 / steps, float(loss)
+
+
+def one_stage(
+    precision: str, *, warmup: int, steps: int, folder: Path
+) -> tuple[float, float, float]:
+    """(ms per step, loss of the last step, busy fraction) of the runtime on one GPU."""
+    layers = ["embed", *(f"h{i}" for i in range(12)), "norm", "head"]
+    plan = {
+        "format": "pipedream/plan@1",
+        "workload": "gpt",
+        "workload_args": ARGS,
+        "schedule": "pipedream",
+        "microbatch_size": MICROBATCH,
+        "microbatches": 1,
+        "world_size": 1,
+        "stages": [{"first_layer": "embed", "last_layer": "head", "replicas": 1, "ranks": [0]}],
+        "layers": layers,
+    }
+    path = folder / f"plan-{precision}.yaml"
+    path.write_text(yaml.safe_dump(plan, sort_keys=False))
+    run = folder / f"run-{precision}"
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        "-m",
+        "pipedream.cli",
+        "train",
+        str(path),
+        "--steps",
+        str(warmup + steps),
+        "--run-dir",
+        str(run),
+        "--device",
+        "cuda",
+        "--precision",
+        precision,
+        "--no-progress",
+    ]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    if result.returncode != 0:
+        raise SystemExit(f"pipedream train failed:\n{result.stderr[-3000:]}")
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    times = [line["time_s"] for line in lines]
+    per_step = (times[-1] - times[warmup - 1]) * 1000 / steps
+    summary = json.loads((run / "summary.json").read_text())
+    return per_step, lines[-1]["loss"], summary["ranks"][0]["busy_fraction"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=None, help="also write the table here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_speed.py: no CUDA GPU here")
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for precision in ("fp32", "bf16"):
+            plain_ms, plain_loss = plain_loop(precision, warmup=args.warmup, steps=args.steps)
+            stage_ms, stage_loss, busy = one_stage(
+                precision, warmup=args.warmup, steps=args.steps, folder=Path(folder)
+            )
+            rows.append(
+                f"| {precision} | {plain_ms:.2f} | {stage_ms:.2f} | {stage_ms / plain_ms:.3f} "
+                f"| {plain_loss:.3f} | {stage_loss:.3f} | {busy:.0%} |"
+            )
+    table = "\n".join(
+        [
+            f"gpt 12x768, seq 256, vocab 256, microbatch {MICROBATCH}, Adam; {args.warmup} "
+            f"warm-up + {args.steps} timed steps on {torch.cuda.get_device_name()} "
+            f"(torch {torch.__version__})",
+            "",
+            "| precision | plain loop ms/step | one stage ms/step | stage / plain "
+            "| plain loss | stage loss | stage busy |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+            *rows,
+        ]
+    )
+    print(table)
+    if args.out is not None:
+        args.out.write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

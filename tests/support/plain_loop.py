@@ -1,0 +1,71 @@
+"""Plain PyTorch training of a workload, the reference one stage of the runtime must equal."""
+
+from __future__ import annotations
+
+import torch
+
+from pipedream.data import MicrobatchStream
+from pipedream.model_io import call_model, map_tensors
+from pipedream.workload import load_workload
+
+__all__ = ["plain_loop"]
+
+
+def plain_loop(
+    workload: str,
+    workload_args: dict[str, str],
+    *,
+    steps: int,
+    microbatches: int,
+    microbatch_size: int,
+    device: str = "cpu",
+    precision: str = "fp32",
+    seed: int = 0,
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """``steps`` optimizer steps over the runtime's microbatches (same seed, same order), each
+    the mean of ``microbatches`` microbatches' losses: the weights (on the CPU) and each
+    step's mean loss. On the CPU it computes with one thread, as every rank the tests launch
+    does (another thread count sums in another order: Adam turns that into 1e-4 differences)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train(
+            workload, workload_args, steps, microbatches, microbatch_size, device, precision, seed
+        )
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(
+    workload: str,
+    workload_args: dict[str, str],
+    steps: int,
+    microbatches: int,
+    microbatch_size: int,
+    device: str,
+    precision: str,
+    seed: int,
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    built = load_workload(workload, workload_args, microbatch_size=microbatch_size)
+    model = built.model.to(device)
+    data = MicrobatchStream(built.dataset, microbatch_size, seed)
+    optimizer = built.optimizer(model.parameters())
+    losses = []
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for j in range(microbatches):
+            inputs, targets = data.microbatch(step * microbatches + j)
+            inputs = map_tensors(lambda t: t.to(device), inputs)
+            targets = map_tensors(lambda t: t.to(device), targets)
+            with torch.autocast(
+                torch.device(device).type, torch.bfloat16, enabled=precision == "bf16"
+            ):
+                output = call_model(model, inputs)
+            output = map_tensors(lambda t: t.float() if t.is_floating_point() else t, output)
+            loss = built.loss_fn(output, targets)
+            (loss / microbatches).backward()
+            total += float(loss.detach()) / microbatches
+        optimizer.step()
+        losses.append(total)
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}, losses
