@@ -109,7 +109,7 @@ class Placement:
 
     def describe(self, world_size: int) -> str:
         """For the start line: ``4 gloo processes``, ``4 gloo processes sharing 1 GPU``."""
-        text = f"{world_size} {self.backend} processes"
+        text = f"{world_size} {self.backend} process{'es' if world_size != 1 else ''}"
         if self.staged:
             gpus = f"{self.gpus} GPU{'s' if self.gpus != 1 else ''}"
             return f"{text} sharing {gpus} (messages through host memory)"

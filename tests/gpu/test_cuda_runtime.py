@@ -55,7 +55,7 @@ def _one_stage(tmp: Path, *, steps: int, precision: str) -> tuple[dict, list[flo
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "1 nccl processes, one GPU each" in result.stderr
+    assert "1 nccl process, one GPU each" in result.stderr
     lines = (run / "metrics.jsonl").read_text().splitlines()
     state = load_full_state_dict(run / "checkpoints" / f"step-{steps:06d}")
     return state, [json.loads(line)["loss"] for line in lines]
