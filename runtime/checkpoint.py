@@ -137,6 +137,8 @@ def load_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
         )
     try:
         manifest = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path}: not valid UTF-8; the checkpoint is corrupt") from None
     except yaml.YAMLError:
         raise CheckpointError(f"{path}: not valid YAML; the checkpoint is corrupt") from None
     if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:

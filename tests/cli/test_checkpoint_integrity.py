@@ -61,7 +61,8 @@ def test_intact_checkpoints_load(checkpoints: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "damage", ["truncate", "flip", "delete", "no-manifest", "bad-manifest", "odd-manifest"]
+    "damage",
+    ["truncate", "flip", "delete", "no-manifest", "bad-manifest", "odd-manifest", "not-utf8"],
 )
 def test_damaged_newest_checkpoint_is_skipped(
     checkpoints: Path, damage: str, capsys: pytest.CaptureFixture[str]
@@ -80,6 +81,8 @@ def test_damaged_newest_checkpoint_is_skipped(
         (newest / "manifest.yaml").unlink()
     elif damage == "bad-manifest":
         (newest / "manifest.yaml").write_text("format: [unclosed\n")
+    elif damage == "not-utf8":  # a torn write, a disk error: the manifest's bytes are not text
+        (newest / "manifest.yaml").write_bytes(b"format: \xff\xfe pipedream\n")
     else:
         manifest = yaml.safe_load((newest / "manifest.yaml").read_text())
         manifest["stages"] = [{"file": "../../etc/passwd", "sha256": 1}]
@@ -88,6 +91,13 @@ def test_damaged_newest_checkpoint_is_skipped(
         load_full_state_dict(newest)
     assert find_latest_checkpoint(checkpoints) == checkpoints / "step-000002"
     assert "skipping checkpoint" in capsys.readouterr().err
+    if damage == "not-utf8":  # `pipedream export` says so in one line (exit 2)
+        from pipedream.cli import main
+
+        assert main(["export", str(newest), "-o", str(checkpoints / "model.pt")]) == 2
+        err = capsys.readouterr().err
+        assert "manifest.yaml: not valid UTF-8; the checkpoint is corrupt" in err
+        assert len(err.strip().splitlines()) == 1
 
 
 class _RunsCode:
