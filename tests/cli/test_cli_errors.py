@@ -1,7 +1,9 @@
 """Bad input ends with one clear line, exit code 2, no traceback and no hang (DESIGN.md 4, 6).
 
-Every case runs the real command in a subprocess (``launching.run_cli`` / ``launching.launch``
-kill the process group on timeout), so the exit code and stderr are what a user sees.
+Every case runs the real command: ``pipedream`` through ``pipedream.cli.main`` in this process
+(``launching.run_main``: its exit code and what it prints), ``launch.sh`` in a subprocess
+(``launching.launch`` kills the process group on timeout), so the exit code and stderr are what a
+user sees.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from launching import launch, run_cli, straight_plan, write_plan
+from launching import launch, run_main, straight_plan, write_plan
 
 # The default mlp with layers=2 has the layers "0", "1" (Linear+ReLU blocks) and "2" (the head).
 MLP_ARGS = {"layers": "2", "samples": "64"}
@@ -77,7 +79,7 @@ def _free_port() -> int:
 
 def test_train_missing_plan(tmp_path: Path) -> None:
     path = tmp_path / "nope.yaml"
-    line = _one_line(run_cli("train", str(path)), "pipedream train: error: ")
+    line = _one_line(run_main("train", str(path)), "pipedream train: error: ")
     assert line == f"pipedream train: error: {path}: plan file not found; check the path"
 
 
@@ -120,13 +122,13 @@ def test_train_malformed_plan(
     tmp_path: Path, data: dict[str, Any], field: str, message: str
 ) -> None:
     path = _plan(tmp_path, data)
-    line = _one_line(run_cli("train", str(path)), "pipedream train: error: ")
+    line = _one_line(run_main("train", str(path)), "pipedream train: error: ")
     assert line.startswith(f"pipedream train: error: {path}: {field}: {message}")
 
 
 def test_train_plan_names_a_layer_the_model_lacks(tmp_path: Path) -> None:
     path = _plan(tmp_path, _single(last="7"))
-    line = _one_line(run_cli("train", str(path), "--steps", "1"), "pipedream train: error: ")
+    line = _one_line(run_main("train", str(path), "--steps", "1"), "pipedream train: error: ")
     assert line == (
         f"pipedream train: error: {path}: stages[0].last_layer: the model has no layer '7'; "
         "use one of the model's layers '0'..'2'"
@@ -135,7 +137,7 @@ def test_train_plan_names_a_layer_the_model_lacks(tmp_path: Path) -> None:
 
 def test_train_plan_does_not_cover_the_model(tmp_path: Path) -> None:
     path = _plan(tmp_path, _single(last="1"))
-    line = _one_line(run_cli("train", str(path), "--steps", "1"), "pipedream train: error: ")
+    line = _one_line(run_main("train", str(path), "--steps", "1"), "pipedream train: error: ")
     assert line == (
         f"pipedream train: error: {path}: stages: end at layer '1' but the model continues to "
         "'2'; let the last stage end at '2'"
@@ -145,7 +147,7 @@ def test_train_plan_does_not_cover_the_model(tmp_path: Path) -> None:
 def test_train_plan_layers_differ_from_the_model(tmp_path: Path) -> None:
     data = _single(last="3", layers=["0", "1", "2", "3"])  # profiled with layers=3
     path = _plan(tmp_path, data)
-    line = _one_line(run_cli("train", str(path), "--steps", "1"), "pipedream train: error: ")
+    line = _one_line(run_main("train", str(path), "--steps", "1"), "pipedream train: error: ")
     assert line.startswith(
         f"pipedream train: error: {path}: layers: do not match the traced model: layers ['3'] "
         "run no operation in the traced model"
@@ -159,7 +161,7 @@ def test_train_plan_layers_differ_from_the_model(tmp_path: Path) -> None:
 
 def test_train_two_process_plan_as_a_single_process(tmp_path: Path) -> None:
     path = _plan(tmp_path, _two_stages())
-    line = _one_line(run_cli("train", str(path)), "pipedream train: error: ")
+    line = _one_line(run_main("train", str(path)), "pipedream train: error: ")
     assert line.startswith(
         f"pipedream train: error: {path}: world_size: the plan needs 2 processes but this is a "
         f"single process; launch it with `./launch.sh {path}`"
@@ -179,7 +181,7 @@ def test_train_world_size_differs_from_torchrun(
         "MASTER_PORT": str(_free_port()),
     }.items():
         monkeypatch.setenv(name, value)
-    result = run_cli("train", str(path), "--steps", "1", timeout=60)
+    result = run_main("train", str(path), "--steps", "1", timeout=60)
     line = _one_line(result, "pipedream train: error: ")
     assert line.startswith(
         f"pipedream train: error: {path}: world_size: the plan needs 2 processes but torchrun "
@@ -193,7 +195,7 @@ def test_train_non_integer_world_size_variable(
 ) -> None:
     path = _plan(tmp_path, _two_stages())
     monkeypatch.setenv("WORLD_SIZE", "two")
-    line = _one_line(run_cli("train", str(path), "--steps", "1", timeout=60), "pipedream train")
+    line = _one_line(run_main("train", str(path), "--steps", "1", timeout=60), "pipedream train")
     assert "WORLD_SIZE" in line
 
 
@@ -208,7 +210,7 @@ def test_train_rank_out_of_range(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     }.items():
         monkeypatch.setenv(name, value)
     # --timeout 2 bounds the rendezvous wait, so this fails fast while the bug is there
-    result = run_cli("train", str(path), "--steps", "1", "--timeout", "2", timeout=60)
+    result = run_main("train", str(path), "--steps", "1", "--timeout", "2", timeout=60)
     line = _one_line(result, "pipedream train: error: ")
     assert "RANK" in line
 
@@ -266,7 +268,7 @@ def test_train_bad_option(
     tmp_path: Path, plan: dict[str, Any], options: list[str], message: str
 ) -> None:
     path = _plan(tmp_path, plan)
-    line = _one_line(run_cli("train", str(path), *options), "pipedream train: error: ")
+    line = _one_line(run_main("train", str(path), *options), "pipedream train: error: ")
     assert message in line
 
 
@@ -276,7 +278,7 @@ def test_train_bad_option(
 
 def test_train_unknown_workload(tmp_path: Path) -> None:
     path = _plan(tmp_path, _single(workload="nope"))
-    line = _one_line(run_cli("train", str(path), "--steps", "1"), "pipedream train: error: ")
+    line = _one_line(run_main("train", str(path), "--steps", "1"), "pipedream train: error: ")
     assert (
         "unknown workload 'nope'; use a built-in name (mlp, gpt, digits, resnet, sleep, hf-lm)"
         in line
@@ -285,25 +287,25 @@ def test_train_unknown_workload(tmp_path: Path) -> None:
 
 def test_train_bad_workload_arg_value(tmp_path: Path) -> None:
     path = _plan(tmp_path, _single(workload_args={**MLP_ARGS, "layers": "many"}))
-    line = _one_line(run_cli("train", str(path), "--steps", "1"), "pipedream train: error: ")
+    line = _one_line(run_main("train", str(path), "--steps", "1"), "pipedream train: error: ")
     assert "workload_args.layers: 'many' is not a valid int for workload 'mlp'" in line
 
 
 def test_train_unknown_workload_arg(tmp_path: Path) -> None:
     path = _plan(tmp_path, _single(workload_args={**MLP_ARGS, "colour": "red"}))
-    line = _one_line(run_cli("train", str(path), "--steps", "1"), "pipedream train: error: ")
+    line = _one_line(run_main("train", str(path), "--steps", "1"), "pipedream train: error: ")
     assert "workload 'mlp' has no option 'colour'; its options are: layers, width" in line
 
 
 def test_train_unknown_workload_names_plan_file_and_field(tmp_path: Path) -> None:
     path = _plan(tmp_path, _single(workload="nope"))
-    line = _one_line(run_cli("train", str(path), "--steps", "1"), "pipedream train: error: ")
+    line = _one_line(run_main("train", str(path), "--steps", "1"), "pipedream train: error: ")
     assert line.startswith(f"pipedream train: error: {path}: workload: ")
 
 
 def test_train_bad_workload_arg_names_plan_file_and_field(tmp_path: Path) -> None:
     path = _plan(tmp_path, _single(workload_args={**MLP_ARGS, "layers": "many"}))
-    line = _one_line(run_cli("train", str(path), "--steps", "1"), "pipedream train: error: ")
+    line = _one_line(run_main("train", str(path), "--steps", "1"), "pipedream train: error: ")
     assert line.startswith(f"pipedream train: error: {path}: workload_args.layers: ")
 
 
@@ -314,7 +316,7 @@ def test_train_bad_workload_arg_names_plan_file_and_field(tmp_path: Path) -> Non
 def test_export_missing_directory(tmp_path: Path) -> None:
     directory = tmp_path / "runs" / "checkpoints" / "step-000001"
     out = tmp_path / "model.pt"
-    result = run_cli("export", str(directory), "-o", str(out))
+    result = run_main("export", str(directory), "-o", str(out))
     line = _one_line(result, "pipedream export: error: ")
     assert line == (
         f"pipedream export: error: {directory}: no such checkpoint directory; "
@@ -328,7 +330,7 @@ def test_export_directory_without_manifest(tmp_path: Path) -> None:
     directory.mkdir()
     (directory / "stage-00.pt").write_bytes(b"not a checkpoint")
     out = tmp_path / "model.pt"
-    result = run_cli("export", str(directory), "-o", str(out))
+    result = run_main("export", str(directory), "-o", str(out))
     line = _one_line(result, "pipedream export: error: ")
     assert line == (
         f"pipedream export: error: {directory}: no manifest.yaml (not a checkpoint directory, "
@@ -403,7 +405,7 @@ def _profile_with(path: Path, edit: str) -> Path:
 def test_plan_malformed_profile(tmp_path: Path, edit: str, message: str) -> None:
     path = _profile_with(tmp_path / "profile.yaml", edit)
     out = tmp_path / "plan.yaml"
-    result = run_cli("plan", str(path), "--workers", "2", "-o", str(out))
+    result = run_main("plan", str(path), "--workers", "2", "-o", str(out))
     line = _one_line(result, "pipedream plan: error: ")
     assert line.startswith(f"pipedream plan: error: {path}: {message}")
     assert not out.exists()
@@ -413,7 +415,7 @@ def test_plan_of_a_valid_profile_succeeds(tmp_path: Path) -> None:
     """The control for the cases above: the unedited profile plans fine."""
     path = _profile_with(tmp_path / "profile.yaml", "none")
     out = tmp_path / "plan.yaml"
-    result = run_cli("plan", str(path), "--workers", "2", "-o", str(out))
+    result = run_main("plan", str(path), "--workers", "2", "-o", str(out))
     assert result.returncode == 0, result.stderr
     assert out.is_file()
 
@@ -425,7 +427,7 @@ def test_plan_of_a_valid_profile_succeeds(tmp_path: Path) -> None:
 @pytest.mark.parametrize("verb", [None, "profile", "plan", "train", "export"])
 def test_help_exits_0(verb: str | None) -> None:
     args = ["--help"] if verb is None else [verb, "--help"]
-    result = run_cli(*args)
+    result = run_main(*args)
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     usage = "usage: pipedream" if verb is None else f"usage: pipedream {verb}"
@@ -433,17 +435,17 @@ def test_help_exits_0(verb: str | None) -> None:
 
 
 def test_unknown_verb_exits_2() -> None:
-    line = _one_line(run_cli("frobnicate"), "pipedream: error: ")
+    line = _one_line(run_main("frobnicate"), "pipedream: error: ")
     assert "invalid choice: 'frobnicate'" in line
 
 
 def test_no_verb_exits_2() -> None:
-    line = _one_line(run_cli(), "pipedream: error: ")
+    line = _one_line(run_main(), "pipedream: error: ")
     assert "required: verb" in line
 
 
 def test_missing_required_option_exits_2(tmp_path: Path) -> None:
-    line = _one_line(run_cli("export", str(tmp_path)), "pipedream export: error: ")
+    line = _one_line(run_main("export", str(tmp_path)), "pipedream export: error: ")
     assert "-o/--output" in line
 
 

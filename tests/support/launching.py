@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import signal
 import subprocess
@@ -15,6 +17,7 @@ __all__ = [
     "REPO",
     "launch",
     "run_cli",
+    "run_main",
     "start",
     "start_launch",
     "stop",
@@ -130,3 +133,18 @@ def run_cli(
 ) -> subprocess.CompletedProcess[str]:
     """``pipedream ARGS...`` in a subprocess (exit code and stderr as a user sees them)."""
     return _run([sys.executable, "-m", "pipedream.cli", *args], timeout, env)
+
+
+def run_main(*args: str, timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+    """``pipedream ARGS...`` in this process (``pipedream.cli.main``): its exit code and what it
+    prints, as a user sees them, without starting Python (for the paths that end before any
+    process group or launch; ``timeout`` is accepted for symmetry with :func:`run_cli`)."""
+    from pipedream.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse: --help (0), usage errors (2)
+            code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
+    return subprocess.CompletedProcess(["pipedream", *args], code, out.getvalue(), err.getvalue())
