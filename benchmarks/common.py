@@ -22,8 +22,8 @@ from typing import Any
 
 import yaml
 
-from pipedream.runtime.actions import Op
 from pipedream.runtime.trace import RankTrace
+from pipedream.schedules import Op
 
 __all__ = [
     "REPO",

@@ -16,7 +16,7 @@ from typing import Any
 
 from common import WARM_MESSAGES, machine_lines, write_section
 
-from pipedream.runtime.actions import Op
+from pipedream.schedules import Op
 
 __all__ = ["TARGETS", "render"]
 

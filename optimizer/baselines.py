@@ -23,6 +23,7 @@ from pipedream.optimizer.memory import MemoryModel
 from pipedream.optimizer.planner import data_parallel_tree
 from pipedream.optimizer.search import Request, solve_schedule
 from pipedream.optimizer.tree import Cluster, Node, Tree, TreeEvaluation, evaluate_tree
+from pipedream.schedules import lookup
 
 __all__ = [
     "Baseline",
@@ -118,7 +119,8 @@ def _best_split(
     best = Baseline(name, None, math.inf, "no number of stages divides the workers")
     memory = MemoryModel(schedule, cluster.microbatches)
     for stages in range(1, min(workers, costs.num_layers) + 1):
-        if workers % stages or (schedule == "2bw" and stages > cluster.microbatches):
+        capped = lookup(schedule).microbatches_at_least_stages
+        if workers % stages or (capped and stages > cluster.microbatches):
             continue
         spans = make(stages)
         for tree in split_trees(spans, cluster):

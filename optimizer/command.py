@@ -30,10 +30,11 @@ from pipedream.formats.profile import Profile, load_profile
 from pipedream.formats.topology import DEFAULT_BANDWIDTH, Topology, load_topology
 from pipedream.formats.units import parse_bandwidth, parse_bytes
 from pipedream.optimizer.baselines import baselines
-from pipedream.optimizer.cost_model import FLUSH_SCHEDULES, LayerCosts
+from pipedream.optimizer.cost_model import LayerCosts
 from pipedream.optimizer.planner import AUTO, PlanOptions, PlanResult, plan_profile
 from pipedream.optimizer.report import format_candidates, format_comparison, format_summary
 from pipedream.optimizer.search import Request
+from pipedream.schedules import lookup
 
 __all__ = ["options_from_args", "run", "topology_from_args"]
 
@@ -140,7 +141,7 @@ def _note_fewer(
         options.use_fewer_workers
         or plan.world_size <= 1
         or result.cluster.num_levels > 1
-        or plan.schedule in FLUSH_SCHEDULES
+        or lookup(plan.schedule).flushes
         or options.schedule == AUTO
     ):
         return

@@ -47,9 +47,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
-from pipedream.formats.plan import SCHEDULES
 from pipedream.formats.profile import Profile
 from pipedream.optimizer.tied_costs import TiedLayers
+from pipedream.schedules import lookup
 
 if TYPE_CHECKING:
     import numpy as np
@@ -58,7 +58,6 @@ if TYPE_CHECKING:
 __all__ = [
     "COST_MODELS",
     "DEFAULT_COST_MODEL",
-    "FLUSH_SCHEDULES",
     "Amount",
     "CostModel",
     "LayerCosts",
@@ -69,8 +68,6 @@ __all__ = [
 COST_MODELS = ("symmetric", "pipedream")
 """Names accepted by ``pipedream plan --cost-model`` (see the module docstring)."""
 DEFAULT_COST_MODEL = "symmetric"
-FLUSH_SCHEDULES = ("1f1b", "gpipe")
-"""Schedules that drain the pipeline after every minibatch (a bubble of S - 1 slots)."""
 
 Amount = TypeVar("Amount", float, "NDArray[np.float64]")
 """A float, or a numpy array of them: the formulas are plain arithmetic, and the partitioner
@@ -242,20 +239,19 @@ def minibatch_ms(
     """Time per minibatch of ``microbatches`` microbatches when the slowest stage takes
     ``microbatch_ms`` per microbatch.
 
-    ``pipedream``, ``pipedream-vs`` and ``2bw`` never drain the pipeline, so a minibatch costs
-    ``microbatches`` steady-state slots (for PipeDream: exactly its "time per stage in
-    pipeline")::
+    Asynchronous schedules (``pipedream``, ``pipedream-vs``, ``2bw``) never drain the
+    pipeline, so a minibatch costs ``microbatches`` steady-state slots (for PipeDream: exactly
+    its "time per stage in pipeline")::
 
         stage 0: F0 F1 B0 F2 B1 F3 B2 ...     one F and one B per slot once full
 
-    ``1f1b`` and ``gpipe`` flush after every minibatch, which adds the fill and drain bubble of
-    ``num_stages - 1`` slots (exact for equal stages: ``(m + S - 1)(F + B)``)::
+    Flushing ones (``1f1b``, ``gpipe``) drain after every minibatch, which adds the fill and
+    drain bubble of ``num_stages - 1`` slots (exact for equal stages: ``(m + S - 1)(F + B)``)::
 
         stage 0: F0 F1 .  .  B0 B1 | F0 ...   S = 2, m = 2: 3 slots of F + B per minibatch
         stage 1: .  F0 F1 B0 B1 .  |
     """
-    assert schedule in SCHEDULES, schedule
     slots = microbatches
-    if schedule in FLUSH_SCHEDULES:
+    if lookup(schedule).flushes:
         slots += num_stages - 1
     return slots * microbatch_ms

@@ -38,9 +38,8 @@ from pipedream.errors import ScheduleError, TraceError
 from pipedream.formats.plan import Plan
 from pipedream.optimizer.messages import LinkTimes, MessageTime, link_times, message_kind
 from pipedream.optimizer.simulator import StageWork
-from pipedream.runtime.actions import Action, Op, parse_action
-from pipedream.runtime.schedule import PipelineSpec, build_tables
 from pipedream.runtime.trace import RankTrace
+from pipedream.schedules import Action, Op, PipelineSpec, build_tables, parse_action
 
 __all__ = [
     "MeasuredRun",

@@ -11,7 +11,7 @@ where params include the copies of tied parameters that the stage holds without 
 (:mod:`~pipedream.optimizer.tied_costs`; their optimizer state lives with the owner).
 
 ``in_flight`` is the number of microbatches whose activations a worker keeps at once, read
-off the runtime's action tables (``pipedream.runtime.schedule``) for a stage of ``R`` replicas
+off the runtime's action tables (``pipedream.schedules``) for a stage of ``R`` replicas
 with ``W_from`` workers in it and all later stages, ``S - s`` stages from it on:
 
 =============  ======================================  ========
@@ -46,10 +46,9 @@ This is an estimate for planning (no framework overhead, workspace or fragmentat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from fractions import Fraction
 
-from pipedream.formats.plan import ASYNC_SCHEDULES, SCHEDULES
 from pipedream.optimizer.cost_model import LayerCosts
+from pipedream.schedules import SCHEDULES
 
 __all__ = ["ROOT", "Context", "MemoryModel"]
 
@@ -82,7 +81,7 @@ class MemoryModel:
     """Memory per worker of a stage for one schedule and minibatch shape."""
 
     schedule: str
-    """One of :data:`pipedream.formats.plan.SCHEDULES`."""
+    """A schedule name (:data:`pipedream.schedules.SCHEDULES`)."""
     microbatches: int = 1
     """Microbatches per minibatch."""
 
@@ -94,21 +93,15 @@ class MemoryModel:
         """Microbatches whose activations one replica holds; ``workers_from`` and ``replicas``
         are counted inside the unit (the whole cluster on one level)."""
         assert workers_from >= replicas >= 1
-        if self.schedule == "gpipe":
-            return self.microbatches
-        if self.schedule in ASYNC_SCHEDULES:
-            total = context.mult * workers_from + context.after
-            return _ceil_div(total, context.mult * replicas)
+        total = context.mult * workers_from + context.after
+        depth = _ceil_div(total, context.mult * replicas)  # PipeDream's warm-up depth + 1
         stages_from = workers_from - replicas + 1 + context.after
-        if self.schedule == "1f1b":
-            return min(stages_from, self.microbatches)
-        return stages_from
+        return SCHEDULES[self.schedule].in_flight(self.microbatches, stages_from, depth)
 
     def weight_versions(self, *, workers_from: int, replicas: int, context: Context = ROOT) -> int:
         """Copies of the stage's weights one replica keeps (live copy included)."""
-        if self.schedule in ASYNC_SCHEDULES:
-            return self.in_flight(workers_from=workers_from, replicas=replicas, context=context)
-        return 2 if self.schedule == "2bw" else 1
+        in_flight = self.in_flight(workers_from=workers_from, replicas=replicas, context=context)
+        return SCHEDULES[self.schedule].weight_versions(in_flight)
 
     def factors(
         self, *, workers_from: int, replicas: int, context: Context = ROOT
@@ -127,13 +120,8 @@ class MemoryModel:
     def context_key(self, context: Context) -> object:
         """What of ``context`` the estimate depends on (equal keys: equal estimates), so that
         the planner solves an inner level once per distinct key."""
-        if self.schedule == "gpipe":
-            return None
-        if self.schedule in ASYNC_SCHEDULES:
-            return Fraction(context.after, context.mult)
-        if self.schedule == "1f1b":
-            return min(context.after, self.microbatches)
-        return context.after
+        key = SCHEDULES[self.schedule].memory_key
+        return key(context.after, context.mult, self.microbatches)
 
     def stage_bytes(
         self,

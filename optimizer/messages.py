@@ -26,7 +26,7 @@ import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pipedream.runtime.actions import Op
+from pipedream.schedules import Op
 
 __all__ = ["WAITED_MS", "LinkTimes", "MessageTime", "link_times", "message_kind"]
 

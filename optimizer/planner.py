@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from pipedream.errors import PlanningError
-from pipedream.formats.plan import ASYNC_SCHEDULES, SCHEDULES, Plan, Prediction, StagePlan
+from pipedream.formats.plan import Plan, Prediction, StagePlan
 from pipedream.formats.profile import Profile
 from pipedream.formats.topology import Topology
 from pipedream.optimizer.cost_model import (
@@ -46,6 +46,7 @@ from pipedream.optimizer.search import (
 )
 from pipedream.optimizer.tree import Cluster, Node, Tree, TreeEvaluation, evaluate_tree, leaf_ranks
 from pipedream.optimizer.verify import needs_simulation, simulated_ms
+from pipedream.schedules import SCHEDULES
 
 __all__ = [
     "AUTO",
@@ -66,7 +67,7 @@ class PlanOptions:
     """What ``pipedream plan`` asks of the optimizer besides the profile and the cluster."""
 
     schedule: str = "pipedream"
-    """One of :data:`pipedream.formats.plan.SCHEDULES`, or ``auto``."""
+    """A schedule name (:data:`pipedream.schedules.SCHEDULES`), or ``auto``."""
     microbatches: int | None = None
     """Microbatches per minibatch; None picks the default (see ``search``)."""
     straight: bool = False
@@ -108,7 +109,8 @@ def _check_options(options: PlanOptions) -> None:
     m = options.microbatches
     if m is not None and m < 1:
         raise PlanningError(f"--microbatches {m}: must be at least 1")
-    if m is not None and m != 1 and options.schedule in ASYNC_SCHEDULES:
+    one_microbatch = options.schedule != AUTO and SCHEDULES[options.schedule].one_microbatch
+    if m is not None and m != 1 and one_microbatch:
         raise PlanningError(
             f"--microbatches {m} with schedule {options.schedule!r}: PipeDream updates after "
             "every microbatch, so it must be 1; use --schedule 2bw to accumulate gradients"

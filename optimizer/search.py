@@ -16,10 +16,10 @@ allreduce more), keeping ``m >= S`` in the end.
 
 ``auto`` solves pipedream, pipedream-vs (``m = 1``) and 2bw, 1f1b, gpipe for every ``m`` in
 ``--microbatches`` if given, else :data:`AUTO_MICROBATCHES`, and keeps the highest predicted
-throughput (samples per second) that fits; ties go to the order of :data:`AUTO_ORDER`
-(synchronous semantics first), then to fewer microbatches. Larger minibatches amortise the
-flush and the allreduce, so ``auto`` tends to the largest ``m`` that fits: pin the minibatch
-with ``--microbatches``.
+throughput (samples per second) that fits; ties go to the schedules' ``auto_rank``
+(:data:`AUTO_ORDER`: synchronous semantics first), then to fewer microbatches. Larger
+minibatches amortise the flush and the allreduce, so ``auto`` tends to the largest ``m`` that
+fits: pin the minibatch with ``--microbatches``.
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ import math
 from dataclasses import dataclass
 
 from pipedream.errors import PlanningError
-from pipedream.formats.plan import ASYNC_SCHEDULES
 from pipedream.formats.topology import Topology
 from pipedream.formats.units import format_bytes
-from pipedream.optimizer.cost_model import FLUSH_SCHEDULES, LayerCosts, minibatch_ms
+from pipedream.optimizer.cost_model import LayerCosts, minibatch_ms
 from pipedream.optimizer.hierarchy import Solution, solve_cluster
 from pipedream.optimizer.memory import MemoryModel
 from pipedream.optimizer.tree import Cluster, Tree, evaluate_tree
+from pipedream.schedules import SCHEDULES, lookup
 
 __all__ = [
     "AUTO_MICROBATCHES",
@@ -51,7 +51,7 @@ DEFAULT_SYNC_MICROBATCHES = 4
 """Smallest default number of microbatches for 2bw, 1f1b and gpipe."""
 AUTO_MICROBATCHES = (2, 4, 8, 16, 32)
 """Microbatches per minibatch that ``--schedule auto`` tries for 2bw, 1f1b and gpipe."""
-AUTO_ORDER = ("1f1b", "gpipe", "2bw", "pipedream", "pipedream-vs")
+AUTO_ORDER = tuple(sorted(SCHEDULES, key=lambda name: SCHEDULES[name].auto_rank))
 """Preference among equally fast schedules: exact (synchronous) semantics first."""
 
 
@@ -111,7 +111,8 @@ def _solve(request: Request, schedule: str, m: int, counted: bool) -> dict[int, 
 
 def _pick(schedule: str, m: int, found: dict[int, Solution]) -> Solution | None:
     """The best solution for ``schedule`` among per-count (or overall) solutions."""
-    options = [s for count, s in found.items() if not (schedule == "2bw" and count and count > m)]
+    capped = lookup(schedule).microbatches_at_least_stages
+    options = [s for count, s in found.items() if not (capped and count and count > m)]
     if not options:
         return None
     return min(
@@ -125,10 +126,11 @@ def _pick(schedule: str, m: int, found: dict[int, Solution]) -> Solution | None:
 
 def solve_schedule(request: Request, *, schedule: str, microbatches: int | None) -> Outcome:
     """The best plan for ``schedule`` (``microbatches`` None: the default of the docstring)."""
-    counted = schedule in FLUSH_SCHEDULES or (schedule == "2bw" and microbatches is not None)
-    m = microbatches or (1 if schedule in ASYNC_SCHEDULES else DEFAULT_SYNC_MICROBATCHES)
+    record = lookup(schedule)
+    counted = record.flushes or (record.microbatches_at_least_stages and microbatches is not None)
+    m = microbatches or (1 if record.one_microbatch else DEFAULT_SYNC_MICROBATCHES)
     best = _pick(schedule, m, _solve(request, schedule, m, counted))
-    if microbatches is None and schedule not in ASYNC_SCHEDULES:
+    if microbatches is None and not record.one_microbatch:
         for _ in range(3):
             if best is None or best.num_stages <= m:
                 break
@@ -157,15 +159,16 @@ def _why_infeasible(request: Request, schedule: str, m: int) -> str:
             f"--straight with {workers} workers needs at least {workers} layers, but the "
             f"profile has {n}; use --workers {n} or fewer, or drop --straight to replicate stages"
         )
-    if schedule == "2bw":
+    record = lookup(schedule)
+    if record.microbatches_at_least_stages:
         return (
-            f"--microbatches {m} with schedule 2bw: every plan has more than {m} stages and 2bw "
-            f"needs at least one microbatch per stage; use --microbatches {min(n, workers)} or "
-            "more"
+            f"--microbatches {m} with schedule {schedule}: every plan has more than {m} stages "
+            f"and {schedule} needs at least one microbatch per stage; use --microbatches "
+            f"{min(n, workers)} or more"
         )
     assert request.memory_limit is not None
     fixes = "raise --memory or add workers"
-    if schedule in ASYNC_SCHEDULES:
+    if record.versions_kept is None:
         fixes += ", or use a schedule that keeps fewer weight versions (2bw, 1f1b)"
     return (
         f"no partition of {n} layers over {workers} workers fits in "
@@ -178,7 +181,7 @@ def solve_auto(request: Request, *, microbatches: int | None) -> list[Outcome]:
     """Every candidate of ``--schedule auto``, best first (infeasible ones last)."""
     outcomes = []
     for schedule in AUTO_ORDER:
-        if schedule in ASYNC_SCHEDULES:
+        if lookup(schedule).one_microbatch:
             if microbatches in (None, 1):
                 outcomes.append(solve_schedule(request, schedule=schedule, microbatches=1))
             continue

@@ -1,13 +1,13 @@
 """An event simulation of a plan's action tables: predicted timeline and time per minibatch.
 
-It runs the very tables the runtime executes (:func:`pipedream.runtime.schedule.build_tables`)
+It runs the very tables the runtime executes (:func:`pipedream.schedules.build_tables`)
 with profiled costs instead of tensors:
 
 * ``F``/``B``: the stage's summed forward/backward time of one microbatch (the first and the
   last stage's forward also read the microbatch's inputs and targets); ``U``: the optimizer
   step over the stage's parameters (the layers' ``update_ms``, 0 where the profile has none),
   plus a copy of the stage's weights when the version it creates is stashed (weight stashing,
-  :mod:`~pipedream.runtime.versions`); every backward of a minibatch but its first also adds
+  :mod:`~pipedream.schedules.versions`); every backward of a minibatch but its first also adds
   its gradients into ``.grad`` (``accumulate_ms``);
   each plus the runtime's own cost per action where the profile measured it (``overhead_ms``);
 * a send is posted when the rank reaches it; posting holds the sender for ``send_ms`` plus
@@ -22,10 +22,10 @@ with profiled costs instead of tensors:
   share that many times its bandwidth; with a ``per_rank`` factor the transfers touching one
   rank share that many times their link's bandwidth (:mod:`~pipedream.optimizer.transfers`);
 * the runtime posts its receives ahead (on gloo), a few before each action by the rule of
-  :mod:`~pipedream.runtime.posting`; posting one holds the receiving rank ``recv_ms`` there,
+  :mod:`~pipedream.schedules.posting`; posting one holds the receiving rank ``recv_ms`` there,
   an ``R`` event;
 * before each action a rank waits until at most
-  :data:`~pipedream.runtime.posting.MAX_SENDS_IN_FLIGHT` parts of its sent messages (each a
+  :data:`~pipedream.schedules.posting.MAX_SENDS_IN_FLIGHT` parts of its sent messages (each a
   header and one tensor here: :data:`SEND_PARTS`) have not left it, as the runtime reclaims
   its send buffers; a message leaves its sender when its transfer ends; a ``W`` event;
 * ``A``: the replicas of a stage wait for each other, then spend a hierarchical ring allreduce
@@ -73,10 +73,17 @@ from pipedream.formats.profile import ActionOverhead, PassSpread, Profile
 from pipedream.formats.topology import Topology
 from pipedream.optimizer.messages import MessageTime, message_kind
 from pipedream.optimizer.transfers import Transfer, TransferPool
-from pipedream.runtime.actions import MATCHING_RECEIVE, Action, Op
-from pipedream.runtime.posting import MAX_SENDS_IN_FLIGHT, RECEIVE_WINDOW, receives_posted_before
-from pipedream.runtime.schedule import PipelineSpec, build_tables
-from pipedream.runtime.versions import version_use
+from pipedream.schedules import (
+    MATCHING_RECEIVE,
+    MAX_SENDS_IN_FLIGHT,
+    RECEIVE_WINDOW,
+    Action,
+    Op,
+    PipelineSpec,
+    build_tables,
+    receives_posted_before,
+    version_use,
+)
 
 __all__ = [
     "Event",
@@ -364,7 +371,7 @@ def _margin(plan: Plan, network: Network | None = None) -> int:
     ``ceil(W / r)`` each under PipeDream), whose absence at the end of a run changes the
     completions before them: on VGG-16 over 4 workers, a 3-1 split, the last 6 minibatches
     complete faster than the steady state. Where posting a receive costs time, the ranks post
-    none in their tables' last :data:`~pipedream.runtime.posting.RECEIVE_WINDOW` actions,
+    none in their tables' last :data:`~pipedream.schedules.posting.RECEIVE_WINDOW` actions,
     which a longer run would fill: those actions lie within ``ceil(RECEIVE_WINDOW / 2m)``
     periods (every rank runs a forward and a backward per microbatch of at least one
     minibatch per period), added to the margin.

@@ -40,9 +40,8 @@ from pipedream.data import MicrobatchStream
 from pipedream.formats.profile import ActionOverhead
 from pipedream.model_io import map_tensors
 from pipedream.profiler.measure import OptimizerFactory, sync_device
-from pipedream.runtime.actions import Op
-from pipedream.runtime.schedule import PipelineSpec, build_tables
 from pipedream.runtime.worker import StageWorker, WorkerConfig
+from pipedream.schedules import Op, PipelineSpec, build_tables
 
 __all__ = [
     "cold_target_count",

@@ -61,7 +61,7 @@ from torch import Tensor
 
 from pipedream.errors import RunFailure
 from pipedream.runtime.buffers import ReceiveBuffers
-from pipedream.runtime.posting import MAX_SENDS_IN_FLIGHT
+from pipedream.schedules import MAX_SENDS_IN_FLIGHT
 
 __all__ = [
     "CHANGED",

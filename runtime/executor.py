@@ -1,7 +1,7 @@
 """The distributed interpreter of one rank's action table.
 
 It walks the table in order: receives and sends go through :class:`~pipedream.runtime.comm.P2P`
-(receives posted ahead, :mod:`~pipedream.runtime.posting`), compute goes to the
+(receives posted ahead, :mod:`~pipedream.schedules.posting`), compute goes to the
 :class:`~pipedream.runtime.worker.StageWorker`, allreduces average the gradients of a stage's
 replicas in the stage's own process group. Any wait that outlasts the timeout raises an error
 naming the rank, the stage and the action that was waiting.
@@ -19,10 +19,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pipedream.graph.layers import StageIO
-from pipedream.runtime.actions import MESSAGE_KIND, Action, Op
 from pipedream.runtime.clock import ComputeClock
 from pipedream.runtime.comm import P2P, PeerTimeoutError
-from pipedream.runtime.posting import RECEIVE_WINDOW, receives_posted_before
 from pipedream.runtime.routing import (
     gather_inputs,
     gather_output_grads,
@@ -31,6 +29,7 @@ from pipedream.runtime.routing import (
 )
 from pipedream.runtime.tracing import TracedAction
 from pipedream.runtime.worker import StageWorker
+from pipedream.schedules import MESSAGE_KIND, RECEIVE_WINDOW, Action, Op, receives_posted_before
 
 __all__ = ["SKIP_TAG", "Executor"]
 

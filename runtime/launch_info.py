@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from pipedream.errors import LaunchError, PipedreamError
 from pipedream.formats.plan import load_plan
-from pipedream.runtime.plan_check import validate_plan_schedule, validation_bound
+from pipedream.schedules import validate_plan_schedule, validation_bound
 
 __all__ = ["main", "processes_per_node"]
 

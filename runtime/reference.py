@@ -14,7 +14,6 @@ import torch
 from torch import Tensor
 
 from pipedream.graph.layers import StageIO
-from pipedream.runtime.actions import MATCHING_RECEIVE, Action, Op
 from pipedream.runtime.routing import (
     gather_inputs,
     gather_output_grads,
@@ -22,6 +21,7 @@ from pipedream.runtime.routing import (
     scatter_outputs,
 )
 from pipedream.runtime.worker import StageWorker
+from pipedream.schedules import MATCHING_RECEIVE, Action, Op
 
 __all__ = ["run_reference"]
 

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from pipedream.errors import FormatError, TraceError
-from pipedream.runtime.actions import Op, parse_action
 from pipedream.runtime.tracing import TRACE_FORMAT
+from pipedream.schedules import Op, parse_action
 
 __all__ = [
     "CATEGORIES",

@@ -2,7 +2,7 @@
 
 Each event is one action of the rank's table: its ``action`` (compact form), ``start`` and
 ``end``, and what the executor did right before it, between the previous action and this one:
-``posting`` (seconds spent posting receives ahead, :mod:`~pipedream.runtime.posting`) and
+``posting`` (seconds spent posting receives ahead, :mod:`~pipedream.schedules.posting`) and
 ``reclaiming`` (seconds spent waiting for earlier sends to complete, so that at most
 ``MAX_SENDS_IN_FLIGHT`` parts stay in flight). Traces written before those two were recorded
 lack them.

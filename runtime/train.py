@@ -25,7 +25,6 @@ from pipedream.data import MicrobatchStream
 from pipedream.errors import LaunchError, RunFailure
 from pipedream.formats.plan import Plan, load_plan
 from pipedream.host_memory import configure_host_memory
-from pipedream.runtime.actions import Action
 from pipedream.runtime.checkpoint import load_manifest, restore_stage, step_dir_name
 from pipedream.runtime.checkpointing import resume_point, write_checkpoint
 from pipedream.runtime.collector import frozen_heap
@@ -39,13 +38,18 @@ from pipedream.runtime.launch_env import (
 )
 from pipedream.runtime.loss_log import LossLog
 from pipedream.runtime.metrics import MetricsLogger
-from pipedream.runtime.plan_check import plan_spec, validate_plan_schedule
 from pipedream.runtime.routing import input_needs_grad
-from pipedream.runtime.schedule import build_tables
 from pipedream.runtime.stage import StageLayout, stage_layout
 from pipedream.runtime.summary import RankStats, peak_memory_bytes, report
 from pipedream.runtime.tracing import TracedAction, write_trace
 from pipedream.runtime.worker import StageWorker, WorkerConfig
+from pipedream.schedules import (
+    Action,
+    build_tables,
+    lookup,
+    spec_from_plan,
+    validate_plan_schedule,
+)
 from pipedream.workload import Workload, load_workload
 
 __all__ = ["TrainOptions", "make_deterministic", "segments", "train"]
@@ -223,7 +227,7 @@ class _RankJob:
         self.stored_elsewhere: set[str] = set()
 
     def _table(self, first: int, count: int) -> list[Action]:
-        spec = plan_spec(self.plan, first, count, self.layout.edges, self.layout.tied_pairs)
+        spec = spec_from_plan(self.plan, first, count, self.layout.edges, self.layout.tied_pairs)
         return build_tables(spec, only_ranks=(self.rank,))[self.rank]
 
     def _worker(self, first: int, count: int) -> StageWorker:
@@ -414,7 +418,7 @@ class _RankJob:
             stage_of_rank=self.stage_of_rank,
             replica_group=self.groups.get(self.stage_index),
             num_replicas=self.stage.replicas,
-            check_versions=self.plan.schedule == "pipedream-vs",
+            check_versions=lookup(self.plan.schedule).vertical_sync,
             timeout=self.options.timeout,
             on_update=on_update,
             trace=trace,

@@ -22,8 +22,7 @@ from collections.abc import Collection, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from pipedream.runtime.actions import Action
-from pipedream.runtime.versions import version_use
+from pipedream.schedules import Action, version_use
 
 __all__ = ["WeightVersions", "accumulate_grads"]
 

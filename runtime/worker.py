@@ -24,9 +24,9 @@ from torch import Tensor, nn
 from pipedream.data import MicrobatchStream
 from pipedream.errors import RunFailure
 from pipedream.model_io import ModelIO, to_device
-from pipedream.runtime.actions import Action
 from pipedream.runtime.swap import ParameterSwap
 from pipedream.runtime.weights import WeightVersions, accumulate_grads
+from pipedream.schedules import Action
 
 __all__ = ["NonFiniteLossError", "StageWorker", "TiedLinks", "WorkerConfig"]
 

@@ -15,12 +15,11 @@ from typing import Any
 from pipedream.formats.reader import MappingReader
 from pipedream.formats.topology import Topology
 from pipedream.formats.yamlio import read_yaml_mapping, write_yaml
+from pipedream.schedules.registry import SCHEDULES
 
 __all__ = [
-    "ASYNC_SCHEDULES",
     "PLAN_FORMAT",
     "PREDICTION_METHODS",
-    "SCHEDULES",
     "Plan",
     "Prediction",
     "StagePlan",
@@ -30,10 +29,6 @@ __all__ = [
 ]
 
 PLAN_FORMAT = "pipedream/plan@1"
-SCHEDULES = ("pipedream", "pipedream-vs", "2bw", "1f1b", "gpipe")
-"""Schedule names (DESIGN.md section 7)."""
-ASYNC_SCHEDULES = ("pipedream", "pipedream-vs")
-"""Schedules with one microbatch per minibatch and an update after every backward."""
 PREDICTION_METHODS = ("closed-form", "simulated")
 """How a plan's ``time_per_minibatch_ms`` was predicted."""
 
@@ -151,7 +146,7 @@ class Plan:
     workload: str
     """Workload name or ``package.module:function``."""
     schedule: str
-    """One of :data:`SCHEDULES`."""
+    """A schedule name (:data:`pipedream.schedules.SCHEDULES`)."""
     microbatch_size: int
     """Samples per microbatch."""
     microbatches: int
@@ -233,7 +228,7 @@ class Plan:
             )
         microbatch_size = reader.int("microbatch_size", minimum=1)
         microbatches = reader.int("microbatches", 1, minimum=1)
-        if schedule in ASYNC_SCHEDULES and microbatches != 1:
+        if SCHEDULES[schedule].one_microbatch and microbatches != 1:
             raise reader.error(
                 "microbatches",
                 f"must be 1 for schedule {schedule!r}, got {microbatches}",

@@ -11,10 +11,9 @@ import pytest
 
 from pipedream.formats.plan import load_plan
 from pipedream.optimizer.measured import message_times
-from pipedream.runtime.plan_check import plan_spec
-from pipedream.runtime.schedule import build_tables
 from pipedream.runtime.trace import CATEGORIES, load_traces
 from pipedream.runtime.trace_plot import matplotlib_available
+from pipedream.schedules import build_tables, spec_from_plan
 
 from launching import launch, run_cli, straight_plan, write_plan
 
@@ -49,7 +48,7 @@ def test_trace_has_every_action_once(
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
 
-    tables = build_tables(plan_spec(load_plan(path), 0, steps))
+    tables = build_tables(spec_from_plan(load_plan(path), 0, steps))
     traces = load_traces(run_dir)
     assert [t.rank for t in traces] == sorted(tables)
     for trace in traces:

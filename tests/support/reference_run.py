@@ -6,12 +6,11 @@ import torch
 
 from pipedream.data import MicrobatchStream
 from pipedream.formats.plan import Plan, StagePlan
-from pipedream.runtime.plan_check import plan_spec
 from pipedream.runtime.reference import run_reference
 from pipedream.runtime.routing import input_needs_grad, sequential_ios
-from pipedream.runtime.schedule import PipelineSpec, build_tables
 from pipedream.runtime.stage import StageLayout, build_stage_module, stage_layout
 from pipedream.runtime.worker import StageWorker, WorkerConfig
+from pipedream.schedules import PipelineSpec, build_tables, spec_from_plan
 from pipedream.ties import expand_aliases
 from pipedream.workload import load_workload
 
@@ -94,7 +93,7 @@ def reference_layout_weights(
         return stage_layout(built, plan, source="plan")
 
     first = layout_of()
-    spec = plan_spec(plan, 0, steps, first.edges, first.tied_pairs)
+    spec = spec_from_plan(plan, 0, steps, first.edges, first.tied_pairs)
     tables = build_tables(spec)
     workers: dict[int, StageWorker] = {}
     layouts: dict[int, StageLayout] = {}

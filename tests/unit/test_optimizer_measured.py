@@ -18,8 +18,8 @@ from pipedream.formats import LayerProfile, Plan, Profile, StagePlan, save_plan,
 from pipedream.optimizer.measured import measure_run, measured_work
 from pipedream.optimizer.messages import LinkTimes, link_times
 from pipedream.optimizer.simulator import Network, StageWork, simulate
-from pipedream.runtime.actions import parse_action
 from pipedream.runtime.trace import RankTrace, TraceEvent
+from pipedream.schedules import parse_action
 
 PLAN = Plan(
     "toy",

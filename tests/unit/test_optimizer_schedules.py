@@ -11,8 +11,7 @@ from pipedream.formats import LayerProfile, Profile, Topology
 from pipedream.optimizer.cost_model import minibatch_ms
 from pipedream.optimizer.memory import Context, MemoryModel
 from pipedream.optimizer.planner import PlanOptions, make_plan, plan_profile
-from pipedream.runtime.actions import Op
-from pipedream.runtime.schedule import PipelineSpec, build_tables
+from pipedream.schedules import Op, PipelineSpec, build_tables
 
 
 def test_minibatch_time_by_schedule_by_hand() -> None:

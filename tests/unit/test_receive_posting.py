@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from pipedream.runtime.posting import RECEIVE_WINDOW, receives_posted_before
-from pipedream.runtime.schedule import PipelineSpec, build_tables
+from pipedream.schedules import RECEIVE_WINDOW, PipelineSpec, build_tables, receives_posted_before
 
 
 def test_each_receive_is_posted_once_within_the_window_ahead() -> None:

@@ -7,9 +7,16 @@ import itertools
 import pytest
 
 from pipedream.errors import ScheduleError
-from pipedream.runtime.actions import Action, Op, parse_action
-from pipedream.runtime.schedule import PipelineSpec, build_tables, warmup_depth
-from pipedream.runtime.validate import format_grid, validate_tables
+from pipedream.schedules import (
+    Action,
+    Op,
+    PipelineSpec,
+    build_tables,
+    format_grid,
+    parse_action,
+    validate_tables,
+    warmup_depth,
+)
 
 
 def straight(schedule: str, num_stages: int, minibatches: int, microbatches: int = 1):

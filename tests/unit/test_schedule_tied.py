@@ -9,9 +9,15 @@ from dataclasses import replace
 import pytest
 
 from pipedream.errors import ScheduleError
-from pipedream.runtime.actions import Action, Op, parse_action
-from pipedream.runtime.schedule import PipelineSpec, build_tables, forward_versions
-from pipedream.runtime.validate import validate_tables
+from pipedream.schedules import (
+    Action,
+    Op,
+    PipelineSpec,
+    build_tables,
+    forward_versions,
+    parse_action,
+    validate_tables,
+)
 
 
 def line(table: list[Action]) -> str:

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipedream.runtime.schedule import PipelineSpec, build_tables
 from pipedream.runtime.weights import WeightVersions
+from pipedream.schedules import PipelineSpec, build_tables
 
 from reference_run import reference_weights
 

@@ -14,8 +14,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from pipedream.errors import ScheduleError
-from pipedream.runtime.actions import MATCHING_RECEIVE, Action, Op
-from pipedream.runtime.schedule import PipelineSpec
+from pipedream.schedules.actions import MATCHING_RECEIVE, Action, Op
+from pipedream.schedules.spec import PipelineSpec
 
 __all__ = ["format_grid", "simulate_dependencies", "validate_tables"]
 

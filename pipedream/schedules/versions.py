@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipedream.runtime.actions import Action, Op
+from pipedream.schedules.actions import Action, Op
 
 __all__ = ["VersionUse", "version_use"]
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipedream.runtime.actions import Action
+from pipedream.schedules.actions import Action
 
 __all__ = ["MAX_SENDS_IN_FLIGHT", "RECEIVE_WINDOW", "receives_posted_before"]
 
@@ -40,7 +40,7 @@ def receives_posted_before(
     """For each position of ``table``, the positions of the receives posted right before the
     action there runs (each receive once, in table order).
 
-    >>> from pipedream.runtime.actions import parse_action
+    >>> from pipedream.schedules.actions import parse_action
     >>> table = [parse_action(t) for t in ("1RF0", "1F0", "1RF1", "1F1", "1RB0", "1B0")]
     >>> receives_posted_before(table, window=2)
     [(0,), (2,), (), (4,), (), ()]

@@ -1,27 +1,38 @@
-"""Checking a plan's schedule before anything is launched (pure code, no torch).
+"""A plan's pipeline spec, and checking its tables before anything is launched (pure code).
 
-``launch.sh`` runs this through ``pipedream.runtime.launch_info`` before torchrun starts, and
-every rank runs it again before joining the process group, so an invalid action table never
-reaches the network.
+:func:`spec_from_plan` is the one place a plan becomes a :class:`PipelineSpec`: the runtime, the
+simulator and the trace reader all go through it, with the stage pairs that exchange tensors
+(skip connections) and the tied-parameter pairs they know of. ``launch.sh`` validates the tables
+through ``pipedream.runtime.launch_info`` before torchrun starts, and every rank again before
+joining the process group, so an invalid action table never reaches the network.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from pipedream.errors import ScheduleError
-from pipedream.formats.plan import Plan
-from pipedream.runtime.schedule import PipelineSpec, build_tables
-from pipedream.runtime.validate import validate_tables
+from pipedream.schedules.spec import PipelineSpec
+from pipedream.schedules.tables import build_tables
+from pipedream.schedules.validate import validate_tables
 
-__all__ = ["VALIDATION_MINIBATCHES", "plan_spec", "validate_plan_schedule", "validation_bound"]
+if TYPE_CHECKING:  # the plan format validates schedules with this package
+    from pipedream.formats.plan import Plan
+
+__all__ = [
+    "VALIDATION_MINIBATCHES",
+    "spec_from_plan",
+    "validate_plan_schedule",
+    "validation_bound",
+]
 
 VALIDATION_MINIBATCHES = 64
 """Segments longer than this (rounded up to the replica multiple) are validated at this length."""
 
 
-def plan_spec(
+def spec_from_plan(
     plan: Plan,
     first: int,
     count: int,
@@ -65,7 +76,7 @@ def validate_plan_schedule(
     """
     bound = validation_bound(plan)
     for count in sorted(set(counts)):
-        spec = plan_spec(plan, 0, min(count, bound), edges, tied)
+        spec = spec_from_plan(plan, 0, min(count, bound), edges, tied)
         try:
             validate_tables(spec, build_tables(spec))
         except ScheduleError as exc:

@@ -1,0 +1,131 @@
+"""What a schedule is: one record per schedule, which every other part of pipedream reads.
+
+A :class:`Schedule` says everything the table builder, the runtime, the planner and the
+simulator need to know about a schedule: the order in which a stage replica runs its forwards
+and backwards (and where its minibatches close with an update), which weight version each
+forward uses (the update rule as data), whether the pipeline flushes, how many microbatches a
+minibatch may have, how many weight versions and microbatches' activations a stage keeps (the
+memory model). Each schedule is one module of this package that builds its record
+(``pipedream.py``, ``vertical_sync.py``, ``twobw.py``, ``onefoneb.py``, ``gpipe.py``) and the
+registry lists them; no code outside the package compares schedule names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pipedream.schedules.actions import Op
+from pipedream.schedules.spec import PipelineSpec
+
+__all__ = [
+    "CLOSE",
+    "OrderEntry",
+    "Schedule",
+    "interleaved",
+    "one_f_one_b",
+    "replica_minibatches",
+]
+
+CLOSE = Op.UPDATE
+"""In a schedule's order: the minibatch of the entry's index closes (its update follows)."""
+
+OrderEntry = tuple[Op, int]
+"""``(Op.FORWARD | Op.BACKWARD, microbatch)`` or ``(CLOSE, minibatch)``."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One schedule: its update rule and what the planner and the runtime need of it."""
+
+    name: str
+    """The name plans and ``--schedule`` use."""
+    summary: str
+    """One line for people: the rule and what it is for."""
+    asynchronous: bool
+    """Minibatches overlap across updates (no flush): a stage updates while later minibatches
+    are in flight, so weights are stale by the version rule. Otherwise the pipeline drains after
+    every minibatch (a bubble of ``S - 1`` slots) and training is synchronous SGD."""
+    order: Callable[[PipelineSpec, int, Sequence[int]], list[OrderEntry]]
+    """``(spec, stage, the replica's minibatches)``: its forwards and backwards in execution
+    order, each minibatch closed (``CLOSE``) right after its last backward."""
+    version: Callable[[PipelineSpec, int, int, int], int]
+    """``(spec, stage, microbatch, updates done before the forward)``: the weight version the
+    forward (and its backward) of ``microbatch`` uses."""
+    in_flight: Callable[[int, int, int], int]
+    """``(microbatches, stages from this one on, PipeDream's warm-up depth + 1)``: the most
+    microbatches whose activations a replica of a stage holds at once."""
+    memory_key: Callable[[int, int, int], object]
+    """``(workers after the unit, replicas of the unit, microbatches)``: what of a unit's
+    placement :attr:`in_flight` depends on (equal keys, equal estimates: the planner solves an
+    inner level once per key)."""
+    versions_kept: int | None
+    """Weight versions a stage keeps, the live one included (None: one per microbatch in
+    flight, weight stashing)."""
+    one_microbatch: bool = False
+    """A minibatch is exactly one microbatch (gradient accumulation is another schedule's)."""
+    microbatches_at_least_stages: bool = False
+    """A minibatch needs at least as many microbatches as the pipeline has stages."""
+    vertical_sync: bool = False
+    """Every stage computes a minibatch on the version stage 0 used for it; the version tag
+    that travels with the activations is checked."""
+    auto_rank: int = 0
+    """Preference of ``pipedream plan --schedule auto`` among equally fast plans (lower first)."""
+
+    @property
+    def flushes(self) -> bool:
+        """The pipeline drains after every minibatch."""
+        return not self.asynchronous
+
+    def microbatches_problem(self, microbatches: int, num_stages: int) -> str:
+        """Why ``microbatches`` per minibatch do not suit this schedule ("" when they do)."""
+        if self.one_microbatch and microbatches != 1:
+            return (
+                f"schedule {self.name!r} takes one microbatch per minibatch, got "
+                f"{microbatches}; use '2bw' for gradient accumulation"
+            )
+        if self.microbatches_at_least_stages and microbatches < num_stages:
+            return (
+                f"schedule {self.name!r} needs microbatches >= stages ({num_stages}), "
+                f"got {microbatches}"
+            )
+        return ""
+
+    def weight_versions(self, in_flight: int) -> int:
+        """Weight versions a replica keeps when ``in_flight`` microbatches are in flight."""
+        return in_flight if self.versions_kept is None else self.versions_kept
+
+
+def replica_minibatches(spec: PipelineSpec, stage: int, replica: int) -> list[int]:
+    """The minibatches replica ``replica`` of ``stage`` runs: those ``t`` with
+    ``t mod replicas = replica`` (1F1B-RR)."""
+    r = spec.replicas(stage)
+    first = spec.first_minibatch
+    return [first + k for k in range(spec.num_minibatches) if k % r == replica]
+
+
+def one_f_one_b(items: Sequence[int], warmup: int) -> list[OrderEntry]:
+    """1F1B over ``items``: ``warmup`` forwards, then F/B alternating, then the remaining Bs."""
+    order: list[OrderEntry] = []
+    warmup = min(warmup, len(items))
+    for i in range(warmup):
+        order.append((Op.FORWARD, items[i]))
+    for i in range(warmup, len(items)):
+        order.append((Op.FORWARD, items[i]))
+        order.append((Op.BACKWARD, items[i - warmup]))
+    for i in range(max(len(items) - warmup, 0), len(items)):
+        order.append((Op.BACKWARD, items[i]))
+    return order
+
+
+def interleaved(spec: PipelineSpec, minibatches: Sequence[int], warmup: int) -> list[OrderEntry]:
+    """1F1B across minibatch boundaries (no flush): every minibatch closes right after the
+    backward of its last microbatch."""
+    m = spec.microbatches
+    micro = [k * m + j for k in minibatches for j in range(m)]
+    order: list[OrderEntry] = []
+    for op, index in one_f_one_b(micro, warmup):
+        order.append((op, index))
+        if op is Op.BACKWARD and index % m == m - 1:
+            order.append((CLOSE, index // m))
+    return order

@@ -1,0 +1,111 @@
+"""The shape of a pipeline run: stages and their ranks, microbatches, minibatches, the stage
+pairs that exchange tensors and those that share tied parameters. Pure code, no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipedream.errors import ScheduleError
+
+__all__ = ["PipelineSpec", "warmup_depth"]
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """The shape of a pipeline run: what the schedule generator needs to know."""
+
+    schedule: str
+    """Schedule name (a key of :data:`pipedream.schedules.SCHEDULES`)."""
+    stage_ranks: tuple[tuple[int, ...], ...]
+    """Global ranks of each stage's replicas, in pipeline order."""
+    microbatches: int
+    """Microbatches per minibatch."""
+    num_minibatches: int
+    """Minibatches to run (K); every replicated stage needs K to be a multiple of its replicas."""
+    first_minibatch: int = 0
+    """Index of the first minibatch (for resumed runs; only shifts the indices)."""
+    edges: tuple[tuple[int, int], ...] | None = None
+    """(producer stage, consumer stage) pairs that exchange tensors; None: each stage with the
+    next. A skip connection adds a pair (s, s + k), k > 1: the tensor is sent directly."""
+    tied: tuple[tuple[int, int], ...] = ()
+    """(owner stage, copy stage) pairs: the copy stage holds copies of tied parameters that
+    the owner stage (the first stage using them) owns (see the module docstring)."""
+
+    def tie_owners(self, stage: int) -> list[int]:
+        """The stages that own the tied tensors ``stage`` holds copies of."""
+        return sorted({owner for owner, copy in self.tied if copy == stage})
+
+    def tie_copies(self, stage: int) -> list[int]:
+        """The stages that hold copies of tensors ``stage`` owns."""
+        return sorted({copy for owner, copy in self.tied if owner == stage})
+
+    def producers(self, stage: int) -> list[int]:
+        if self.edges is None:
+            return [stage - 1] if stage > 0 else []
+        return sorted({p for p, c in self.edges if c == stage})
+
+    def consumers(self, stage: int) -> list[int]:
+        if self.edges is None:
+            return [stage + 1] if stage < self.num_stages - 1 else []
+        return sorted({c for p, c in self.edges if p == stage})
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_ranks)
+
+    @property
+    def world_size(self) -> int:
+        return sum(len(ranks) for ranks in self.stage_ranks)
+
+    def replicas(self, stage: int) -> int:
+        return len(self.stage_ranks[stage])
+
+    def rank_of(self, stage: int, minibatch: int) -> int:
+        """The rank whose replica of ``stage`` runs ``minibatch``."""
+        ranks = self.stage_ranks[stage]
+        return ranks[minibatch % len(ranks)]
+
+    def validate(self) -> None:
+        from pipedream.schedules.registry import lookup  # the schedules import this module
+
+        schedule = lookup(self.schedule)
+        if self.num_stages < 1:
+            raise ScheduleError("a pipeline needs at least one stage")
+        if self.microbatches < 1:
+            raise ScheduleError(f"microbatches must be >= 1, got {self.microbatches}")
+        problem = schedule.microbatches_problem(self.microbatches, self.num_stages)
+        if problem:
+            raise ScheduleError(problem)
+        if self.num_minibatches < 0:
+            raise ScheduleError(f"number of minibatches must be >= 0, got {self.num_minibatches}")
+        for stage, ranks in enumerate(self.stage_ranks):
+            if not ranks:
+                raise ScheduleError(f"stage {stage} has no ranks")
+            if self.num_minibatches % len(ranks):
+                raise ScheduleError(
+                    f"stage {stage} has {len(ranks)} replicas, so the number of minibatches "
+                    f"({self.num_minibatches}) must be a multiple of {len(ranks)}"
+                )
+        for producer, consumer in self.edges or ():
+            if not 0 <= producer < consumer < self.num_stages:
+                raise ScheduleError(
+                    f"edge ({producer}, {consumer}) must go forward between existing stages"
+                )
+        flat = [rank for ranks in self.stage_ranks for rank in ranks]
+        if sorted(flat) != list(range(len(flat))):
+            raise ScheduleError(f"ranks must be 0..{len(flat) - 1}, each once; got {flat}")
+        for owner, copy in self.tied:
+            if not 0 <= owner < copy < self.num_stages:
+                raise ScheduleError(
+                    f"tied pair ({owner}, {copy}) must name an owner stage before a copy stage"
+                )
+
+
+def warmup_depth(spec: PipelineSpec, stage: int) -> int:
+    """Forwards a replica of ``stage`` runs before its first backward (in its own minibatches).
+
+    PipeDream's rule: ``(world_size - 1 - sum of replicas of earlier stages) // r_s``; for a
+    straight pipeline this is ``S - 1 - s``.
+    """
+    earlier = sum(spec.replicas(s) for s in range(stage))
+    return (spec.world_size - 1 - earlier) // spec.replicas(stage)

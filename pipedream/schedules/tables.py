@@ -1,0 +1,164 @@
+"""Schedule generation: (schedule, stages, replicas, microbatches) -> one action list per rank.
+
+Pure code, no torch. The tables are what every interpreter runs (see ``actions.py``). Each
+rank's table is built in three passes:
+
+1. the *compute order* of forwards and backwards for each stage replica, with its minibatches'
+   closes, which is where the schedules differ (:attr:`Schedule.order`); each close becomes the
+   update and what goes with it (allreduce, tied-parameter exchanges);
+2. the *weight version* of every forward and backward (:attr:`Schedule.version`: the
+   schedule's update rule as data);
+3. *communication*: a receive right before each forward/backward that needs remote data and a
+   send right after each one that produces it (the executor posts receives ahead of time).
+
+Minibatch t goes to replica ``t mod r_s`` of stage s. A replicated stage averages gradients with
+its replicas (``A``) before every update, so it updates once per ``r_s`` minibatches.
+
+A tied parameter used by several stages belongs to the first of them (its *owner*); every
+later one holds a copy. Each forward of a copy uses the version of the tensor that the owner
+uses for the same microbatch, so one microbatch sees one value of the tensor everywhere: after
+the last backward of minibatch ``t`` the copy's replica sends its copy's gradient to the owner's
+replica of ``t``, which adds it to its own before its update (``SG``/``RG``), and the owner
+sends every new version to the copies (``SW``; owner replica ``j`` to the copy replicas ``k``
+with ``k mod r_owner = j``), which receive it right before the first forward that uses it
+(``RW``)::
+
+    pipedream, S = 2, stage 0 owns the embedding that stage 1's head reuses:
+    stage 0:  F0 F1 B0 RG0 U0 SW1 F2 B1 RG1 U1 SW2 F3 ...   forward t on version max(0, t - 1)
+    stage 1:     F0 B0 SG0 U0 F1 B1 SG1 U1 RW1 F2 ...       its copy on the same versions
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from pipedream.schedules.actions import Action, Op
+from pipedream.schedules.registry import lookup
+from pipedream.schedules.schedule import CLOSE, replica_minibatches
+from pipedream.schedules.spec import PipelineSpec
+
+__all__ = ["build_tables", "compute_order", "forward_versions"]
+
+
+def compute_order(spec: PipelineSpec, stage: int, replica: int) -> list[tuple[Op, int]]:
+    """F, B, A and U of one stage replica, in execution order, with the tied-parameter
+    exchanges around its updates (SG, RG, SW; no other communication yet).
+
+    F/B carry microbatch indices, A/U carry the minibatch index of the update's last minibatch
+    divided by the replica count (the replica-group's update number, counted from
+    ``first_minibatch``), SG/RG the minibatch whose tied gradient they move, SW the version
+    the update makes (its number + 1).
+    """
+    minibatches = replica_minibatches(spec, stage, replica)
+    local_of = {k: i for i, k in enumerate(minibatches)}
+    replicated = spec.replicas(stage) > 1
+    holds_copies = bool(spec.tie_owners(stage))
+    owns_tied = bool(spec.tie_copies(stage))
+    order: list[tuple[Op, int]] = []
+    for op, index in lookup(spec.schedule).order(spec, stage, minibatches):
+        if op is not CLOSE:
+            order.append((op, index))
+            continue
+        update = spec.first_minibatch // spec.replicas(stage) + local_of[index]
+        if holds_copies:
+            order.append((Op.SEND_TIED_GRAD, index))
+        if owns_tied:
+            order.append((Op.RECV_TIED_GRAD, index))
+        if replicated:
+            order.append((Op.ALLREDUCE, update))
+        order.append((Op.UPDATE, update))
+        if owns_tied:
+            order.append((Op.SEND_WEIGHTS, update + 1))
+    return order
+
+
+def forward_versions(spec: PipelineSpec, stage: int, replica: int) -> dict[int, int]:
+    """Microbatch -> the weight version its forward (and backward) uses at a stage replica."""
+    version_of = lookup(spec.schedule).version
+    updates_done = spec.first_minibatch // spec.replicas(stage)
+    versions: dict[int, int] = {}
+    for op, index in compute_order(spec, stage, replica):
+        if op is Op.FORWARD:
+            versions[index] = version_of(spec, stage, index, updates_done)
+            assert versions[index] <= updates_done, (spec, stage, index, versions[index])
+        elif op is Op.UPDATE:
+            updates_done += 1
+    return versions
+
+
+def build_tables(
+    spec: PipelineSpec, *, only_ranks: Collection[int] | None = None
+) -> dict[int, list[Action]]:
+    """One action list per global rank for the whole run (or just for ``only_ranks``)."""
+    spec.validate()
+    tables: dict[int, list[Action]] = {}
+    for stage, ranks in enumerate(spec.stage_ranks):
+        for replica, rank in enumerate(ranks):
+            if only_ranks is None or rank in only_ranks:
+                tables[rank] = _table(spec, stage, replica)
+    return tables
+
+
+def _table(spec: PipelineSpec, stage: int, replica: int) -> list[Action]:
+    """One stage replica's table: its compute order with the communication around it."""
+    table: list[Action] = []
+    versions = forward_versions(spec, stage, replica)
+    owners = spec.tie_owners(stage)
+    copies = spec.tie_copies(stage)
+    # the owners' versions of every microbatch, and the newest version received from each
+    owner_versions = {
+        owner: {
+            microbatch: version
+            for owner_replica in range(spec.replicas(owner))
+            for microbatch, version in forward_versions(spec, owner, owner_replica).items()
+        }
+        for owner in owners
+    }
+    received = {owner: spec.first_minibatch // spec.replicas(owner) for owner in owners}
+
+    def receive_versions(owner: int, upto: int) -> None:
+        assert upto >= received[owner], (spec, stage, replica, owner, upto)  # never backwards
+        peer = spec.stage_ranks[owner][replica % spec.replicas(owner)]
+        while received[owner] < upto:
+            received[owner] += 1
+            table.append(Action(Op.RECV_WEIGHTS, stage, received[owner], peer=peer))
+
+    for op, index in compute_order(spec, stage, replica):
+        if op is Op.FORWARD:
+            minibatch = index // spec.microbatches
+            for owner in owners:
+                receive_versions(owner, owner_versions[owner][index])
+            for producer in spec.producers(stage):
+                peer = spec.rank_of(producer, minibatch)
+                table.append(Action(Op.RECV_ACT, stage, index, peer=peer))
+            table.append(Action(Op.FORWARD, stage, index, version=versions[index]))
+            for consumer in spec.consumers(stage):
+                peer = spec.rank_of(consumer, minibatch)
+                table.append(Action(Op.SEND_ACT, stage, index, peer=peer))
+        elif op is Op.BACKWARD:
+            minibatch = index // spec.microbatches
+            for consumer in spec.consumers(stage):
+                peer = spec.rank_of(consumer, minibatch)
+                table.append(Action(Op.RECV_GRAD, stage, index, peer=peer))
+            table.append(Action(Op.BACKWARD, stage, index, version=versions[index]))
+            for producer in spec.producers(stage):
+                peer = spec.rank_of(producer, minibatch)
+                table.append(Action(Op.SEND_GRAD, stage, index, peer=peer))
+        elif op is Op.SEND_TIED_GRAD:  # to the owners' replicas of minibatch `index`
+            for owner in owners:
+                table.append(Action(op, stage, index, peer=spec.rank_of(owner, index)))
+        elif op is Op.RECV_TIED_GRAD:
+            for copy in copies:
+                table.append(Action(op, stage, index, peer=spec.rank_of(copy, index)))
+        elif op is Op.SEND_WEIGHTS:  # to the copy replicas k with k mod replicas = replica
+            for copy in copies:
+                for k, peer in enumerate(spec.stage_ranks[copy]):
+                    if k % spec.replicas(stage) == replica:
+                        table.append(Action(op, stage, index, peer=peer))
+        else:
+            table.append(Action(op, stage, index))
+    # the versions made by the last updates: the copies end as the owners' final tensors
+    for owner in owners:
+        first_version = spec.first_minibatch // spec.replicas(owner)
+        receive_versions(owner, first_version + spec.num_minibatches // spec.replicas(owner))
+    return table
