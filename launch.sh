@@ -58,7 +58,7 @@ done
 
 # Validate the plan and work out processes per node before starting anything: a bad plan or a
 # world size that does not match gives one line and exit code 2, not a torchrun error report.
-nproc=$("$python_bin" -m pipedream.runtime.launch_info "$plan" --nnodes "${nnodes:-1}" \
+nproc=$("$python_bin" -m pipedream.runtime.launch_check "$plan" --nnodes "${nnodes:-1}" \
           ${nproc:+--nproc-per-node "$nproc"})
 
 # Pin the run directory here, so that workers restarted by torchrun (--max-restarts) find the

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from pipedream.runtime.trace import RankTrace
+from pipedream.formats.trace import RankTrace
 from pipedream.schedules import Op
 
 __all__ = [

@@ -12,9 +12,9 @@ way between two ranks, one on each of S / 2 disjoint pairs, and one on each link
 0 -> 1 -> ... -> S - 1 (a pipeline's forward messages), all started together after a barrier,
 after ``WARM_MESSAGES`` (``common.py``) untimed messages on every link of the chain (fresh links
 are slow). Messages land in buffers of the runtime's pool
-(:class:`pipedream.runtime.buffers.ReceiveBuffers`: memory already mapped). The time until the
-last one arrived, median over repeats, is written to ``OUT.json`` with the host's capacity in
-bytes/s: the mean of ``messages x bytes / time`` over the patterns whose messages take
+(:class:`pipedream.runtime.receive_buffers.ReceiveBuffers`: memory already mapped). The time
+until the last one arrived, median over repeats, is written to ``OUT.json`` with the host's
+capacity in bytes/s: the mean of ``messages x bytes / time`` over the patterns whose messages take
 different links (what ``pipedream simulate --host-bandwidth`` takes; ``null`` for 2
 processes). "both ways" gives a link's duplex factor, 2 x "one" / "both
 ways" (``pipedream simulate --duplex``): 1.00-1.40 here, so the two directions of a loopback
@@ -47,7 +47,7 @@ import torch.distributed as dist
 from common import WARM_MESSAGES
 
 from pipedream.host_memory import configure_host_memory
-from pipedream.runtime.buffers import ReceiveBuffers
+from pipedream.runtime.receive_buffers import ReceiveBuffers
 
 __all__ = ["SIZE", "capacity", "cases", "main"]
 

@@ -6,11 +6,11 @@ Launched with torchrun by the benchmarks::
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/gloo_p2p.py OUT.json
 
 Rank 0 sends a float32 tensor of each size to rank 1, which receives it into a buffer of the
-runtime's pool (:class:`pipedream.runtime.buffers.ReceiveBuffers`: the storage of the message
-before, mapped already), after ``WARM_MESSAGES`` (``common.py``) untimed messages of that size
-(a fresh link is slow at first). Then the same messages go through the runtime's own transport
-(:class:`pipedream.runtime.comm.P2P`: a header and the payload, the receive posted ahead), and
-two times are taken:
+runtime's pool (:class:`pipedream.runtime.receive_buffers.ReceiveBuffers`: the storage of the
+message before, mapped already), after ``WARM_MESSAGES`` (``common.py``) untimed messages of
+that size (a fresh link is slow at first). Then the same messages go through the runtime's own
+transport (:class:`pipedream.runtime.comm.P2P`: a header and the payload, the receive posted
+ahead), and two times are taken:
 
 - the time ``P2P.post_recv`` holds the receiver: it posts the header's and the payload's
   receives (the simulator's ``--recv-overhead``);
@@ -42,8 +42,8 @@ import torch.distributed as dist
 from common import WARM_MESSAGES
 
 from pipedream.host_memory import configure_host_memory
-from pipedream.runtime.buffers import ReceiveBuffers
 from pipedream.runtime.comm import P2P
+from pipedream.runtime.receive_buffers import ReceiveBuffers
 
 __all__ = ["SIZES", "main"]
 

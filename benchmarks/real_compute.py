@@ -42,9 +42,9 @@ from common import (
 from common import write_section as write_results_section
 
 from pipedream.data import MicrobatchStream
+from pipedream.formats.trace import load_traces
 from pipedream.host_memory import configure_host_memory
-from pipedream.runtime.collector import frozen_heap
-from pipedream.runtime.trace import load_traces
+from pipedream.runtime.gc_freeze import frozen_heap
 from pipedream.workload import load_workload
 
 __all__ = [
@@ -99,7 +99,7 @@ def single_process_ms(repeats: int = 70, warmup: int = 40) -> float:
     model, optimizer = workload.model, workload.optimizer(workload.model.parameters())
     stream = MicrobatchStream(workload.dataset, MICROBATCH_SIZE, seed=0)
     start = 0.0
-    with frozen_heap():  # as in every rank of ours (runtime/collector.py)
+    with frozen_heap():  # as in every rank of ours (runtime/gc_freeze.py)
         for step in range(warmup + repeats):
             if step == warmup:
                 start = time.perf_counter()
@@ -269,7 +269,7 @@ def main() -> int:
         "OMP_NUM_THREADS=1 and one process per stage. All three (ours, torch's, the plain loop) "
         "run with the host settings of `pipedream train` (glibc malloc keeping freed "
         "memory, huge pages for large tensors: `pipedream/host_memory.py`; the objects alive "
-        "before the loop frozen out of garbage collection: `runtime/collector.py`). Speedup = "
+        "before the loop frozen out of garbage collection: `runtime/gc_freeze.py`). Speedup = "
         "time per microbatch of plain one-thread training in one process / the pipeline's "
         "steady-state time per microbatch "
         f"(ideal 2x on 2 cores). Every case ran {ROUNDS} times, in rounds over all cases (the "

@@ -60,7 +60,7 @@ from sleep_pipeline import (
 )
 from sleep_pipeline import MICROBATCH_SIZE as SLEEP_MICROBATCH
 
-from pipedream.runtime.trace import load_traces
+from pipedream.formats.trace import load_traces
 
 __all__ = ["main"]
 

@@ -35,8 +35,10 @@ from common import (
 )
 from sleep_report import render
 
-from pipedream.runtime.trace import load_traces, write_chrome_trace
+from pipedream.formats.trace import load_traces
+from pipedream.runtime.trace_export import write_chrome_trace
 from pipedream.runtime.trace_plot import matplotlib_available, plot_timeline
+from pipedream.schedules import SCHEDULES, lookup
 
 __all__ = ["F_MS", "B_MS", "Case", "main"]
 
@@ -44,7 +46,7 @@ F_MS, B_MS = 20.0, 40.0
 """Sleep per stage and microbatch (ms): ~1 ms of per-action runtime overhead is then ~3%."""
 MICROBATCH_SIZE = 8
 SIZES = {"small": 32 * 1024, "large": 32 * 1024 * 1024}
-FLUSHING = ("1f1b", "gpipe")
+FLUSHING = tuple(name for name, schedule in SCHEDULES.items() if schedule.flushes)
 ASYNC = ("pipedream", "pipedream-vs", "2bw")
 EXAMPLE_TIMELINES = ("small-S4-1f1b-m8", "large-S2-1f1b-m8")
 """Cases always drawn (benchmarks/timelines/), besides the least efficient one of each size."""
@@ -94,7 +96,7 @@ class Case:
         if self.schedule in FLUSHING:
             skip = max(1, warm)
             return skip + measured, skip
-        if self.schedule == "2bw":
+        if lookup(self.schedule).microbatches_at_least_stages:  # 2bw: a version one minibatch old
             skip = max(2, warm + 1)
             return skip + measured, skip
         skip = self.stages + 2 + warm
@@ -120,9 +122,9 @@ def cases(stages: list[int], sizes: list[str]) -> list[Case]:
     out = []
     for size in sizes:
         for s in stages:
-            out += [Case(size, s, name, 1) for name in ("pipedream", "pipedream-vs")]
-            for m in (8, 16):
-                out += [Case(size, s, name, m) for name in ("2bw", *FLUSHING)]
+            for name, schedule in SCHEDULES.items():
+                counts = (1,) if schedule.one_microbatch else (8, 16)
+                out += [Case(size, s, name, m) for m in counts]
     return out
 
 

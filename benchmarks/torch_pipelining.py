@@ -29,8 +29,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from pipedream.data import MicrobatchStream
 from pipedream.host_memory import configure_host_memory
-from pipedream.runtime.collector import frozen_heap
-from pipedream.runtime.stage import build_stage_module, layer_names
+from pipedream.runtime.gc_freeze import frozen_heap
+from pipedream.runtime.stage_layout import build_stage_module, layer_names
 from pipedream.workload import load_workload
 
 __all__ = ["SCHEDULES", "run_case"]

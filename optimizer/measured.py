@@ -36,9 +36,9 @@ from dataclasses import dataclass
 
 from pipedream.errors import ScheduleError, TraceError
 from pipedream.formats.plan import Plan
+from pipedream.formats.trace import RankTrace
 from pipedream.optimizer.messages import LinkTimes, MessageTime, link_times, message_kind
 from pipedream.optimizer.simulator import StageWork
-from pipedream.runtime.trace import RankTrace
 from pipedream.schedules import Action, Op, PipelineSpec, build_tables, parse_action
 
 __all__ = [

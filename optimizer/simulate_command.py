@@ -38,6 +38,7 @@ from pipedream.errors import PlanningError
 from pipedream.formats.plan import Plan, load_plan, profile_path
 from pipedream.formats.profile import PassSpread, Profile, load_profile
 from pipedream.formats.topology import DEFAULT_BANDWIDTH, Topology, load_topology
+from pipedream.formats.trace import load_traces
 from pipedream.formats.units import parse_bandwidth
 from pipedream.optimizer.measured import MeasuredRun, measure_run, measured_work
 from pipedream.optimizer.messages import link_times
@@ -52,7 +53,6 @@ from pipedream.optimizer.simulator import (
     stage_work,
 )
 from pipedream.optimizer.timeline import draw_timeline, format_timeline
-from pipedream.runtime.trace import load_traces
 
 __all__ = ["concurrency_note", "format_jitter", "format_measured", "format_report", "run"]
 

@@ -27,7 +27,7 @@ _HANDLERS = {
     "plan": "pipedream.optimizer.command:run",
     "train": "pipedream.runtime.command:run",
     "export": "pipedream.runtime.command:export",
-    "trace": "pipedream.runtime.trace:run_command",
+    "trace": "pipedream.runtime.trace_export:run_command",
     "simulate": "pipedream.optimizer.simulate_command:run",
 }
 

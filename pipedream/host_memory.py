@@ -21,8 +21,8 @@ way).
 :func:`configure_host_memory` does both. ``pipedream train`` calls it in every rank and
 ``pipedream profile`` before it measures, so a profile sees the memory behaviour of the runtime.
 The runtime's transport also receives messages into reused storage on the CPU
-(``runtime/buffers.py``). ``PIPEDREAM_KEEP_HOST_MEMORY=0`` leaves both settings alone and turns
-that pool off; ``THP_MEM_ALLOC_ENABLE=0`` in the environment turns off the huge pages only.
+(``runtime/receive_buffers.py``). ``PIPEDREAM_KEEP_HOST_MEMORY=0`` leaves both settings alone and
+turns that pool off; ``THP_MEM_ALLOC_ENABLE=0`` in the environment turns off the huge pages only.
 Malloc settings need glibc (on musl or macOS they do nothing), huge pages Linux with THP not
 ``never``.
 """

@@ -235,7 +235,7 @@ def _train(spec: CorunnerSpec, stop: threading.Event, ready: Callable[[], None])
     from pipedream.data import MicrobatchStream
     from pipedream.host_memory import configure_host_memory
     from pipedream.model_io import batch_size, call_model
-    from pipedream.runtime.collector import frozen_heap
+    from pipedream.runtime.gc_freeze import frozen_heap
     from pipedream.workload import load_workload
 
     configure_host_memory()  # as the profiling process and every rank of `pipedream train`

@@ -1,9 +1,9 @@
 """The runtime's own cost per action on this machine: what the simulator adds to every action.
 
 The layers' times (:mod:`pipedream.profiler.chain`) are plain module calls. A pipeline stage
-runs them through the runtime's :class:`~pipedream.runtime.worker.StageWorker`, which pays a
+runs them through the runtime's :class:`~pipedream.runtime.stage_worker.StageWorker`, which pays a
 fixed cost per action on top: leaf copies of the weights for stashing, the swap of the version
-into the module (:class:`~pipedream.runtime.swap.ParameterSwap`),
+into the module (:class:`~pipedream.runtime.parameter_swap.ParameterSwap`),
 ``autograd.grad`` over inputs and weights, the weight-version bookkeeping around an update. It
 is about 0.2 ms per action on a CPU core, small next to real layers but not next to small ones.
 
@@ -40,7 +40,7 @@ from pipedream.data import MicrobatchStream
 from pipedream.formats.profile import ActionOverhead
 from pipedream.model_io import map_tensors
 from pipedream.profiler.measure import OptimizerFactory, sync_device
-from pipedream.runtime.worker import StageWorker, WorkerConfig
+from pipedream.runtime.stage_worker import StageWorker, WorkerConfig
 from pipedream.schedules import Op, PipelineSpec, build_tables
 
 __all__ = [
@@ -180,7 +180,8 @@ def _per_mib(
     device: torch.device, sync: Callable[[], None], *, warmup: int, repeats: int
 ) -> tuple[float, float]:
     """Milliseconds per MiB of ``copy_`` and of ``add_`` between existing 16 MiB tensors (a
-    stashed weight version, see ``runtime/weights.py``; a gradient accumulated into ``.grad``).
+    stashed weight version, see ``runtime/weight_versions.py``; a gradient accumulated into
+    ``.grad``).
 
     The runtime writes into memory it last touched a whole minibatch earlier (a released copy,
     the ``.grad`` of the previous backward), so the targets rotate among twice the device's

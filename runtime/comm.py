@@ -39,7 +39,7 @@ issue order and ignores tags, so there nothing is posted ahead and a message is 
 order it is sent: header, then payload. Sends are never waited on until their buffers must be
 reclaimed (:meth:`P2P.poll` keeps at most ``MAX_SENDS_IN_FLIGHT``) or the run ends
 (:meth:`P2P.drain`). On the CPU, payloads are received into reused storage
-(:class:`~pipedream.runtime.buffers.ReceiveBuffers`): on gloo a 32 MiB message into fresh
+(:class:`~pipedream.runtime.receive_buffers.ReceiveBuffers`): on gloo a 32 MiB message into fresh
 pages took 15-17 ms here, into reused ones 11.5 ms.
 
 Ranks that share GPUs (``--device cuda-shared``) talk over gloo, which moves host memory only:
@@ -60,7 +60,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pipedream.errors import RunFailure
-from pipedream.runtime.buffers import ReceiveBuffers
+from pipedream.runtime.receive_buffers import ReceiveBuffers
 from pipedream.schedules import MAX_SENDS_IN_FLIGHT
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 It walks the table in order: receives and sends go through :class:`~pipedream.runtime.comm.P2P`
 (receives posted ahead, :mod:`~pipedream.schedules.posting`), compute goes to the
-:class:`~pipedream.runtime.worker.StageWorker`, allreduces average the gradients of a stage's
+:class:`~pipedream.runtime.stage_worker.StageWorker`, allreduces average the gradients of a stage's
 replicas in the stage's own process group. Any wait that outlasts the timeout raises an error
 naming the rank, the stage and the action that was waiting.
 """
@@ -18,17 +18,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from pipedream.formats.trace import TracedAction
 from pipedream.graph.layers import StageIO
-from pipedream.runtime.clock import ComputeClock
 from pipedream.runtime.comm import P2P, PeerTimeoutError
+from pipedream.runtime.compute_clock import ComputeClock
 from pipedream.runtime.routing import (
     gather_inputs,
     gather_output_grads,
     scatter_input_grads,
     scatter_outputs,
 )
-from pipedream.runtime.tracing import TracedAction
-from pipedream.runtime.worker import StageWorker
+from pipedream.runtime.stage_worker import StageWorker
 from pipedream.schedules import MESSAGE_KIND, RECEIVE_WINDOW, Action, Op, receives_posted_before
 
 __all__ = ["SKIP_TAG", "Executor"]

@@ -5,7 +5,7 @@ finish everything queued before it: once per microbatch, that keeps the GPU from
 of the Python code that feeds it. So on a GPU the last stage keeps each microbatch's loss where it
 was computed and reads them all with one transfer every :data:`GPU_READ_EVERY` updates and at
 the end of every segment (before a checkpoint is written): there it checks that they are finite
-(:class:`~pipedream.runtime.worker.NonFiniteLossError` names the first microbatch that is not)
+(:class:`~pipedream.runtime.stage_worker.NonFiniteLossError` names the first microbatch that is not)
 and logs each update's mean loss with the host time at which the update was issued. On the CPU,
 where a read costs nothing, it reads after every update.
 
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from pipedream.runtime.metrics import MetricsLogger
-from pipedream.runtime.worker import NonFiniteLossError
+from pipedream.runtime.stage_worker import NonFiniteLossError
 
 __all__ = ["GPU_READ_EVERY", "LossLog"]
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipedream.errors import TraceError
-from pipedream.runtime.trace import RankTrace
+from pipedream.formats.trace import RankTrace
 
 __all__ = ["COLOURS", "matplotlib_available", "plot_timeline"]
 

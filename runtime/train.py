@@ -24,25 +24,25 @@ import torch.distributed as dist
 from pipedream.data import MicrobatchStream
 from pipedream.errors import LaunchError, RunFailure
 from pipedream.formats.plan import Plan, load_plan
+from pipedream.formats.trace import TracedAction, write_trace
 from pipedream.host_memory import configure_host_memory
 from pipedream.runtime.checkpoint import load_manifest, restore_stage, step_dir_name
-from pipedream.runtime.checkpointing import resume_point, write_checkpoint
-from pipedream.runtime.collector import frozen_heap
+from pipedream.runtime.checkpoint_protocol import resume_point, write_checkpoint
 from pipedream.runtime.comm import P2P
-from pipedream.runtime.executor import Executor
-from pipedream.runtime.launch_env import (
+from pipedream.runtime.environment import (
     LaunchEnv,
     Placement,
     device_and_backend,
     read_launch_env,
 )
+from pipedream.runtime.executor import Executor
+from pipedream.runtime.gc_freeze import frozen_heap
 from pipedream.runtime.loss_log import LossLog
 from pipedream.runtime.metrics import MetricsLogger
 from pipedream.runtime.routing import input_needs_grad
-from pipedream.runtime.stage import StageLayout, stage_layout
+from pipedream.runtime.stage_layout import StageLayout, stage_layout
+from pipedream.runtime.stage_worker import StageWorker, WorkerConfig
 from pipedream.runtime.summary import RankStats, peak_memory_bytes, report
-from pipedream.runtime.tracing import TracedAction, write_trace
-from pipedream.runtime.worker import StageWorker, WorkerConfig
 from pipedream.schedules import (
     Action,
     build_tables,
@@ -349,7 +349,7 @@ class _RankJob:
         logger = self._logger()
         trace: list[TracedAction] | None = [] if self.options.trace else None
         peaks = {"max_versions": 0, "max_copies": 0, "max_in_flight": 0}
-        with frozen_heap():  # no full collection pauses the loop (runtime/collector.py)
+        with frozen_heap():  # no full collection pauses the loop (runtime/gc_freeze.py)
             start = time.perf_counter()
             loss_log = LossLog(logger, microbatches=self.plan.microbatches, device=self.device)
             compute_s = self._segments(todo, worker, loss_log, trace, peaks)

@@ -3,7 +3,7 @@
 :func:`spec_from_plan` is the one place a plan becomes a :class:`PipelineSpec`: the runtime, the
 simulator and the trace reader all go through it, with the stage pairs that exchange tensors
 (skip connections) and the tied-parameter pairs they know of. ``launch.sh`` validates the tables
-through ``pipedream.runtime.launch_info`` before torchrun starts, and every rank again before
+through ``pipedream.runtime.launch_check`` before torchrun starts, and every rank again before
 joining the process group, so an invalid action table never reaches the network.
 """
 

@@ -3,8 +3,8 @@
 Version ``v`` is the stage's weights after ``v`` updates. It is created by an update and
 replaced by the next one; a forward or backward that uses it after that next update needs it
 to be a *copy* (weight stashing), otherwise it can alias the live parameters. Both the runtime
-(:class:`~pipedream.runtime.weights.WeightVersions`) and the simulator (which charges the copy
-to the update that creates it) read this from the table. No torch.
+(:class:`~pipedream.runtime.weight_versions.WeightVersions`) and the simulator (which charges the
+copy to the update that creates it) read this from the table. No torch.
 """
 
 from __future__ import annotations

@@ -17,18 +17,19 @@ from pipedream.runtime.checkpoint import (
     load_manifest,
 )
 
-from launching import run_cli, straight_plan, write_plan
+from launching import run_main, straight_plan, write_plan
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A single-process run (world_size 1, no torchrun needed) with checkpoints at 2 and 4."""
+    """A single-process run (world_size 1, no torchrun needed; in this process) with
+    checkpoints at 2 and 4."""
     tmp = tmp_path_factory.mktemp("ckpt")
     plan = write_plan(
         straight_plan("mlp", [[str(i) for i in range(9)]], workload_args={"layers": "8"}),
         tmp / "plan.yaml",
     )
-    result = run_cli(
+    result = run_main(
         "train",
         str(plan),
         "--steps",
@@ -121,7 +122,7 @@ def test_pickled_code_is_refused(checkpoints: Path, tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="refused to load"):
         load_full_state_dict(newest)
     assert not marker.exists()
-    result = run_cli("export", str(newest), "-o", str(tmp_path / "model.pt"))
+    result = run_main("export", str(newest), "-o", str(tmp_path / "model.pt"))
     assert result.returncode == 2 and "refused to load" in result.stderr
     assert not marker.exists()
 
@@ -135,7 +136,7 @@ def test_resume_auto_skips_a_corrupt_newest_checkpoint(run: Path, tmp_path: Path
         straight_plan("mlp", [[str(i) for i in range(9)]], workload_args={"layers": "8"}),
         tmp_path / "plan.yaml",
     )
-    result = run_cli(
+    result = run_main(
         "train",
         str(plan),
         "--steps",

@@ -89,6 +89,8 @@ from torch.utils.data import TensorDataset
 
 from pipedream.workload import Workload
 
+pytestmark = pytest.mark.slow  # launches processes: not in the fast lane (-m "not slow")
+
 
 class Recorder(nn.Linear):
     # notes how many objects the collector has frozen each time it runs
@@ -115,7 +117,7 @@ def make(microbatch_size: int = 4) -> Workload:
 
 def test_the_training_loop_runs_on_a_frozen_heap(tmp_path: Path) -> None:
     # a full collection scanned ~170,000 objects (80 ms) at random moments of the loop: what
-    # lives for the whole run is frozen first (runtime/collector.py)
+    # lives for the whole run is frozen first (runtime/gc_freeze.py)
     (tmp_path / "freeze_models.py").write_text(FREEZE_MODULE)
     log = tmp_path / "freeze.log"
     env = {"PYTHONPATH": str(tmp_path), "FREEZE_LOG": str(log)}

@@ -25,10 +25,13 @@ from pipedream.profiler.measure import ProfilerError
 TINY = {"layers": "1", "width": "32", "in_features": "16", "samples": "256"}
 """An mlp whose training step takes well under a millisecond."""
 
-pytestmark = pytest.mark.skipif(
-    not Path(f"/proc/self/task/{os.getpid()}/children").exists(),
-    reason="needs /proc/PID/task/TID/children",
-)
+pytestmark = [
+    pytest.mark.slow,  # starts co-runner processes: not in the fast lane (-m "not slow")
+    pytest.mark.skipif(
+        not Path(f"/proc/self/task/{os.getpid()}/children").exists(),
+        reason="needs /proc/PID/task/TID/children",
+    ),
+]
 
 
 def _spec(workload: str = "mlp", *extra_path: str) -> CorunnerSpec:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from pipedream.formats import load_plan, load_profile
@@ -15,6 +16,8 @@ from pipedream.runtime.checkpoint import load_full_state_dict
 from pipedream.workload import load_workload
 
 from launching import REPO, launch, run_cli
+
+pytestmark = pytest.mark.slow  # launches processes: not in the fast lane (-m "not slow")
 
 
 def test_profile_plan_train_export(tmp_path: Path) -> None:

@@ -19,6 +19,8 @@ from pipedream.runtime.comm import FAST as F
 from pipedream.runtime.comm import P2P
 from pipedream.runtime.comm import PLACEHOLDER as P
 
+pytestmark = pytest.mark.slow  # launches processes: not in the fast lane (-m "not slow")
+
 
 def _free_port() -> int:
     with socket.socket() as sock:

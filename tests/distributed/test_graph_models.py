@@ -13,9 +13,12 @@ from pipedream.profiler.graph_profile import layer_graph
 from pipedream.runtime.checkpoint import load_full_state_dict
 from pipedream.workload import load_workload
 
-from launching import launch, write_plan
+from launching import write_plan
 from oracles import stale_oracle
 from runs import max_rel_diff
+from workers import run_plan
+
+pytestmark = pytest.mark.slow  # launches processes: not in the fast lane (-m "not slow")
 
 CASES = {
     # the block input of layer1.0 skips from stage 0 over stage 1 to the addition in stage 2
@@ -62,7 +65,7 @@ def test_traced_model_in_three_stages_equals_paper_rule(tmp_path: Path, name: st
     }
     steps = 7
     path = write_plan(plan, tmp_path / "plan.yaml")
-    result = launch(
+    result = run_plan(
         path,
         "--steps",
         str(steps),

@@ -19,10 +19,11 @@ from pipedream.formats import load_plan, save_profile
 from pipedream.model_io import call_model
 from pipedream.profiler.command import profile_workload
 from pipedream.runtime.checkpoint import load_full_state_dict
-from pipedream.runtime.stage import stage_layout
+from pipedream.runtime.stage_layout import stage_layout
 from pipedream.workload import load_workload
 
-from launching import launch, run_cli, write_plan
+from launching import run_cli, write_plan
+from workers import run_plan
 
 pytest.importorskip("transformers")
 
@@ -51,7 +52,7 @@ def _profile_and_plan(
 
 def _train(tmp: Path, plan: Path, steps: int, *extra: str) -> list[float]:
     """Launch the plan; the loss of every minibatch."""
-    result = launch(
+    result = run_plan(
         plan,
         "--steps",
         str(steps),
@@ -118,6 +119,8 @@ USER_MODULE = """
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
+pytestmark = pytest.mark.slow  # launches processes: not in the fast lane (-m "not slow")
+
 
 def gpt2(layers: int = 2, dim: int = 32):
     torch.manual_seed(0)
@@ -172,7 +175,7 @@ def test_users_untied_gpt2_under_pipedream_learns(tmp_path: Path) -> None:
         )
         == 0
     )
-    result = launch(
+    result = run_plan(
         plan,
         "--steps",
         "40",

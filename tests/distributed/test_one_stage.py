@@ -10,9 +10,12 @@ import pytest
 
 from pipedream.runtime.checkpoint import load_full_state_dict
 
-from launching import launch, straight_plan, write_plan
+from launching import straight_plan, write_plan
 from plain_loop import plain_loop
 from runs import max_rel_diff
+from workers import run_plan
+
+pytestmark = pytest.mark.slow  # launches processes: not in the fast lane (-m "not slow")
 
 ARGS = {"layers": "2", "dim": "32", "heads": "2", "seq": "16", "samples": "256"}  # Adam
 
@@ -25,7 +28,7 @@ def test_one_stage_equals_the_plain_loop(tmp_path: Path, schedule: str, m: int) 
         "gpt", [layers], schedule=schedule, microbatch_size=size, microbatches=m, workload_args=ARGS
     )
     run = tmp_path / "run"
-    result = launch(
+    result = run_plan(
         write_plan(plan, tmp_path / "plan.yaml"),
         "--steps",
         str(steps),

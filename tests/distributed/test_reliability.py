@@ -15,7 +15,8 @@ import torch
 from pipedream.data import MicrobatchStream
 from pipedream.runtime.checkpoint import load_full_state_dict
 
-from launching import launch, start_launch, stop, straight_plan, write_plan
+from launching import start_launch, stop, straight_plan, write_plan
+from workers import run_plan
 
 ARGS = {"layers": "4", "width": "512", "samples": "512", "lr": "0.01"}
 STAGES = [["0"], ["1"], ["2"], ["3", "4"]]
@@ -103,7 +104,7 @@ def test_killed_worker_ends_the_job_and_a_restart_resumes_it(tmp_path: Path) -> 
     assert code == 0, err[-3000:]
     assert "resuming from the newest checkpoint" in err
 
-    uninterrupted = launch(
+    uninterrupted = run_plan(
         plan,
         "--steps",
         str(STEPS),
@@ -127,6 +128,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from pipedream.workload import Workload
+
+pytestmark = pytest.mark.slow  # launches processes: not in the fast lane (-m "not slow")
 
 
 def make(poison: int = 5, microbatch_size: int = 4) -> Workload:
@@ -156,7 +159,7 @@ def test_non_finite_loss_stops_or_is_skipped(tmp_path: Path) -> None:
     )
     path = write_plan(plan, tmp_path / "plan.yaml")
 
-    stop = launch(
+    stop = run_plan(
         path,
         "--steps",
         "10",
@@ -176,7 +179,7 @@ def test_non_finite_loss_stops_or_is_skipped(tmp_path: Path) -> None:
     assert f"the last good checkpoint: {last_good}" in stop.stderr
     assert all(torch.isfinite(v).all() for v in load_full_state_dict(last_good).values())
 
-    skip = launch(
+    skip = run_plan(
         path,
         "--steps",
         "10",
@@ -200,7 +203,7 @@ def test_keep_prunes_old_checkpoints(tmp_path: Path) -> None:
         straight_plan("mlp", [["0", "1", "2", "3", "4"], ["5", "6", "7", "8"]]),
         tmp_path / "plan.yaml",
     )
-    result = launch(
+    result = run_plan(
         plan,
         "--steps",
         "8",

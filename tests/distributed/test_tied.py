@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
@@ -17,6 +18,8 @@ from pipedream.workload import load_workload
 from oracles import stale_oracle
 from runs import train_and_load
 from tied_gpt import ARGS, MICROBATCH
+
+pytestmark = pytest.mark.slow  # launches processes: not in the fast lane (-m "not slow")
 
 B = MICROBATCH
 THREE = [["embed"], ["h0", "h1"], ["norm", "head"]]

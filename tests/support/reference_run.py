@@ -6,10 +6,10 @@ import torch
 
 from pipedream.data import MicrobatchStream
 from pipedream.formats.plan import Plan, StagePlan
-from pipedream.runtime.reference import run_reference
+from pipedream.runtime.reference_executor import run_reference
 from pipedream.runtime.routing import input_needs_grad, sequential_ios
-from pipedream.runtime.stage import StageLayout, build_stage_module, stage_layout
-from pipedream.runtime.worker import StageWorker, WorkerConfig
+from pipedream.runtime.stage_layout import StageLayout, build_stage_module, stage_layout
+from pipedream.runtime.stage_worker import StageWorker, WorkerConfig
 from pipedream.schedules import PipelineSpec, build_tables, spec_from_plan
 from pipedream.ties import expand_aliases
 from pipedream.workload import load_workload
@@ -71,7 +71,7 @@ def reference_layout_weights(
 ) -> dict[str, torch.Tensor]:
     """The model's state dict (every name of a tied tensor included) after the reference
     executor ran ``steps`` minibatches of the plan, its stages cut as ``pipedream train`` cuts
-    them (:func:`~pipedream.runtime.stage.stage_layout`: traced models, tied parameters)."""
+    them (:func:`~pipedream.runtime.stage_layout.stage_layout`: traced models, tied parameters)."""
     replicas = replicas or [1] * len(stages)
     plan_stages, rank = [], 0
     for group, count in zip(stages, replicas):

@@ -1,4 +1,4 @@
-"""Run a plan with launch.sh and read back the final weights (for distributed tests)."""
+"""Run a plan on its ranks and read back the final weights (for distributed tests)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import torch
 
 from pipedream.runtime.checkpoint import load_full_state_dict
 
-from launching import launch, straight_plan, write_plan
+from launching import straight_plan, write_plan
+from workers import run_plan
 
 __all__ = ["even_groups", "max_rel_diff", "train_and_load"]
 
@@ -53,7 +54,7 @@ def train_and_load(
     )
     path = write_plan(plan, tmp / f"{name}.yaml")
     run_dir = tmp / name
-    result = launch(
+    result = run_plan(
         path,
         "--steps",
         str(steps),

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pipedream.errors import LaunchError
-from pipedream.runtime import launch_env
-from pipedream.runtime.launch_env import LaunchEnv, Placement, choose_placement
+from pipedream.runtime import environment as launch_env
+from pipedream.runtime.environment import LaunchEnv, Placement, choose_placement
 
 CPU = Placement(torch.device("cpu"), "gloo")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gc
 
-from pipedream.runtime.collector import frozen_heap
+from pipedream.runtime.gc_freeze import frozen_heap
 
 
 class _Cycle:

@@ -15,10 +15,10 @@ import pytest
 from pipedream.cli import main
 from pipedream.errors import TraceError
 from pipedream.formats import LayerProfile, Plan, Profile, StagePlan, save_plan, save_profile
+from pipedream.formats.trace import RankTrace, TraceEvent
 from pipedream.optimizer.measured import measure_run, measured_work
 from pipedream.optimizer.messages import LinkTimes, link_times
 from pipedream.optimizer.simulator import Network, StageWork, simulate
-from pipedream.runtime.trace import RankTrace, TraceEvent
 from pipedream.schedules import parse_action
 
 PLAN = Plan(

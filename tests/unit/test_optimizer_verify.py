@@ -11,13 +11,11 @@ from pipedream.optimizer.planner import PlanOptions, make_plan, plan_profile
 from pipedream.optimizer.verify import needs_simulation, simulated_ms
 from pipedream.profiler.pipedream_import import import_pipedream_graph
 
-VGG16 = Path(__file__).resolve().parents[2].parent / "shared" / "pipedream-profiles" / "vgg16.txt"
+VGG16 = Path(__file__).resolve().parents[1] / "data" / "pipedream-profiles" / "vgg16.txt"
 
 
 @pytest.fixture(scope="module")
 def vgg16() -> Profile:
-    if not VGG16.exists():
-        pytest.skip(f"{VGG16} not found")
     return import_pipedream_graph(VGG16)
 
 

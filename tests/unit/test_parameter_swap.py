@@ -1,4 +1,4 @@
-"""Calling a stage module on a weight version (pipedream.runtime.swap)."""
+"""Calling a stage module on a weight version (pipedream.runtime.parameter_swap)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from pipedream.runtime.swap import ParameterSwap
+from pipedream.runtime.parameter_swap import ParameterSwap
 
 
 class _Tied(nn.Module):

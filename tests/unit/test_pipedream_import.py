@@ -14,12 +14,14 @@ from pipedream.formats import Profile, Topology
 from pipedream.optimizer.planner import PlanOptions, make_plan
 from pipedream.profiler.pipedream_import import import_pipedream_graph
 
-SHARED = Path(__file__).resolve().parents[2].parent / "shared"
-PROFILES = SHARED / "pipedream-profiles"
-SAMPLES = sorted(PROFILES.glob("*.txt")) if PROFILES.is_dir() else []
-needs_samples = pytest.mark.skipif(
-    not SAMPLES, reason=f"no PipeDream sample profiles in {PROFILES}"
-)
+PROFILES = Path(__file__).resolve().parents[1] / "data" / "pipedream-profiles"
+SAMPLES = sorted(PROFILES.glob("*.txt"))  # vendored: tests/data/pipedream-profiles/README.md
+
+
+def test_the_sample_profiles_are_vendored() -> None:
+    names = ["alexnet", "gnmt", "resnet101", "resnet18", "resnet50", "resnext50"]
+    assert [p.stem for p in SAMPLES] == [*names, "squeezenet1_0", "vgg16"]
+
 
 METRIC = re.compile(r"(\w+)=(\[[^\]]*\]|[0-9.eE+-]+)")
 
@@ -41,7 +43,6 @@ def file_sums(path: Path) -> tuple[float, float, int, float]:
     return ms, params, count, input_ms
 
 
-@needs_samples
 @pytest.mark.parametrize("path", SAMPLES, ids=[p.stem for p in SAMPLES])
 def test_every_sample_imports_with_the_files_totals(path: Path) -> None:
     ms, params, count, input_ms = file_sums(path)
@@ -199,8 +200,6 @@ ORIGINAL_MS = {
 @pytest.mark.parametrize(("name", "workers"), sorted(ORIGINAL_MS))
 def test_reproduces_the_original_optimizer(name: str, workers: int, cost_model: str) -> None:
     path = PROFILES / f"{name}.txt"
-    if not path.exists():
-        pytest.skip(f"{path} not found")
     plan = make_plan(
         import_pipedream_graph(path),
         topology=Topology.single_level(workers, 1e9),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipedream.runtime import buffers
-from pipedream.runtime.buffers import MAX_TRACKED, MIN_POOLED_BYTES, ReceiveBuffers
+from pipedream.runtime import receive_buffers as buffers
+from pipedream.runtime.receive_buffers import MAX_TRACKED, MIN_POOLED_BYTES, ReceiveBuffers
 
 CPU = torch.device("cpu")
 BIG = (MIN_POOLED_BYTES // 4,)  # float32 elements filling exactly the pooled minimum

@@ -18,7 +18,7 @@ from pipedream.runtime.checkpoint import (
     save_stage_file,
     write_manifest,
 )
-from pipedream.runtime.stage import SharedTensor, stage_layout
+from pipedream.runtime.stage_layout import SharedTensor, stage_layout
 from pipedream.ties import expand_aliases, find_tied
 from pipedream.workload import load_workload
 

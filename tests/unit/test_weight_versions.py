@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipedream.runtime.weights import WeightVersions
+from pipedream.runtime.weight_versions import WeightVersions
 from pipedream.schedules import PipelineSpec, build_tables
 
 from reference_run import reference_weights

@@ -1,41 +1,40 @@
-"""Reading a run's action timelines and merging them into one Chrome trace (``pipedream trace``).
+"""The trace file (``format: pipedream/trace@1``): one rank's action timeline (``--trace``).
 
-With ``--trace`` every rank of ``pipedream train`` writes ``RUN_DIR/traces/rank-NNN.json``
-(``pipedream/trace@1``: the start and end of each action of its table, in Unix seconds, see
-``tracing.py``). This module validates those files and merges them into one Chrome trace JSON
-that Perfetto (https://ui.perfetto.dev) and ``chrome://tracing`` open: one process per rank,
-named ``rank R (stage S)``, one complete event (``"ph": "X"``, microseconds) per action, in the
-categories of :data:`CATEGORIES`. Idle time is what lies between events. ``trace_plot.py`` draws
-the same data as a PNG Gantt chart.
+With ``--trace`` every rank of ``pipedream train`` writes ``RUN_DIR/traces/rank-NNN.json``:
+its rank, stage and the world size, and one event per action of its table, in table order:
+``action`` (the compact form, ``"1F3"``), ``start`` and ``end`` in Unix seconds (one clock for
+all ranks of a node), and what the executor did right before it, between the previous action
+and this one: ``posting`` (seconds spent posting receives ahead,
+:mod:`~pipedream.schedules.posting`) and ``reclaiming`` (seconds spent waiting for earlier
+sends to complete). Traces written before those two were recorded lack them.
 
-Pure Python: no torch import, so ``pipedream trace`` starts fast.
+:func:`write_trace` writes a rank's file, :func:`load_traces` reads and validates a run's
+(``pipedream trace`` merges them into a Chrome trace; ``pipedream simulate --trace`` sets them
+beside a simulation). Pure Python: no torch.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import re
-import sys
-from collections.abc import Sequence
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pipedream.errors import FormatError, TraceError
-from pipedream.runtime.tracing import TRACE_FORMAT
 from pipedream.schedules import Op, parse_action
 
 __all__ = [
     "CATEGORIES",
+    "TRACE_FORMAT",
     "RankTrace",
     "TraceEvent",
-    "chrome_trace",
+    "TracedAction",
     "load_traces",
-    "run_command",
-    "write_chrome_trace",
+    "write_trace",
 ]
 
 CATEGORIES: dict[Op, str] = {
@@ -53,6 +52,52 @@ CATEGORIES: dict[Op, str] = {
     Op.RECV_WEIGHTS: "receive-wait",
 }
 """Chrome trace category of each kind of action (a receive's time is the wait for its data)."""
+
+TRACE_FORMAT = "pipedream/trace@1"
+
+TracedAction = tuple[str, float, float, float, float]
+"""What the executor records per action: its compact form, start and end
+(``time.perf_counter()``), and the seconds it spent right before it posting receives ahead and
+reclaiming sends."""
+
+
+def write_trace(
+    run_dir: Path,
+    trace: list[TracedAction],
+    *,
+    rank: int,
+    stage: int,
+    world_size: int,
+) -> Path:
+    """Every action's start and end, on a clock shared by all ranks.
+
+    The executor records ``time.perf_counter()`` (cheap, monotonic); it is converted to Unix
+    seconds with one offset per rank so that the ranks' timelines line up when merged.
+    """
+    offset = time.time() - time.perf_counter()
+    payload = {
+        "format": TRACE_FORMAT,
+        "rank": rank,
+        "stage": stage,
+        "world_size": world_size,
+        "clock": "unix seconds",
+        "events": [
+            {
+                "action": name,
+                "start": start + offset,
+                "end": end + offset,
+                "posting": posting,
+                "reclaiming": reclaiming,
+            }
+            for name, start, end, posting, reclaiming in trace
+        ],
+    }
+    directory = run_dir / "traces"
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"rank-{rank:03d}.json"
+    path.write_text(json.dumps(payload))
+    return path
+
 
 _FILE_NAME = re.compile(r"^rank-(\d+)\.json$")
 
@@ -205,92 +250,3 @@ def load_traces(run_dir: str | os.PathLike[str]) -> list[RankTrace]:
             f"(missing {missing}); did a rank fail before writing its trace? re-run with --trace"
         )
     return traces
-
-
-def chrome_trace(traces: Sequence[RankTrace]) -> dict[str, Any]:
-    """The merged Chrome trace: one process per rank, one complete event per action (its
-    arguments say what the executor spent right before it posting receives and waiting for
-    sends, where the trace recorded it).
-
-    Times are microseconds since the earliest action of the run.
-    """
-    origin = min((e.start for t in traces for e in t.events), default=0.0)
-    events: list[dict[str, Any]] = []
-    for trace in traces:
-        name = f"rank {trace.rank} (stage {trace.stage})"
-        events.append(
-            {"name": "process_name", "ph": "M", "pid": trace.rank, "args": {"name": name}}
-        )
-        events.append(
-            {
-                "name": "process_sort_index",
-                "ph": "M",
-                "pid": trace.rank,
-                "args": {"sort_index": trace.rank},
-            }
-        )
-        events.append(
-            {
-                "name": "thread_name",
-                "ph": "M",
-                "pid": trace.rank,
-                "tid": 0,
-                "args": {"name": "actions"},
-            }
-        )
-        for event in trace.events:
-            unit = "minibatch" if event.op in (Op.UPDATE, Op.ALLREDUCE) else "microbatch"
-            args: dict[str, Any] = {"stage": event.stage, unit: event.index}
-            if event.posting is not None and event.reclaiming is not None:  # right before it
-                args["posting receives ms"] = round(event.posting * 1e3, 4)
-                args["waiting for sends ms"] = round(event.reclaiming * 1e3, 4)
-            events.append(
-                {
-                    "name": event.action,
-                    "cat": event.category,
-                    "ph": "X",
-                    "ts": round((event.start - origin) * 1e6, 3),
-                    "dur": round((event.end - event.start) * 1e6, 3),
-                    "pid": trace.rank,
-                    "tid": 0,
-                    "args": args,
-                }
-            )
-    return {
-        "traceEvents": events,
-        "displayTimeUnit": "ms",
-        "otherData": {"format": TRACE_FORMAT, "world_size": len(traces), "origin_unix_s": origin},
-    }
-
-
-def write_chrome_trace(traces: Sequence[RankTrace], path: str | os.PathLike[str]) -> Path:
-    """Write :func:`chrome_trace` to ``path`` atomically (temp file + rename)."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    temporary = target.with_name(target.name + ".tmp")
-    temporary.write_text(json.dumps(chrome_trace(traces)), encoding="utf-8")
-    temporary.replace(target)
-    return target
-
-
-def run_command(args: argparse.Namespace) -> int:
-    """``pipedream trace RUN_DIR [-o FILE] [--png FILE]``."""
-    from pipedream.runtime import trace_plot
-
-    traces = load_traces(args.run_dir)
-    output = write_chrome_trace(traces, args.output or Path(args.run_dir) / "trace.json")
-    count = sum(len(t.events) for t in traces)
-    print(
-        f"wrote {output}: {len(traces)} ranks, {count} actions "
-        "(open it in https://ui.perfetto.dev or chrome://tracing)"
-    )
-    if args.png is not None or trace_plot.matplotlib_available():
-        png = trace_plot.plot_timeline(traces, args.png or Path(args.run_dir) / "timeline.png")
-        print(f"wrote {png}: Gantt chart of the ranks over time")
-    else:
-        print(
-            "note: matplotlib is not installed, so no timeline.png was drawn "
-            "(pip install matplotlib, or pip install -e '.[plot]')",
-            file=sys.stderr,
-        )
-    return 0

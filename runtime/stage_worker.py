@@ -24,8 +24,8 @@ from torch import Tensor, nn
 from pipedream.data import MicrobatchStream
 from pipedream.errors import RunFailure
 from pipedream.model_io import ModelIO, to_device
-from pipedream.runtime.swap import ParameterSwap
-from pipedream.runtime.weights import WeightVersions, accumulate_grads
+from pipedream.runtime.parameter_swap import ParameterSwap
+from pipedream.runtime.weight_versions import WeightVersions, accumulate_grads
 from pipedream.schedules import Action
 
 __all__ = ["NonFiniteLossError", "StageWorker", "TiedLinks", "WorkerConfig"]

@@ -1,7 +1,8 @@
 """Calling a stage module on other tensors than its parameters, at little cost per tensor.
 
-Every forward of a stage runs on a *version* of its weights (:mod:`pipedream.runtime.weights`):
-tensors that stand in for the module's parameters for the length of one call.
+Every forward of a stage runs on a *version* of its weights
+(:mod:`pipedream.runtime.weight_versions`): tensors that stand in for the module's parameters
+for the length of one call.
 ``torch.func.functional_call`` does that for any module, but it swaps each tensor in and out
 through ``delattr``/``setattr`` with its checks: on a CPU core it added 0.16 ms to a call of a
 5-block ``nn.Sequential`` (10 tensors) and 1.05 ms to one of 50 blocks (100 tensors), against

@@ -2,8 +2,8 @@
 
 The live parameters of a stage belong to its optimizer (and its state). A forward never runs
 on them directly when an update could happen before its backward: it runs (through
-:class:`~pipedream.runtime.swap.ParameterSwap`) on a *version*: a set of tensors that nothing
-modifies in place.
+:class:`~pipedream.runtime.parameter_swap.ParameterSwap`) on a *version*: a set of tensors that
+nothing modifies in place.
 The gradient with respect to those tensors is then added to the live parameters' ``.grad``.
 
 Which versions need a copy is known in advance from the action table: version ``v`` (the

@@ -1,4 +1,4 @@
-"""``python -m pipedream.runtime.launch_info PLAN [--nnodes N] [--nproc-per-node P]``.
+"""``python -m pipedream.runtime.launch_check PLAN [--nnodes N] [--nproc-per-node P]``.
 
 Used by ``launch.sh`` before torchrun starts: validates the plan and its action tables and
 prints the number of processes per node, or prints the error and exits with status 2.

@@ -5,7 +5,7 @@ with ``torch.export`` and cut at module boundaries of its graph (see ``pipedream
 
 A parameter that layers of several stages use (tied weights) belongs to the first of those
 stages; each later one holds a copy (:class:`SharedTensor`, the runtime's
-:class:`~pipedream.runtime.worker.TiedLinks`).
+:class:`~pipedream.runtime.stage_worker.TiedLinks`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pipedream.graph.stages import build_stage_module as build_graph_stage
 from pipedream.graph.stages import stage_ios, stages_using
 from pipedream.model_io import ModelIO
 from pipedream.runtime.routing import sequential_ios
-from pipedream.runtime.worker import TiedLinks
+from pipedream.runtime.stage_worker import TiedLinks
 from pipedream.ties import TiedTensor, find_tied, owned_layers
 from pipedream.workload import Workload
 

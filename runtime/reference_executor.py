@@ -20,7 +20,7 @@ from pipedream.runtime.routing import (
     scatter_input_grads,
     scatter_outputs,
 )
-from pipedream.runtime.worker import StageWorker
+from pipedream.runtime.stage_worker import StageWorker
 from pipedream.schedules import MATCHING_RECEIVE, Action, Op
 
 __all__ = ["run_reference"]

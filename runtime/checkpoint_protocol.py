@@ -25,7 +25,7 @@ from pipedream.runtime.checkpoint import (
     stage_payload,
     write_manifest,
 )
-from pipedream.runtime.worker import StageWorker
+from pipedream.runtime.stage_worker import StageWorker
 
 __all__ = ["prune_checkpoints", "resume_point", "write_checkpoint"]
 

@@ -1,0 +1,124 @@
+"""Every schedule's tables, run by the reference executor with the runtime's own workers (one
+process), against its update rule computed independently (tests/support/oracles.py), over many
+shapes: stage counts, microbatches, optimizers with state, recomputation, replicated stages.
+The distributed runtime is checked against the same rules in tests/distributed/
+test_schedules.py, a launch per schedule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipedream.data import MicrobatchStream
+from pipedream.workload import load_workload
+
+from oracles import plain_training, replicated_oracle, stale_oracle
+from reference_run import reference_layout_weights
+from rules import rule
+from runs import even_groups, max_rel_diff
+
+B = 8
+SGD = {"layers": "5", "width": "16", "lr": "0.2"}
+
+
+def _names(args: dict[str, str]) -> list[str]:
+    return [n for n, _ in load_workload("mlp", args).model.named_children()]
+
+
+@pytest.mark.parametrize(
+    ("schedule", "num_stages", "m", "args", "recompute"),
+    [
+        ("pipedream", 1, 1, SGD, False),
+        ("pipedream", 2, 1, SGD, False),
+        (
+            "pipedream",
+            3,
+            1,
+            {"layers": "4", "width": "16", "optimizer": "adam", "lr": "0.01"},
+            True,
+        ),
+        (
+            "pipedream",
+            3,
+            1,
+            {"layers": "4", "width": "16", "optimizer": "sgd", "lr": "0.1", "momentum": "0.9"},
+            False,
+        ),
+        (
+            "pipedream-vs",
+            2,
+            1,
+            {"layers": "4", "width": "16", "optimizer": "adamw", "lr": "0.01"},
+            True,
+        ),
+        ("pipedream-vs", 4, 1, SGD, False),
+        ("2bw", 2, 3, {"layers": "4", "width": "16", "optimizer": "adam", "lr": "0.01"}, True),
+        ("2bw", 4, 5, SGD, False),
+        ("1f1b", 3, 4, SGD, False),
+        (
+            "1f1b",
+            3,
+            2,
+            {"layers": "4", "width": "16", "optimizer": "sgd", "lr": "0.1", "momentum": "0.9"},
+            True,
+        ),
+        ("gpipe", 2, 2, {"layers": "4", "width": "16", "optimizer": "adamw", "lr": "0.01"}, False),
+        ("gpipe", 4, 5, SGD, True),
+    ],
+)
+def test_schedule_equals_its_rule(
+    schedule: str, num_stages: int, m: int, args: dict[str, str], recompute: bool
+) -> None:
+    steps = 2 * num_stages + 2
+    stages = even_groups(_names(args), num_stages)
+    got = reference_layout_weights(
+        "mlp", args, stages, schedule=schedule, microbatches=m, steps=steps,
+        microbatch_size=B, recompute=recompute,
+    )  # fmt: skip
+    workload = load_workload("mlp", args)
+    data = MicrobatchStream(workload.dataset, B, 0)
+    minibatch = lambda t: [data.microbatch(t * m + j) for j in range(m)]  # noqa: E731
+    want = stale_oracle(
+        workload.model, stages, num_minibatches=steps, minibatch=minibatch,
+        loss_fn=workload.loss_fn, staleness=rule(schedule, num_stages),
+        optimizer=workload.optimizer,
+    )  # fmt: skip
+    assert max_rel_diff(got, want) < 1e-5
+    if schedule in ("1f1b", "gpipe"):  # synchronous: ordinary training on m x B samples
+        plain = plain_training(
+            load_workload("mlp", args).model, num_updates=steps,
+            batch=lambda k: tuple(torch.cat(p) for p in zip(*minibatch(k))),  # type: ignore[arg-type]
+            loss_fn=workload.loss_fn, optimizer=workload.optimizer,
+        )  # fmt: skip
+        assert max_rel_diff(got, plain) < 1e-5
+    elif num_stages > 1:  # the staleness is real
+        sync = stale_oracle(
+            workload.model, stages, num_minibatches=steps, minibatch=minibatch,
+            loss_fn=workload.loss_fn, staleness=lambda t, s: t, optimizer=workload.optimizer,
+        )  # fmt: skip
+        assert max_rel_diff(got, sync) > 1e-4
+
+
+@pytest.mark.parametrize(
+    ("replicas", "schedule", "m"),
+    [([2], "pipedream", 1), ([3], "1f1b", 2), ([2, 1], "gpipe", 2), ([1, 2, 2], "1f1b", 2)],
+)
+def test_replicated_flush_schedules_equal_their_rule(
+    replicas: list[int], schedule: str, m: int
+) -> None:
+    """One stage of r replicas is data parallelism on r x the minibatch; replicated stages of a
+    flushing schedule update once per r minibatches with the mean of their gradients."""
+    stages = even_groups(_names(SGD), len(replicas))
+    steps = 6
+    got = reference_layout_weights(
+        "mlp", SGD, stages, schedule=schedule, microbatches=m, steps=steps, microbatch_size=B,
+        replicas=replicas,
+    )  # fmt: skip
+    workload = load_workload("mlp", SGD)
+    data = MicrobatchStream(workload.dataset, B, 0)
+    want = replicated_oracle(
+        workload.model, stages, replicas, num_minibatches=steps,
+        minibatch=lambda t: [data.microbatch(t * m + j) for j in range(m)],
+        loss_fn=workload.loss_fn, optimizer=workload.optimizer,
+    )  # fmt: skip
+    assert max_rel_diff(got, want) < 1e-5
