@@ -5,10 +5,14 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from pipedream.formats import load_plan, load_profile
 from pipedream.runtime.checkpoint import load_full_state_dict
 
 from launching import launch, run_cli, straight_plan, write_plan
+
+pytestmark = pytest.mark.slow  # launches processes: not in the fast lane (-m "not slow")
 
 USER_MODULE = """
 from collections import OrderedDict
@@ -88,8 +92,6 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from pipedream.workload import Workload
-
-pytestmark = pytest.mark.slow  # launches processes: not in the fast lane (-m "not slow")
 
 
 class Recorder(nn.Linear):

@@ -25,6 +25,8 @@ from pipedream.workload import load_workload
 from launching import run_cli, write_plan
 from workers import run_plan
 
+pytestmark = pytest.mark.slow  # launches processes: not in the fast lane (-m "not slow")
+
 pytest.importorskip("transformers")
 
 B = 4
@@ -118,8 +120,6 @@ def test_tied_model_under_1f1b_equals_single_process(
 USER_MODULE = """
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
-
-pytestmark = pytest.mark.slow  # launches processes: not in the fast lane (-m "not slow")
 
 
 def gpt2(layers: int = 2, dim: int = 32):

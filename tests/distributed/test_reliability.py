@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 import torch
 
 from pipedream.data import MicrobatchStream
@@ -17,6 +18,8 @@ from pipedream.runtime.checkpoint import load_full_state_dict
 
 from launching import start_launch, stop, straight_plan, write_plan
 from workers import run_plan
+
+pytestmark = pytest.mark.slow  # launches processes: not in the fast lane (-m "not slow")
 
 ARGS = {"layers": "4", "width": "512", "samples": "512", "lr": "0.01"}
 STAGES = [["0"], ["1"], ["2"], ["3", "4"]]
@@ -128,8 +131,6 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from pipedream.workload import Workload
-
-pytestmark = pytest.mark.slow  # launches processes: not in the fast lane (-m "not slow")
 
 
 def make(poison: int = 5, microbatch_size: int = 4) -> Workload:
