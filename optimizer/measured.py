@@ -39,7 +39,7 @@ from pipedream.formats.plan import Plan
 from pipedream.formats.trace import RankTrace
 from pipedream.optimizer.messages import LinkTimes, MessageTime, link_times, message_kind
 from pipedream.optimizer.simulator import StageWork
-from pipedream.schedules import Action, Op, PipelineSpec, build_tables, parse_action
+from pipedream.schedules import Action, Op, build_tables, parse_action, spec_from_plan
 
 __all__ = [
     "MeasuredRun",
@@ -152,12 +152,8 @@ def _tables_of_run(traces: Sequence[RankTrace], plan: Plan) -> dict[int, list[Ac
     forwards = [e.index for t in traces if t.stage == 0 for e in t.events if e.op is Op.FORWARD]
     if not forwards or len(forwards) % m:
         return None
-    spec = PipelineSpec(
-        schedule=plan.schedule,
-        stage_ranks=tuple(stage.ranks for stage in plan.stages),
-        microbatches=m,
-        num_minibatches=len(forwards) // m,
-        first_minibatch=min(forwards) // m,
+    spec = spec_from_plan(
+        plan, min(forwards) // m, len(forwards) // m, traces[0].edges, traces[0].tied
     )
     try:
         tables = build_tables(spec)

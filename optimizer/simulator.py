@@ -10,6 +10,11 @@ with profiled costs instead of tensors:
   :mod:`~pipedream.schedules.versions`); every backward of a minibatch but its first also adds
   its gradients into ``.grad`` (``accumulate_ms``);
   each plus the runtime's own cost per action where the profile measured it (``overhead_ms``);
+* the stages exchange what the runtime's wiring sends: with the profile's ``values`` a stage
+  sends each later stage that uses them the values it makes (a skip connection is one message
+  from its producer's stage straight to its consumer's) and gets their gradients back
+  (:mod:`~pipedream.optimizer.stage_messages`); without them each stage sends the next the
+  bytes live across its last layer's cut;
 * a send is posted when the rank reaches it; posting holds the sender for ``send_ms`` plus
   ``send_ms_per_mib`` per MiB of the message (the runtime's main thread packs and hands it to
   the transport: on gloo that thread itself writes the first megabytes into the socket), an
@@ -72,6 +77,7 @@ from pipedream.formats.plan import Plan
 from pipedream.formats.profile import ActionOverhead, PassSpread, Profile
 from pipedream.formats.topology import Topology
 from pipedream.optimizer.messages import MessageTime, message_kind
+from pipedream.optimizer.stage_messages import stage_messages, stages_of_layers
 from pipedream.optimizer.transfers import Transfer, TransferPool
 from pipedream.schedules import (
     MATCHING_RECEIVE,
@@ -82,6 +88,7 @@ from pipedream.schedules import (
     PipelineSpec,
     build_tables,
     receives_posted_before,
+    spec_from_plan,
     version_use,
 )
 
@@ -96,6 +103,7 @@ __all__ = [
     "stage_work",
     "steady_window",
     "tied_bytes",
+    "pipeline_edges",
     "tied_pairs",
 ]
 
@@ -111,7 +119,8 @@ class StageWork:
     parameter_bytes: float
     """Parameters allreduced among the stage's replicas."""
     output_bytes: float
-    """Activation bytes sent to the next stage (and gradient bytes received back)."""
+    """Activation bytes sent to the next stage (and gradient bytes received back), where
+    ``sends`` is None."""
     update_ms: float = 0.0
     """Optimizer step over the stage's parameters."""
     copy_ms: float = 0.0
@@ -123,6 +132,10 @@ class StageWork:
     """Other stage -> bytes of the tied parameters this stage shares with it (owned by the
     earlier of the two): the copies' gradients go to the owner and every new version back,
     once per update each."""
+    sends: Mapping[int, tuple[float, float]] | None = None
+    """Later stage -> (activation bytes sent to it, gradient bytes it sends back) per
+    microbatch, for a pipeline wired by the profile's values; None: the next stage only, with
+    ``output_bytes`` each way."""
 
 
 @dataclass(frozen=True)
@@ -300,14 +313,7 @@ def stage_work(plan: Plan, profile: Profile) -> list[StageWork]:
     """
     index = {name: i for i, name in enumerate(profile.layer_names)}
     overhead = profile.overhead or ActionOverhead(0.0, 0.0, 0.0)
-    for number, stage in enumerate(plan.stages):
-        for name in (stage.first_layer, stage.last_layer):
-            if name not in index:
-                raise PlanningError(
-                    f"stage {number} of the plan names layer {name!r}, which the profile of "
-                    f"{profile.workload} does not have; pass the profile the plan was made from "
-                    "with --profile"
-                )
+    messages = stage_messages(profile, stages_of_layers(plan, profile))
     tied = tied_bytes(plan, profile)
     work = []
     for number, stage in enumerate(plan.stages):
@@ -331,6 +337,16 @@ def stage_work(plan: Plan, profile: Profile) -> list[StageWork]:
                 update_ms=sum(layer.update_ms or 0.0 for layer in layers) + overhead.update_ms,
                 copy_ms=params / 2**20 * overhead.copy_ms_per_mib,
                 accumulate_ms=params / 2**20 * overhead.accumulate_ms_per_mib,
+                sends=None
+                if messages is None
+                else {
+                    consumer: (
+                        float(messages.activation_bytes[(number, consumer)]),
+                        float(messages.gradient_bytes[(number, consumer)]),
+                    )
+                    for producer, consumer in messages.edges
+                    if producer == number
+                },
             )
         )
     return work
@@ -352,6 +368,31 @@ def tied_bytes(plan: Plan, profile: Profile) -> dict[int, dict[int, float]]:
             for a, b in ((stages[0], copy), (copy, stages[0])):
                 out.setdefault(a, {})[b] = out.get(a, {}).get(b, 0.0) + tied.bytes
     return out
+
+
+def pipeline_edges(work: Sequence[StageWork]) -> tuple[tuple[int, int], ...] | None:
+    """The (producer, consumer) stage pairs of ``work`` (the schedule's ``edges``); None for a
+    chain (no stage has ``sends``)."""
+    if all(w.sends is None for w in work):
+        return None
+    pairs: set[tuple[int, int]] = set()
+    for stage, w in enumerate(work):
+        if w.sends is not None:
+            pairs.update((stage, consumer) for consumer in w.sends)
+        elif stage + 1 < len(work):
+            pairs.add((stage, stage + 1))
+    return tuple(sorted(pairs))
+
+
+def _message_bytes(
+    work: Sequence[StageWork], producer: int, consumer: int, gradient: bool
+) -> float:
+    """Bytes of one activation message from ``producer`` to ``consumer`` (or of the gradient
+    message back)."""
+    sends = work[producer].sends
+    if sends is None:
+        return work[producer].output_bytes
+    return sends[consumer][1 if gradient else 0]
 
 
 def tied_pairs(work: Sequence[StageWork]) -> tuple[tuple[int, int], ...]:
@@ -519,13 +560,7 @@ def _simulate(
     spread: PassSpread | None = None,
     seed: int = 0,
 ) -> Timeline:
-    spec = PipelineSpec(
-        schedule=plan.schedule,
-        stage_ranks=tuple(stage.ranks for stage in plan.stages),
-        microbatches=plan.microbatches,
-        num_minibatches=num_minibatches,
-        tied=tied_pairs(work),
-    )
+    spec = spec_from_plan(plan, 0, num_minibatches, pipeline_edges(work), tied_pairs(work))
     tables = build_tables(spec)
     run = _Run(tables, work, network, spec, spread, random.Random(seed))
     run.execute()
@@ -710,9 +745,9 @@ class _Run:
             peer = action.peer or 0
             link = (min(rank, peer), max(rank, peer))
             if op is Op.SEND_ACT:
-                size = self.work[stage].output_bytes
+                size = _message_bytes(self.work, stage, self.stage_of[peer], gradient=False)
             elif op is Op.SEND_GRAD:
-                size = self.work[stage - 1].output_bytes
+                size = _message_bytes(self.work, self.stage_of[peer], stage, gradient=True)
             else:  # a tied parameter's gradient or new version
                 size = self.work[stage].tied_bytes[self.stage_of[peer]]
             key = (MATCHING_RECEIVE[op], action.index, rank, peer)

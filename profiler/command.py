@@ -20,6 +20,7 @@ import dataclasses
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TextIO
 
 import torch
@@ -31,13 +32,19 @@ from pipedream.formats.profile import (
     LayerProfile,
     PassSpread,
     Profile,
+    ProfileValue,
     TiedParameter,
     save_profile,
 )
 from pipedream.host_memory import configure_host_memory
 from pipedream.model_io import batch_size, call_model, map_tensors
 from pipedream.profiler.corunners import Corunners, CorunnerSpec
-from pipedream.profiler.graph_profile import graph_tied_parameters, layer_graph, measure_graph
+from pipedream.profiler.graph_profile import (
+    graph_tied_parameters,
+    graph_values,
+    layer_graph,
+    measure_graph,
+)
 from pipedream.profiler.measure import ProfilerError, measure_sequential, tied_parameters
 from pipedream.profiler.overhead import measure_data_reads, measure_loss, measure_overhead
 from pipedream.workload import Workload, load_workload, parse_workload_args
@@ -188,7 +195,7 @@ def profile_workload(
         name, dict(workload_args), microbatch_size, torch.get_num_threads(), tuple(sys.path)
     )
     with Corunners(spec, num_corunners=concurrent - 1):
-        layers, cut_bytes, overhead, spread, tied = _measure(
+        measured = _measure(
             workload, device, warmup=warmup, repeats=repeats, depth=depth, patterns=patterns
         )
     param = next(iter(workload.model.parameters()), None)
@@ -198,14 +205,29 @@ def profile_workload(
         microbatch_size=batch_size(workload.example_input),
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
-        layers=tuple(layers),
-        cut_bytes=cut_bytes,
+        layers=measured.layers,
+        cut_bytes=measured.cut_bytes,
         workload_args=dict(workload_args),
-        overhead=overhead,
+        overhead=measured.overhead,
         concurrent=concurrent,
-        spread=spread,
-        tied=tuple(tied),
+        spread=measured.spread,
+        tied=measured.tied,
+        values=measured.values,
     )
+
+
+@dataclass(frozen=True)
+class _Measured:
+    """What :func:`_measure` found: the profile's measured fields."""
+
+    layers: tuple[LayerProfile, ...]
+    cut_bytes: tuple[int, ...] | None
+    """Bytes across every cut (a traced model; None for an ``nn.Sequential``'s chain)."""
+    values: tuple[ProfileValue, ...] | None
+    """The tensors that cross layers (a traced model; None for a chain)."""
+    overhead: ActionOverhead
+    spread: PassSpread | None
+    tied: tuple[TiedParameter, ...]
 
 
 def _measure(
@@ -216,18 +238,13 @@ def _measure(
     repeats: int,
     depth: int | None,
     patterns: Sequence[str],
-) -> tuple[
-    list[LayerProfile],
-    tuple[int, ...] | None,
-    ActionOverhead,
-    PassSpread | None,
-    list[TiedParameter],
-]:
-    """The layers' costs, the bytes across every cut of a traced model, the runtime's costs,
-    how much the whole passes varied, the parameters several layers use."""
+) -> _Measured:
+    """The layers' costs, the bytes across every cut of a traced model and the tensors that
+    cross them, the runtime's costs, how much the whole passes varied, the parameters several
+    layers use."""
     model = workload.model.to(device)
     example = map_tensors(lambda t: t.to(device), workload.example_input)
-    cut_bytes = None
+    cut_bytes = values = None
     passes: list[tuple[float, float]] = []
     options = {"warmup": warmup, "repeats": repeats, "optimizer": workload.optimizer}
     if isinstance(model, nn.Sequential) and depth is None and not patterns:
@@ -242,6 +259,7 @@ def _measure(
         graph = layer_graph(model, example, depth=depth, patterns=patterns)
         layers = measure_graph(graph, model, example, passes=passes, **options)
         cut_bytes = tuple(graph.cut_bytes())
+        values = tuple(graph_values(graph))
         tied = graph_tied_parameters(graph, model)
     overhead = measure_overhead(workload.optimizer, device=device, warmup=warmup, repeats=repeats)
     stream = MicrobatchStream(workload.dataset, batch_size(workload.example_input), seed=0)
@@ -265,7 +283,8 @@ def _measure(
         loss_forward_ms=loss_forward_ms,
         loss_backward_ms=loss_backward_ms,
     )
-    return list(layers), cut_bytes, overhead, PassSpread.from_passes(passes), tied
+    spread = PassSpread.from_passes(passes)
+    return _Measured(tuple(layers), cut_bytes, values, overhead, spread, tuple(tied))
 
 
 def _share_the_host_like_ranks(concurrent: int, out: TextIO) -> None:

@@ -3,7 +3,9 @@
 The model is exported once, grouped into layers (``pipedream.graph``), and every layer is cut out
 as its own module taking exactly the values that reach it, so skip connections are measured
 where they cross: ``output_bytes`` of a layer counts every value it sends to any later layer, and
-the profile's ``cut_bytes`` counts everything live across each boundary.
+the profile's ``cut_bytes`` counts everything live across each boundary, and its ``values``
+say which layer makes each crossing tensor and which layers use it (what a plan's stages send
+each other, skip connections included).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from pipedream.formats.profile import LayerProfile, TiedParameter
+from pipedream.formats.profile import LayerProfile, ProfileValue, TiedParameter
 from pipedream.graph import LayerGraph, trace_model
 from pipedream.graph.stages import build_stage_module, stage_ios
 from pipedream.model_io import first_device
@@ -27,7 +29,7 @@ from pipedream.profiler.measure import (
     describe_layer,
 )
 
-__all__ = ["graph_tied_parameters", "layer_graph", "measure_graph"]
+__all__ = ["graph_tied_parameters", "graph_values", "layer_graph", "measure_graph"]
 
 
 class _Unpack(nn.Module):
@@ -136,3 +138,32 @@ def graph_tied_parameters(graph: LayerGraph, model: nn.Module) -> list[TiedParam
         for name, layers in users.items()
         if len(layers) > 1
     ]
+
+
+def graph_values(graph: LayerGraph) -> list[ProfileValue]:
+    """Every tensor of ``graph`` that a later layer or the loss uses, in graph order: the
+    wiring :func:`pipedream.graph.stage_ios` gives the stages of any plan."""
+    returned = set(graph.output_names)
+    last = len(graph.layers) - 1
+    values = []
+    for node in graph.program.graph.nodes:
+        if node.name not in graph.input_names and node.name not in graph.layer_of:
+            continue
+        made = graph.defined_in(node.name)
+        used = sorted(
+            {graph.layer_of[u.name] for u in node.users if u.name in graph.layer_of} - {made}
+        )
+        loss = node.name in returned
+        if not used and not (loss and made < last):
+            continue  # it never leaves its layer's stage
+        values.append(
+            ProfileValue(
+                name=node.name,
+                bytes=graph.value_bytes(node.name),
+                made_by=None if made == -1 else graph.layers[made],
+                used_by=tuple(graph.layers[layer] for layer in used),
+                loss=loss,
+                grad=node.name in graph.differentiable,
+            )
+        )
+    return values

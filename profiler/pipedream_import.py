@@ -11,9 +11,12 @@ milliseconds for one minibatch, sizes in bytes.
 
 The graph is a DAG; :class:`~pipedream.formats.Profile` is a list of layers in execution order
 plus ``cut_bytes`` (the bytes live across each boundary), which is what the optimizer needs to
-plan contiguous stages. Data-loader sources (description ``Input...``) get zero cost by default,
-as the original optimizer does before planning (their "forward time" is the data loading time,
-which is no stage's work, and the input always lives on the first stage).
+plan contiguous stages, and ``values`` (each node's output and the nodes that read it), which
+is what the simulator needs to send a skip connection where the runtime does: from its
+producer's stage straight to its consumer's. Data-loader sources (description
+``Input...``) get zero cost by default, as the original optimizer does before planning (their
+"forward time" is the data loading time, which is no stage's work, and the input always lives
+on the first stage).
 
 This module must not import torch: ``pipedream profile --from-pipedream`` and the tests use it on
 machines without an accelerator, and the optimizer reads its output without torch.
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipedream.errors import FormatError
-from pipedream.formats.profile import LayerProfile, Profile
+from pipedream.formats.profile import LayerProfile, Profile, ProfileValue
 
 __all__ = ["GraphNode", "import_pipedream_graph", "parse_pipedream_graph", "topological_order"]
 
@@ -272,6 +275,19 @@ def import_pipedream_graph(
     for i in range(len(order) - 1):
         live += delta[i]
         cuts.append(live)
+    consumers: dict[str, list[str]] = {}
+    for src, dst in edges:
+        consumers.setdefault(src, []).append(dst)
+    values = tuple(  # a sink (the output, a dead end) sends nothing, as in cut_bytes
+        ProfileValue(
+            name=src,
+            bytes=layers[index[src]].output_bytes,
+            made_by=src,
+            used_by=tuple(sorted(set(consumers[src]), key=index.__getitem__)),
+        )
+        for src in order
+        if src in consumers
+    )
     name = Path(path).stem if Path(path).stem != "graph" else Path(path).resolve().parent.name
     return Profile(
         workload=f"pipedream-import:{name}",
@@ -280,4 +296,5 @@ def import_pipedream_graph(
         dtype="float32",
         layers=tuple(layers),
         cut_bytes=tuple(cuts),
+        values=values,
     )

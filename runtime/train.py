@@ -376,6 +376,8 @@ class _RankJob:
                 rank=self.rank,
                 stage=self.stage_index,
                 world_size=self.env.world_size,
+                edges=self.layout.edges,
+                tied=self.layout.tied_pairs,
             )
         if logger is not None:
             assert self.last_checkpoint is not None

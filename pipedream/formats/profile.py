@@ -17,6 +17,7 @@ __all__ = [
     "LayerProfile",
     "PassSpread",
     "Profile",
+    "ProfileValue",
     "TiedParameter",
     "load_profile",
     "save_profile",
@@ -211,6 +212,91 @@ class PassSpread:
 
 
 @dataclass(frozen=True)
+class ProfileValue:
+    """A tensor that crosses layers: made by one layer (or a model input) and used by later
+    layers or the loss.
+
+    A traced model's values say exactly what a plan's stages send each other: a stage sends
+    every value it makes (the first stage: every model input) to each later stage that uses it,
+    directly, so a skip connection is one message from its producer's stage to its consumer's,
+    not a relay through the stages between. A profile without them (an ``nn.Sequential``, an
+    older profile) describes a chain: each stage sends ``cut_bytes`` to the next.
+    """
+
+    name: str
+    """The value's name in the traced graph."""
+    bytes: int
+    """Its size for one microbatch."""
+    made_by: str | None
+    """The layer that computes it; None: a model input (the first stage reads it)."""
+    used_by: tuple[str, ...]
+    """The later layers that use it, in model order."""
+    loss: bool = False
+    """Whether the loss uses it (a model output): the last stage then needs it."""
+    grad: bool = True
+    """Whether a gradient flows back along it (not for integer ids, masks, detached values)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "bytes": self.bytes}
+        if self.made_by is not None:
+            out["made_by"] = self.made_by
+        out["used_by"] = list(self.used_by)
+        if self.loss:
+            out["loss"] = True
+        if not self.grad:
+            out["grad"] = False
+        return out
+
+    @classmethod
+    def from_reader(cls, reader: MappingReader, layer_names: Sequence[str]) -> ProfileValue:
+        order = {layer: i for i, layer in enumerate(layer_names)}
+        name = reader.str("name")
+        size = reader.int("bytes")
+        made_by = reader.str("made_by", None)
+        if made_by is not None and made_by not in order:
+            raise reader.error(
+                "made_by",
+                f"names {made_by!r}, which is not a layer of the profile",
+                "name the layer that computes the value, or leave it out for a model input",
+            )
+        raw = reader.list("used_by", [], nonempty=False)
+        entries = {f"used_by[{i}]": value for i, value in enumerate(raw)}
+        items = MappingReader(entries, source=reader.source, path=reader.path)
+        used_by = [items.str(key) for key in entries]
+        start = -1 if made_by is None else order[made_by]
+        for key, layer in zip(entries, used_by):
+            if layer not in order:
+                raise reader.error(
+                    key,
+                    f"names {layer!r}, which is not a layer of the profile",
+                    "list the layers that use the value",
+                )
+            if order[layer] <= start:
+                raise reader.error(
+                    key,
+                    f"layer {layer!r} does not come after {made_by!r}, which makes the value",
+                    "a value flows forward: list only later layers",
+                )
+        loss = reader.bool("loss", False)
+        if not used_by and not loss:
+            raise reader.error(
+                "used_by",
+                "is empty and the loss does not use the value either",
+                "drop the entry, or list the layers that use it",
+            )
+        value = cls(
+            name,
+            size,
+            made_by,
+            tuple(sorted(set(used_by), key=order.__getitem__)),
+            loss,
+            reader.bool("grad", True),
+        )
+        reader.finish()
+        return value
+
+
+@dataclass(frozen=True)
 class TiedParameter:
     """A parameter that several layers use (a language model's embedding and output head).
 
@@ -283,6 +369,9 @@ class Profile:
     """How much the profiler's whole passes varied (``pass_spread``); optional."""
     tied: tuple[TiedParameter, ...] = ()
     """Parameters used by several layers (``tied``); optional."""
+    values: tuple[ProfileValue, ...] | None = None
+    """Every tensor that crosses layers (``values``: skip connections, model inputs used
+    later); None: a chain, each layer feeding the next."""
 
     def __post_init__(self) -> None:
         assert self.cut_bytes is None or len(self.cut_bytes) == len(self.layers) - 1
@@ -329,6 +418,8 @@ class Profile:
             out["pass_spread"] = self.spread.to_dict()
         if self.tied:
             out["tied"] = [tied.to_dict() for tied in self.tied]
+        if self.values is not None:
+            out["values"] = [value.to_dict() for value in self.values]
         return out
 
     @classmethod
@@ -383,6 +474,14 @@ class Profile:
             TiedParameter.from_reader(reader.child(raw, f"tied[{i}]"), [lay.name for lay in layers])
             for i, raw in enumerate(reader.list("tied", [], nonempty=False))
         )
+        raw_values = reader.list("values", None, nonempty=False)
+        values = None
+        if raw_values is not None:
+            names_in_order = [layer.name for layer in layers]
+            values = tuple(
+                ProfileValue.from_reader(reader.child(raw, f"values[{i}]"), names_in_order)
+                for i, raw in enumerate(raw_values)
+            )
         reader.finish()
         return cls(
             workload=workload,
@@ -396,6 +495,7 @@ class Profile:
             concurrent=concurrent,
             spread=spread,
             tied=tied,
+            values=values,
         )
 
 

@@ -6,7 +6,10 @@ its rank, stage and the world size, and one event per action of its table, in ta
 all ranks of a node), and what the executor did right before it, between the previous action
 and this one: ``posting`` (seconds spent posting receives ahead,
 :mod:`~pipedream.schedules.posting`) and ``reclaiming`` (seconds spent waiting for earlier
-sends to complete). Traces written before those two were recorded lack them.
+sends to complete). Traces written before those two were recorded lack them. The wiring the
+tables were built for goes beside them: ``edges``, the stage pairs that exchange tensors (null
+for a chain; skip connections add pairs), and ``tied``, the (owner, copy) stage pairs of tied
+parameters, so that a reader rebuilds the very tables the run executed.
 
 :func:`write_trace` writes a rank's file, :func:`load_traces` reads and validates a run's
 (``pipedream trace`` merges them into a Chrome trace; ``pipedream simulate --trace`` sets them
@@ -68,6 +71,8 @@ def write_trace(
     rank: int,
     stage: int,
     world_size: int,
+    edges: tuple[tuple[int, int], ...] | None = None,
+    tied: tuple[tuple[int, int], ...] = (),
 ) -> Path:
     """Every action's start and end, on a clock shared by all ranks.
 
@@ -80,6 +85,8 @@ def write_trace(
         "rank": rank,
         "stage": stage,
         "world_size": world_size,
+        "edges": None if edges is None else [list(pair) for pair in edges],
+        "tied": [list(pair) for pair in tied],
         "clock": "unix seconds",
         "events": [
             {
@@ -144,6 +151,10 @@ class RankTrace:
     """Every action of the rank's table, in execution order."""
     path: str
     """File it was read from (for messages)."""
+    edges: tuple[tuple[int, int], ...] | None = None
+    """(producer, consumer) stage pairs that exchanged tensors; None: a chain."""
+    tied: tuple[tuple[int, int], ...] = ()
+    """(owner, copy) stage pairs of tied parameters."""
 
 
 def _field(source: str, payload: dict[str, Any], key: str, kind: type) -> Any:
@@ -156,6 +167,26 @@ def _field(source: str, payload: dict[str, Any], key: str, kind: type) -> Any:
             "the file is damaged; re-run the training with --trace",
         )
     return value
+
+
+def _pairs(source: str, payload: dict[str, Any], key: str) -> tuple[tuple[int, int], ...] | None:
+    """A list of stage pairs (None where the trace has none: a chain, or an older trace)."""
+    raw = payload.get(key)
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or not all(
+        isinstance(pair, list)
+        and len(pair) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in pair)
+        for pair in raw
+    ):
+        raise FormatError(
+            source,
+            key,
+            f"expected a list of [stage, stage] pairs, got {raw!r:.60}",
+            "the file is damaged; re-run the training with --trace",
+        )
+    return tuple((a, b) for a, b in raw)
 
 
 def _read_rank(path: Path) -> RankTrace:
@@ -218,7 +249,9 @@ def _read_rank(path: Path) -> RankTrace:
                 reclaiming,
             )
         )
-    return RankTrace(rank, stage, world_size, tuple(events), source)
+    edges = _pairs(source, payload, "edges")
+    tied = _pairs(source, payload, "tied") or ()
+    return RankTrace(rank, stage, world_size, tuple(events), source, edges, tied)
 
 
 def load_traces(run_dir: str | os.PathLike[str]) -> list[RankTrace]:

@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 
 from pipedream.data import MicrobatchStream
+from pipedream.formats import load_plan
+from pipedream.formats.trace import load_traces
 from pipedream.graph.stages import stage_ios
+from pipedream.optimizer.measured import message_times
 from pipedream.profiler.graph_profile import layer_graph
 from pipedream.runtime.checkpoint import load_full_state_dict
 from pipedream.workload import load_workload
@@ -74,8 +77,16 @@ def test_traced_model_in_three_stages_equals_paper_rule(tmp_path: Path, name: st
         "--timeout",
         "120",
         "--no-progress",
+        "--trace",
     )
     assert result.returncode == 0, result.stderr[-4000:]
+    # the traces carry the wiring, so the reader rebuilds the tables the run executed and
+    # times every message, a skip connection's included
+    edges = tuple(sorted({(io.stage, c) for io in ios for c, _ in io.consumers}))
+    traces = load_traces(tmp_path / "run")
+    assert [t.edges for t in traces] == [edges] * 3
+    links = {(m.source, m.destination) for m in message_times(traces, load_plan(path))}
+    assert links == {pair for p, c in edges for pair in ((p, c), (c, p))}
     got = load_full_state_dict(tmp_path / "run" / "checkpoints" / f"step-{steps:06d}")
 
     fresh = load_workload(name, args, microbatch_size=microbatch)

@@ -7,12 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from torch import Tensor, nn
 
 from pipedream.errors import WorkloadError
-from pipedream.formats import load_profile
-from pipedream.graph import trace_model
-from pipedream.profiler.graph_profile import layer_graph, measure_graph
+from pipedream.formats import LayerProfile, Profile, ProfileValue, load_profile
+from pipedream.graph import LayerGraph, trace_model
+from pipedream.graph.stages import stage_ios
+from pipedream.optimizer.stage_messages import stage_messages
+from pipedream.profiler.graph_profile import graph_values, layer_graph, measure_graph
 from pipedream.workload import load_workload
 
 from launching import run_cli
@@ -132,3 +135,60 @@ def test_profile_cli_traces_with_depth_and_plots(tmp_path: Path) -> None:
     assert profile.layer_names[:3] == ["stem.0", "stem.1", "stem.2"]
     assert profile.cut_bytes is not None and len(profile.cut_bytes) == len(profile.layers) - 1
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+GPT_ARGS = {"layers": "2", "dim": "32", "heads": "2", "seq": "16"}
+
+
+def _cut_from_values(graph: LayerGraph, values: list[ProfileValue], boundary: int) -> int:
+    """Bytes of the values made at or before layer ``boundary`` and used after it."""
+    index = {name: i for i, name in enumerate(graph.layers)}
+    total = 0
+    for value in values:
+        made = -1 if value.made_by is None else index[value.made_by]
+        uses = [index[layer] for layer in value.used_by] + ([len(index)] if value.loss else [])
+        if made <= boundary < max(uses):
+            total += value.bytes
+    return total
+
+
+@pytest.mark.parametrize(
+    ("workload", "args", "depth", "splits"),
+    [
+        ("resnet", {"width": "4"}, 3, [(4, 9), (2, 7, 15), (1, 5, 6, 20)]),
+        ("gpt", GPT_ARGS, 2, [(3, 6), (2, 3, 4, 5, 11)]),
+    ],
+)
+def test_profile_values_wire_stages_as_the_runtime_does(
+    workload: str, args: dict[str, str], depth: int, splits: list[tuple[int, ...]]
+) -> None:
+    """For any split, the stage pairs and their bytes from the profile's values are those of
+    the runtime's wiring (stage_ios), and the values add up to every cut's bytes."""
+    loaded = load_workload(workload, args, microbatch_size=B)
+    graph = layer_graph(loaded.model, loaded.example_input, depth=depth)
+    values = graph_values(graph)
+    cuts = graph.cut_bytes()
+    assert [_cut_from_values(graph, values, b) for b in range(len(cuts))] == cuts
+    layers = tuple(LayerProfile(name, "", 1.0, 1.0, 0, 0) for name in graph.layers)
+    profile = Profile(workload, B, "cpu", "float32", layers, tuple(cuts), values=tuple(values))
+    assert load_profile_text(profile) == profile  # the values survive the file
+    skips = 0
+    for last_layers in splits:
+        starts = [0, *(last + 1 for last in last_layers[:-1])]
+        ranges = list(zip(starts, [*last_layers[:-1], len(graph.layers) - 1]))
+        ios = stage_ios(graph, ranges)
+        stage_of = [s for s, (first, last) in enumerate(ranges) for _ in range(first, last + 1)]
+        messages = stage_messages(profile, stage_of)
+        assert messages is not None
+        wired = {(io.stage, c): names for io in ios for c, names in io.consumers}
+        assert messages.edges == tuple(sorted(wired))
+        for pair, names in wired.items():
+            assert messages.activation_bytes[pair] == sum(graph.value_bytes(v) for v in names)
+            carried = [v for v in names if v not in ios[pair[0]].no_grad]
+            assert messages.gradient_bytes[pair] == sum(graph.value_bytes(v) for v in carried)
+        skips += sum(c > p + 1 for p, c in messages.edges)
+    assert skips  # a residual block split around its branch: its input skips a stage
+
+
+def load_profile_text(profile: Profile) -> Profile:
+    return Profile.from_dict(yaml.safe_load(yaml.safe_dump(profile.to_dict())))

@@ -108,6 +108,13 @@ def test_small_graph_order_and_cut_bytes(tmp_path: Path) -> None:
     # after node3: node2 (10, skip to node4) + node3 (23); after node5: the same;
     # after node4: node4 (30)
     assert profile.cut_bytes == (0, 10, 33, 33, 30)
+    # what a plan's stages send: each output to the nodes that read it (node2's skips node3)
+    assert [(v.made_by, v.used_by, v.bytes) for v in profile.values or ()] == [
+        ("node1", ("node2",), 0),
+        ("node2", ("node3", "node4"), 10),
+        ("node3", ("node5", "node4"), 23),
+        ("node4", ("node6",), 30),
+    ]
     assert profile.workload == f"pipedream-import:{tmp_path.name}"  # graph.txt: folder name
     assert profile.microbatch_size == 1
     exact = import_pipedream_graph(path, keep_input_costs=True)
