@@ -482,6 +482,12 @@ class Profile:
                 ProfileValue.from_reader(reader.child(raw, f"values[{i}]"), names_in_order)
                 for i, raw in enumerate(raw_values)
             )
+            if not values and len(layers) > 1:
+                raise reader.error(
+                    "values",
+                    f"is empty, but the profile's {len(layers)} layers must pass tensors on",
+                    "list the tensors that cross layers, or leave `values` out for a chain",
+                )
         reader.finish()
         return cls(
             workload=workload,

@@ -67,6 +67,11 @@ def test_a_bad_value_names_its_field(value: dict, message: str) -> None:
         Profile.from_dict(data, source="p.yaml")
 
 
+def test_an_empty_list_of_values_is_not_a_chain() -> None:
+    with pytest.raises(FormatError, match="p.yaml: values: is empty, but the profile's 3 layers"):
+        Profile.from_dict(CHAIN.to_dict() | {"values": []}, source="p.yaml")
+
+
 def test_the_simulator_sends_a_skip_connection_straight_to_its_consumer() -> None:
     # wired: F0 (1 ms); y to stage 1 and x to stage 2 at once (0.5 ms each, two links); F1;
     # z (0.5); F2, B2; the gradients of z and x back at once (0.5); B1; y's (0.5); B0: 8 ms.
