@@ -1,6 +1,6 @@
 """Checkpoints: one directory per step, one file per stage, a manifest written last.
 
-Layout (DESIGN.md section 8)::
+Layout (docs/formats.md, "Checkpoints")::
 
     checkpoints/step-000100/
         stage-00.pt      {"model": slice of the model's state_dict (the model's own keys),
@@ -46,6 +46,7 @@ __all__ = [
     "restore_stage",
     "save_stage_file",
     "step_dir_name",
+    "step_directories",
     "tied_names",
     "write_manifest",
 ]
@@ -242,17 +243,23 @@ def stage_payload(
     }
 
 
+def step_directories(checkpoints: Path) -> list[Path]:
+    """The ``step-N`` directories under ``checkpoints``, oldest step first (by number: a run
+    past step 999999 writes ``step-1000000``, which sorts before ``step-999999`` by name)."""
+    if not checkpoints.is_dir():
+        return []
+    found = []
+    for path in checkpoints.iterdir():
+        number = path.name.removeprefix("step-")
+        if path.is_dir() and path.name.startswith("step-") and number.isdigit():
+            found.append((int(number), path))
+    return [path for _, path in sorted(found)]
+
+
 def find_latest_checkpoint(checkpoints: Path) -> Path | None:
     """The newest complete checkpoint under ``checkpoints``; corrupt or partial ones are skipped
     with a warning on stderr."""
-    if not checkpoints.is_dir():
-        return None
-    candidates = sorted(
-        (p for p in checkpoints.iterdir() if p.is_dir() and p.name.startswith("step-")),
-        key=lambda p: p.name,
-        reverse=True,
-    )
-    for candidate in candidates:
+    for candidate in reversed(step_directories(checkpoints)):
         try:
             manifest = load_manifest(candidate)
             for entry in manifest["stages"]:

@@ -23,6 +23,7 @@ from pipedream.runtime.checkpoint import (
     load_manifest,
     save_stage_file,
     stage_payload,
+    step_directories,
     write_manifest,
 )
 from pipedream.runtime.stage_worker import StageWorker
@@ -88,16 +89,13 @@ def prune_checkpoints(checkpoints: Path, *, keep: int) -> list[Path]:
     Incomplete directories (no manifest: a write that died) older than the newest complete
     checkpoint are deleted too.
     """
-    steps = sorted(
-        (p for p in checkpoints.iterdir() if p.is_dir() and p.name.startswith("step-")),
-        key=lambda p: p.name,
-    )
+    steps = step_directories(checkpoints)
     complete = [p for p in steps if (p / "manifest.yaml").is_file()]
     if not complete:
         return []
     survivors = set(complete[-keep:])
-    newest = complete[-1].name
-    doomed = [p for p in steps if p not in survivors and p.name < newest]
+    newest = steps.index(complete[-1])
+    doomed = [p for p in steps[:newest] if p not in survivors]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed

@@ -15,7 +15,9 @@ from pipedream.runtime.checkpoint import (
     find_latest_checkpoint,
     load_full_state_dict,
     load_manifest,
+    step_directories,
 )
+from pipedream.runtime.checkpoint_protocol import prune_checkpoints
 
 from launching import run_main, straight_plan, write_plan
 
@@ -154,3 +156,17 @@ def test_resume_auto_skips_a_corrupt_newest_checkpoint(run: Path, tmp_path: Path
     # it resumed from step 2 and rewrote steps 4 and 6
     assert find_latest_checkpoint(copy / "checkpoints") == copy / "checkpoints" / "step-000006"
     assert len(load_full_state_dict(copy / "checkpoints" / "step-000004")) == 18
+
+
+def test_steps_past_a_million_order_by_number(checkpoints: Path) -> None:
+    """``step-1000000`` sorts before ``step-999999`` by name; the newest is the larger step."""
+    shutil.move(checkpoints / "step-000002", checkpoints / "step-999999")
+    shutil.move(checkpoints / "step-000004", checkpoints / "step-1000000")
+    (checkpoints / "step-notanumber").mkdir()
+    assert step_directories(checkpoints) == [
+        checkpoints / "step-999999",
+        checkpoints / "step-1000000",
+    ]
+    assert find_latest_checkpoint(checkpoints) == checkpoints / "step-1000000"
+    assert prune_checkpoints(checkpoints, keep=1) == [checkpoints / "step-999999"]
+    assert (checkpoints / "step-1000000" / "manifest.yaml").is_file()
