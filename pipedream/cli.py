@@ -1,4 +1,4 @@
-"""The ``pipedream`` command line (DESIGN.md section 4).
+"""The ``pipedream`` command line (docs/cli.md).
 
 Each verb's work lives in its own package; this module only parses arguments, imports the verb's
 module lazily (``pipedream plan`` must not pay for importing torch) and turns user errors into

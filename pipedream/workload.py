@@ -1,4 +1,4 @@
-"""The workload contract (DESIGN.md section 5) and how workloads are found by name.
+"""The workload contract (docs/architecture.md, "Workloads") and how workloads are found by name.
 
 A workload is named by a built-in name (``mlp``, ``gpt``, ``digits``, ``resnet``, ``sleep``,
 ``hf-lm``) or by ``package.module:function``. The factory takes keyword options

@@ -247,7 +247,7 @@ def build_stage_module(model: nn.Module, names: Sequence[str]) -> nn.Sequential:
     """An ``nn.Sequential`` of the named children, keeping their names.
 
     Its ``state_dict()`` keys are therefore exactly the full model's keys for those layers, so a
-    stage's state is a slice of the model's state dict (DESIGN.md section 5).
+    stage's state is a slice of the model's state dict (docs/architecture.md, "The runtime").
     """
     children = dict(model.named_children())
     return nn.Sequential(OrderedDict((name, children[name]) for name in names))

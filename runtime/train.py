@@ -3,7 +3,8 @@
 Every rank loads the plan and the workload, validates the action tables of every rank, joins the
 process group, takes its stage's slice of the model and runs its own table. The run is cut into
 segments at checkpoints: a segment's tables drain the pipeline, so every checkpoint is a
-consistent state (DESIGN.md section 8) and a resumed run equals an uninterrupted one.
+consistent state (docs/architecture.md, "The runtime") and a resumed run equals an
+uninterrupted one.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""File formats shared by the profiler, the optimizer and the runtime (DESIGN.md section 6).
+"""File formats shared by the profiler, the optimizer and the runtime (docs/formats.md).
 
 Every format is a frozen dataclass with ``from_dict``/``to_dict``, loaded from YAML with
 ``yaml.safe_load``, strictly validated (unknown keys, wrong types, negative sizes are errors that

@@ -1,4 +1,5 @@
-"""Bad input ends with one clear line, exit code 2, no traceback and no hang (DESIGN.md 4, 6).
+"""Bad input ends with one clear line, exit code 2, no traceback and no hang (docs/cli.md,
+docs/formats.md).
 
 Every case runs the real command: ``pipedream`` through ``pipedream.cli.main`` in this process
 (``launching.run_main``: its exit code and what it prints), ``launch.sh`` in a subprocess

@@ -1,4 +1,4 @@
-"""Independent single-process oracles for the schedules' update rules (DESIGN.md section 7).
+"""Independent single-process oracles for the schedules' update rules (docs/schedules.md).
 
 They use nothing from pipedream.runtime: plain autograd on the whole, unsplit model, with each
 stage's weights taken from the version the rule prescribes, and a torch optimizer applying the

@@ -1,4 +1,4 @@
-"""The file formats (DESIGN.md section 6): literal round trips, units, and every error path.
+"""The file formats (docs/formats.md): literal round trips, units, and every error path.
 
 Every malformed file must raise one ``FormatError`` whose message is one line of the form
 ``FILE: FIELD: PROBLEM; FIX`` — it names the file, the dotted field path and how to fix it.

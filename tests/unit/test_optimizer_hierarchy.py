@@ -222,7 +222,7 @@ def test_tied_parameters_literal_costs() -> None:
 # -n 4 2 / -n 4 4 (4 workers per server, 2 or 4 servers) -b 10e9 1.25e9
 # --activation_compression_ratio 1 (ms). The original plans over its own chain of antichains
 # (99 states for gnmt's 48 nodes) and gets 11.081 for gnmt 4x4; the imported node order admits
-# a better split there, 10.905, which is what this optimizer finds (README, "Cost models").
+# a better split there, 10.905, which is what this optimizer finds (docs/cli.md, "Cost models").
 ORIGINAL_TWO_LEVEL_MS = {
     ("vgg16", 2): 157.821,
     ("vgg16", 4): 67.134,

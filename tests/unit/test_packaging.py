@@ -1,4 +1,4 @@
-"""Guards for the one-namespace layout (DESIGN.md section 2).
+"""Guards for the one-namespace layout (docs/architecture.md, "Packages").
 
 ``profiler/``, ``optimizer/`` and ``runtime/`` are top-level folders installed as
 ``pipedream.profiler`` etc. through ``[tool.setuptools.package-dir]``. The known traps of that
