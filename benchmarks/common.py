@@ -47,8 +47,8 @@ RUNS = REPO / "runs" / "benchmarks"
 """Plans, run directories and traces of the benchmarks (ignored by git)."""
 WARM_MESSAGES = 48
 """32 MiB messages a gloo link carries before its times settle, left out of every calibration
-and measurement: on a fresh link streams of 16 took 42-88 ms per message first, 16-34 ms next,
-then 9-13 ms (loopback TCP growing its buffers, fresh memory)."""
+and measurement: the first messages on a fresh link take several times as long as later ones
+(loopback TCP growing its buffers, memory touched for the first time)."""
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ over seconds hits all five alike:
   backward. Against ``paired``, it tells whether the action on the other core matters.
 
 It prints each way's median forward and backward per rank and, per round, the other ways'
-medians over the free ones. ``benchmarks/RESULTS.md`` quotes them.
+medians over the free ones (no results file).
 """
 
 from __future__ import annotations

@@ -17,20 +17,18 @@ until the last one arrived, median over repeats, is written to ``OUT.json`` with
 capacity in bytes/s: the mean of ``messages x bytes / time`` over the patterns whose messages take
 different links (what ``pipedream simulate --host-bandwidth`` takes; ``null`` for 2
 processes). "both ways" gives a link's duplex factor, 2 x "one" / "both
-ways" (``pipedream simulate --duplex``): 1.00-1.40 here, so the two directions of a loopback
-link are neither one message at a time (1) nor independent (2).
+ways" (``pipedream simulate --duplex``): on loopback it lies between 1 (one message at a time)
+and 2 (the two directions independent).
 "one after quiet" is what a pipeline of sleep layers sees (``simulator_accuracy.py`` takes it
 as the sleep cases' message time): ranks 0 and 1 play ping-pong, each end waiting
 ``QUIET_MS`` before it sends the message back, and a message's time is half of a round trip
-less the wait (:func:`_after_quiet`). On this VM a 32 MiB message after 40 ms or more of quiet
-took 17-20 ms, against 13-14 ms after 10 ms or less (first tests of 2026-11-25, with 2, 4 and 8
-processes alike; the knee lies between 15 and 25 ms of quiet; not TCP's slow start after idle:
-turning ``net.ipv4.tcp_slow_start_after_idle`` off changed nothing). "one" comes right after a
-barrier, and with 4 or 8 processes also carries the barrier's skew. Over the 48 calibrations
-of the run of 02:19-02:46 UTC that day, "one after quiet" took 13.9-21.2 ms (median 18.3) and
-was a median 1.27x "one" with 2 processes, 1.18x with 4 and 0.93x with 8.
+less the wait (:func:`_after_quiet`). A large loopback message can take markedly longer after
+tens of milliseconds of quiet on its link than right after other traffic (not TCP's slow start
+after idle: ``net.ipv4.tcp_slow_start_after_idle`` does not change it), and a pipeline of sleep
+layers sends after such quiet. "one" comes right after a barrier, and with 4 or 8 processes
+also carries the barrier's skew.
 Every timed repeat of every pattern is written too (``each_ms``): how much one message's time
-varies from one to the next on this host (``simulator_accuracy.py`` gives those ratios to
+varies from one to the next on the host (``simulator_accuracy.py`` gives those ratios to
 ``pipedream simulate --message-spread``).
 """
 
@@ -56,7 +54,7 @@ SIZE = 32 * 1024 * 1024
 REPEATS = 9
 QUIET_MS = 40.0
 """How long each end of "one after quiet" holds a message before it sends one back (the sleep
-benchmark's backward; past the knee of 15-25 ms)."""
+benchmark's backward, long enough for the link to count as quiet)."""
 _BUFFERS = ReceiveBuffers(torch.device("cpu"))
 """Receive buffers as the runtime's transport takes them: storage nobody holds is reused."""
 

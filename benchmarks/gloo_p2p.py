@@ -20,10 +20,8 @@ ahead), and two times are taken:
 
 The two ends then play a 2-stage pipeline: each in turn sleeps ``QUIET_MS`` (its action),
 posts the receive of the next message ahead and sends its message, as the runtime does after an
-action. The context matters on this machine: for 32 KiB, a post right after a barrier took
-0.13-0.25 ms, after 20 ms of sleep 0.3-0.7 ms; in this pattern the receive's post takes about
-0.45 ms and the send's 0.2 ms, against 0.15-0.4 ms per receive posted (the gaps before the
-actions they precede) and 0.34-0.46 ms per send in the sleep pipelines' runs. The medians over
+action. The context matters: a post right after a barrier is cheaper than one after the
+process slept, so the posts are timed in the pattern the sleep pipelines run. The medians over
 repeats (both ends' for the posts) are written to ``OUT.json`` as ``{"one_way_ms": {bytes: ms},
 "post_ms": {bytes: ms}, "recv_post_ms": {bytes: ms}, "quiet_ms": QUIET_MS}``.
 """

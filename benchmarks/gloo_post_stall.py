@@ -8,15 +8,14 @@ posting a receive (``dist.irecv``) can wait while a message streams in over the 
 processes (the pair's transport thread is reading it). Rank 0 sends rank 1 a 32 MiB message;
 rank 1, 2 ms after the message started, posts a one-element receive from rank 0 and times the
 call; once the large message is in, it times the same call again on the now idle pair. The
-medians and maxima are printed (no file: ``benchmarks/RESULTS.md`` quotes them).
+medians and maxima are printed (no results file).
 
-On this project's 2-core machine (2026-11-25), in 4 runs with the runtime's host memory
-settings: medians 0.9-5.9 ms and maxima 10-65 ms while the message streamed in, against
-0.14-0.17 ms on the idle pair; without those settings (``PIPEDREAM_KEEP_HOST_MEMORY=0``: the
-receive buffer faults in page by page while it is read) 28.9 ms, about the whole message. The
-simulator charges every posting the same ``--recv-overhead`` (``gloo_p2p.py`` measures it on a
-pair at rest); ``pipedream simulate --trace`` shows what postings cost a run, as each stage's
-share of time spent posting receives between actions, beside the simulated share.
+Run it with and without the runtime's host memory settings (``PIPEDREAM_KEEP_HOST_MEMORY=0``
+turns them off): without them the receive buffer faults in page by page while it is read, and
+a receive posted meanwhile can wait for about the whole message. The simulator charges every
+posting the same ``--recv-overhead`` (``gloo_p2p.py`` measures it on a pair at rest);
+``pipedream simulate --trace`` shows what postings cost a run, as each stage's share of time
+spent posting receives between actions, beside the simulated share.
 """
 
 from __future__ import annotations

@@ -4,15 +4,15 @@ Run from the repository root::
 
     python benchmarks/optimizer_speed.py [--repeat N] [--only NAME]
 
-It imports the PipeDream sample profiles (``../shared/pipedream-profiles``: vgg16, resnet50,
-gnmt) with ``pipedream profile --from-pipedream``, writes a synthetic 2,000-layer profile, then
-times ``pipedream plan`` (a fresh ``python -m pipedream.cli`` process each time: interpreter
-start, imports, planning, writing the plan) on every case: one level of 4/8/16 workers at 1e9
-bytes/s and two levels of 4 workers per server (10e9) x 2 or 4 servers (1.25e9), with
-``--cost-model pipedream`` (the original's numbers), and the synthetic profile on three levels
-(8 GPUs x 8 servers x 16 racks = 1,024 workers). For each case it reports the predicted time per
-minibatch next to the original optimizer's, the best wall time of ``--repeat`` runs and the
-process's peak resident memory (``os.wait4``), and rewrites ``benchmarks/RESULTS-optimizer.md``.
+It imports the PipeDream sample profiles vendored in ``tests/data/pipedream-profiles`` (vgg16,
+resnet50, gnmt) with ``pipedream profile --from-pipedream``, writes a synthetic 2,000-layer
+profile, then times ``pipedream plan`` (a fresh ``python -m pipedream.cli`` process each time:
+interpreter start, imports, planning, writing the plan) on every case: one level of 4/8/16
+workers at 1e9 bytes/s and two levels of 4 workers per server (10e9) x 2 or 4 servers (1.25e9),
+with ``--cost-model pipedream`` (the original's numbers), and the synthetic profile on three
+levels (8 GPUs x 8 servers x 16 racks = 1,024 workers). For each case it reports the predicted
+time per minibatch next to the original optimizer's, the best wall time of ``--repeat`` runs and
+the process's peak resident memory (``os.wait4``), and rewrites ``benchmarks/RESULTS-optimizer.md``.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from pipedream.formats import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-SAMPLES = REPO.parent / "shared" / "pipedream-profiles"
+SAMPLES = REPO / "tests" / "data" / "pipedream-profiles"
 RESULTS = REPO / "benchmarks" / "RESULTS-optimizer.md"
 ORIGINAL_MS = {
     ("vgg16", "4"): 205.5,
@@ -209,7 +209,7 @@ def main() -> None:
         *rows,
         "",
         "Commands. `$WORK` is a temporary folder holding the imported profiles (`python -m",
-        "pipedream.cli profile --from-pipedream ../shared/pipedream-profiles/NAME.txt -o",
+        "pipedream.cli profile --from-pipedream tests/data/pipedream-profiles/NAME.txt -o",
         "$WORK/NAME.yaml`), the synthetic profile (`synthetic_profile()` in the script) and the",
         "topologies: `4x2.yaml`/`4x4.yaml` = 4 workers per server at 10e9 B/s x 2/4 servers at",
         "1.25e9 B/s (the original's `-n 4 2`/`-n 4 4 -b 10e9 1.25e9`), `8x8x16.yaml` = 8 GPUs",

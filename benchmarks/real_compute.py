@@ -10,12 +10,11 @@ ScheduleGPipe and Schedule1F1B run the same split (``torch_pipelining.py``). The
 of our runtime shows its own overhead against the plain loop. Refreshes the ``real-compute``
 section of ``benchmarks/RESULTS.md``.
 
-The shared machine's speed changes within a minute (two profiles taken a minute apart, around
-one run, once differed by 45%), so every case runs :data:`ROUNDS` times, the rounds one after
-the other over all cases (ours and torch's; each round starts with the next case), and the
-table shows the median of the rounds and their range. Each of our runs is profiled right
-before and right after it (``--concurrent`` with one co-runner per other rank) for
-``simulator_accuracy.py``, which compares them round by round.
+A shared machine's speed can change within a minute, so every case runs :data:`ROUNDS` times,
+the rounds one after the other over all cases (ours and torch's; each round starts with the
+next case), and the table shows the median of the rounds and their range. Each of our runs is
+profiled right before and right after it (``--concurrent`` with one co-runner per other rank)
+for ``simulator_accuracy.py``, which compares them round by round.
 """
 
 from __future__ import annotations
@@ -65,10 +64,8 @@ SPLIT = [("0", "3"), ("4", "8")]
 """Four blocks on stage 0; four blocks and the head on stage 1 (balanced)."""
 M = 8
 """Microbatches per minibatch for 2bw, 1f1b and gpipe."""
-# (schedule, microbatches, stages, steps, updates skipped): about 1.5 s skipped, 2.5 s measured.
-# The first second or so of a run is not steady: 2bw with m = 8 took 181-221 ms per minibatch
-# over its first 6 minibatches and 150-163 ms after the 10th, its backward passes stalling
-# 10-40 ms at a time early on.
+# (schedule, microbatches, stages, steps, updates skipped): the skipped updates cover the start
+# of a run, which is not steady (first allocations, the fill, backward passes that stall early).
 OURS = [
     ("pipedream", 1, SPLIT, 200, 80),
     ("2bw", M, SPLIT, 26, 10),
@@ -81,11 +78,9 @@ ROUNDS = 3
 PROFILE_BEFORE, PROFILE_AFTER = "profile.yaml", "profile-after.yaml"
 """The profiles taken right before and right after each run, in its round's directory."""
 PROFILE_REPEATS = 50
-"""Timed passes of each of those profiles: about 3 s of the host, as long as a run's measured
-window, where the CLI's default 10 passes sample 0.6 s. The host's speed moves within seconds:
-with 10 passes the profiles right after a run put stage 0's forward and backward at a median 10%
-from those right before it (0.89-1.41x, 12 rounds of 2026-11-26, 05:53-06:05 UTC), with 50 at
-3% (0.75-1.14x, 08:16-08:28 UTC)."""
+"""Timed passes of each of those profiles: about as long as a run's measured window, five times
+the CLI's default of 10. A shared host's speed moves within seconds, so a longer sample agrees
+better with the profile on the other side of the run."""
 TORCH_STEPS, TORCH_WARMUP = 24, 10
 """torch.distributed.pipelining: steps run, and the step whose end starts the window (as ours
 with 1f1b and gpipe: the end of the 10th step)."""
@@ -132,9 +127,9 @@ def run_ours(
     path = write_plan(plan, directory / "plan.yaml")
 
     # for simulator_accuracy.py: the machine's speed drifts over minutes (it is shared), so the
-    # layers are profiled right before the run they are compared with and right after it (the
-    # two profiles of one round differed by up to 45%), beside a co-runner per other rank (they
-    # share this host's cores, caches and memory bandwidth)
+    # layers are profiled right before the run they are compared with and right after it,
+    # beside a co-runner per other rank (they share the host's cores, caches and memory
+    # bandwidth)
     def profile(file_name: str) -> Command:
         done = profile_workload(
             "mlp",

@@ -1,5 +1,5 @@
-"""Run every benchmark in order and refresh ``benchmarks/RESULTS.md`` (64-75 minutes on the
-2-core test machine: sleep_pipeline.py 48-57, real_compute.py 11-13, simulator_accuracy.py 3-5).
+"""Run every benchmark in order and refresh ``benchmarks/RESULTS.md`` (about an hour, most of
+it in sleep_pipeline.py, whose runs last as long as their sleeps and messages).
 
     python benchmarks/run_all.py
 

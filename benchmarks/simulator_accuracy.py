@@ -153,14 +153,11 @@ def session_calibration(calibrations: list[dict[str, Any]]) -> dict[str, Any]:
     of processes in a run): every timed repeat of each pattern pooled, each pattern's time their
     median, the host's capacity from those times (:func:`gloo_host.capacity`).
 
-    Why pool: one calibration's 9 repeats of a 32 MiB message after quiet spread over 15-45 ms
-    on the first test host (AMD EPYC), so the two around a case measure it no better than to a
-    few ms, and the speed a case's run saw was no closer to them than to the run's whole hour.
-    Over the 24 32 MiB cases of 2026-11-26 05:04-05:53 UTC, simulated with the calibrations
-    around each case the error was 7.6% on average (17 within 10%), with their repeats pooled
-    7.2% (18), with the session's pooled 6.1% (20); after their PipeDream cases were measured
-    over longer windows, 6.4% (19) and 5.3% (22). On the second host (Intel Xeon, two runs of
-    2026-11-27) both predicted all 24, the pooled ones with 2.7% on average.
+    Why pool: on a loaded host one calibration's repeats of a 32 MiB message can spread widely,
+    so the two around a case measure it only roughly, and the speed a case's run saw is no
+    closer to them than to the whole session's. Pooling every repeat of the session gives a
+    steadier estimate; the calibrations around each case alone still get a column of their own
+    in the results, for comparison.
 
     >>> pooled = session_calibration([
     ...     {"processes": 2, "ms": {"one": 10.0}, "each_ms": {"one": [9.0, 10.0, 30.0]}},

@@ -83,11 +83,10 @@ class Case:
         With 32 MiB messages a link warms up for its first ``WARM_MESSAGES`` (``common.py``),
         so updates are also skipped until every link has carried that many (``2 m`` per
         minibatch). PipeDream minibatches are short and vary a lot one by one when 32 MiB
-        messages share 2 cores (66-389 ms around a mean of ~150 ms), so ``PIPEDREAM_MEASURED``
-        of them are averaged. Flushing and 2bw runs measure the 2 minibatches after the
-        skipped ones with 32 KiB messages (they vary by about 1%), and 7 with 32 MiB messages:
-        there single minibatches vary by up to -12% and +23% around their run's mean, and runs
-        of large-S4-gpipe-m16 hours apart took 2203 ms (2 intervals) and 1641 ms (7).
+        messages share a few cores, so ``PIPEDREAM_MEASURED`` of them are averaged. Flushing
+        and 2bw runs measure the 2 minibatches after the skipped ones with 32 KiB messages
+        (they hardly vary), and 7 with 32 MiB messages, whose single minibatches vary by tens
+        of percent around their run's mean.
         """
         m = self.microbatches
         large = self.size == "large"
@@ -112,10 +111,10 @@ class Case:
 
 
 PIPEDREAM_MEASURED = 60
-"""Minibatches a PipeDream (``pipedream``, ``pipedream-vs``) case averages. With 20, the 32 MiB
-cases' intervals between minibatches varied by 16-25% (standard deviation over mean, 2026-11-26
-05:04-05:53 UTC), so their means were known to about 4-6%, too loose against a 10% target;
-the 40 more take 3-8 s per case."""
+"""Minibatches a PipeDream (``pipedream``, ``pipedream-vs``) case averages. The 32 MiB cases'
+intervals between minibatches vary by a fifth or so (standard deviation over mean), so the mean
+of 20 would be known only to several percent, too loose against a 10% target; 60 take a few
+seconds more per case."""
 
 
 def cases(stages: list[int], sizes: list[str]) -> list[Case]:
@@ -280,15 +279,14 @@ def gloo_message_ms(*, reuse: bool = False) -> tuple[dict[int, float], Command]:
 HOST_CALIBRATIONS = ("before", "after", "again")
 """When the host's copy capacity is calibrated around each 32 MiB case (``gloo_host.py``): right
 before and right after it, and once more right after those two if they disagree
-(:func:`calibrations_disagree`). The machine's speed drifts within minutes: three calibrations
-in a row with 8 processes gave 2.40, 2.00 and 1.92 GB/s, and the same run of the
-single-process mlp 63.8 and, 10 minutes later, 76.1 ms per microbatch. The simulator takes the
-median of the calibrations (the mean of two)."""
+(:func:`calibrations_disagree`). A shared machine's speed drifts within minutes, so one
+calibration taken at another time need not say what the case's run saw. The simulator takes
+the median of the calibrations (the mean of two)."""
 DISAGREE = 1.5
 """Ratio of the message times of the two calibrations around a case beyond which a third one
-breaks the tie: on 2026-11-26 one before large-S4-pipedream-m1 took 45.2 ms for a 32 MiB
-message (66.2 ms after quiet), the one right after it 11.0 (17.7), the run between them moved
-its messages at neither speed, and the simulation with their mean was 50% too slow."""
+breaks the tie: where one of the two caught the host in a slow moment, the run between them
+moves its messages at neither speed, and their mean would be far off; the median of three
+leaves the outlier out."""
 
 
 def calibrations_disagree(directory: Path) -> bool:
