@@ -32,7 +32,7 @@ __all__ = ["WAITED_MS", "LinkTimes", "MessageTime", "link_times", "message_kind"
 
 WAITED_MS = 0.5
 """A receive that lasted longer than this waited for its message (a receive whose message was
-there already takes a tenth of that in the runtime: decoding the header, taking the buffers)."""
+there already takes far less in the runtime: decoding the header, taking the buffers)."""
 
 
 def message_kind(op: Op) -> str:

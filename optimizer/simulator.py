@@ -42,8 +42,8 @@ varied), every forward and backward takes its time times a ratio drawn from the 
 the same run every time): a stage that runs late holds up its neighbours, which fixed times do
 not show, so a pipeline of varying stages is slower than one of their means. With a
 ``message_spread`` (:attr:`Network.message_spread`), every message's transfer likewise moves
-its bytes times a ratio drawn from it: on a loaded host one message takes 0.8x the median and
-the next 1.5x, and a late message holds up its receiver as a late stage does.
+its bytes times a ratio drawn from it: on a loaded host the time of one message differs from
+the next's, and a late message holds up its receiver as a late stage does.
 
 Actions run in global time order (a heap), so link contention is first come, first served.
 The time per minibatch is the steady-state slope of the minibatches' completion times (the end
@@ -531,14 +531,12 @@ def jittered(
     backward and next forward) whose period the tables fix, but not the offset between the two
     cycles. Fixed times keep whatever offset the fill left, which can be one where activations
     and gradients never share the link; the smallest noise makes the offset drift, and where
-    the two directions then overlap they slow each other down. On this project's test machine
-    (2 cores, 32 MiB gloo messages, a 2-stage 2bw pipeline of 20 ms / 40 ms sleep stages), the
-    fixed timeline staggered the two directions by 15 ms and predicted 644 ms per minibatch,
-    with 5% jitter 702 ms, and the run measured 775 ms, its activations and gradients posted a
-    median 8 ms apart. Where there is no such freedom the jitter adds only what late actions
-    cost stages without slack (a late stage holds up its neighbours; an early one cannot make
-    up for it): 0.5-4% for pipelines of equal 20 ms / 40 ms stages with small messages there,
-    under 0.5% for a 2-stage mlp whose stages differ.
+    the two directions then overlap they slow each other down. A real run has that noise, so
+    where messages take a large share of the time the fixed timeline can be too fast and the
+    jittered one comes closer to the run. Where there is no such freedom the jitter adds only
+    what late actions cost stages without slack (a late stage holds up its neighbours; an early
+    one cannot make up for it): a few percent for pipelines of equal stages, less where the
+    stages differ and the faster ones have slack.
     """
     if not 0 <= jitter < 1:
         raise PlanningError(f"jitter {jitter}: must be at least 0 and below 1")

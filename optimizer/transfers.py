@@ -2,10 +2,10 @@
 
 By default the simulator gives every pair of ranks a link of its own. On one host that is not
 what happens: a message over loopback TCP (gloo on CPUs) is copied by the CPUs of both ends, so
-concurrent transfers slow each other down. Measured here (gloo, 2 cores, 32 MiB messages on
-warmed-up links): one transfer 11.8-12.8 ms, two on different pairs 15.2-15.5 ms, three in a
-chain 23.0-24.7 ms, i.e. the host moves about 1.5x one link's bandwidth in total. The same
-shape holds for the ranks of a server sharing one network card.
+concurrent transfers slow each other down: two transfers on different pairs take longer than
+one alone, though less than twice as long, so the host moves more than one link's bandwidth
+in total but less than one per link (``benchmarks/gloo_host.py`` measures a host's capacity).
+The same shape holds for the ranks of a server sharing one network card.
 
 :class:`TransferPool` models that as processor sharing: every active transfer moves at
 ``min(link bandwidth, capacity / n)``, ``n`` the active transfers charged to the same unit
@@ -18,21 +18,18 @@ Without a duplex factor, a link carries one transfer at a time, first come first
 either direction. With one (``duplex``), a link carries one transfer at a time *per
 direction*, and the two directions move at once, sharing ``duplex`` x the link's bandwidth
 (1: the directions share the link, 2: full duplex, each direction at its full speed). Two
-32 MiB gloo messages sent each way between two processes here took 20.2 ms until both had
-arrived, one alone 12.5 ms: loopback is neither one message at a time (25 ms) nor full duplex
-(12.5 ms), but a duplex factor of 2 x 12.5 / 20.2 = 1.24. It matters for the first of two
-overlapping messages: first come first served lets it finish at its full speed, while in a
-2-stage PipeDream run on this machine an activation sent while a gradient was on its way
-arrived about 20 ms after it was posted.
+large gloo messages sent each way at once between two processes take longer to both arrive
+than one alone, but less than twice as long: loopback is neither one message at a time nor
+full duplex, and the factor is ``2 x one / both ways`` (``gloo_host.py`` measures it). It
+matters for the first of two overlapping messages: first come first served lets it finish at
+its full speed, while in a run an activation sent while a gradient is on its way arrives
+later than it would alone.
 
 With a per-rank factor (``per_rank``), the transfers touching one rank (sent or received) also
 share ``per_rank`` x their link's bandwidth: a rank's transport moves that much in all. Gloo
 has one transport thread per process, which reads every incoming message and writes every
-outgoing one: in a GPipe run of 4 sleep stages with 16 microbatches of 32 MiB here, the link
-from the first stage to the second moved a message every 23 ms while the next link, sharing
-the second stage with it, managed one every 45-60 ms; once the first was done, the two links
-sharing the third stage moved one every 55 ms each (one message alone: 20-23 ms): about one
-link's worth per rank (``per_rank`` = 1).
+outgoing one, so two links that share a rank each move about half as much as one alone: about
+one link's worth per rank (``per_rank`` = 1).
 """
 
 from __future__ import annotations

@@ -3,20 +3,17 @@
 A training step frees and allocates the same tensors every time: gradients set to None before
 the backward, activations, received messages. By default glibc returns the free top of its
 heap to the kernel (trimming) and serves blocks from 128 KiB up by ``mmap``, unmapped again on
-free, so the next step page-faults all that memory back in, zeroed by the kernel. For the
-8.4 M-parameter ``mlp`` benchmark on one CPU core that was 5-8 ms of a 46 ms step: 28.9 ms of
-backward with the defaults, 20.8-21.9 ms with freed memory kept (``pipedream train`` of one
-stage, 30 steps).
+free, so the next step page-faults all that memory back in, zeroed by the kernel: time spent
+in the kernel on every step, mostly in the backward, which allocates the gradients afresh.
 
 :func:`keep_freed_host_memory` sets glibc's trim threshold to 2 GiB and pins its ``mmap``
 threshold at 32 MiB, the most glibc accepts (setting either turns off glibc's own adjustment
 of both). Blocks of 32 MiB and more are still mapped and unmapped by glibc, and every 4 KiB
 page of them faults in again: :func:`use_huge_pages` turns on PyTorch's transparent-huge-page
 allocations (``THP_MEM_ALLOC_ENABLE=1``: blocks of 2 MiB and more are page-aligned and advised
-``MADV_HUGEPAGE``), one fault per 2 MiB. With 32 MiB activations sent between 4 gloo processes
-on 2 cores (sleep stages, GPipe, 8 microbatches) that took a minibatch from 1146-1180 ms to
-840-864 ms; the ``mlp`` benchmark's 1-2 MiB tensors do not change (23.8-25.6 ms per step either
-way).
+``MADV_HUGEPAGE``), one fault per 2 MiB instead of 512. That matters for large activations and
+messages; smaller tensors come from glibc's heap, kept and reused, and huge pages change little
+for them.
 
 :func:`configure_host_memory` does both. ``pipedream train`` calls it in every rank and
 ``pipedream profile`` before it measures, so a profile sees the memory behaviour of the runtime.

@@ -2,8 +2,8 @@
 
 A layer measured alone runs with its weights and input hot in the caches, which a pipeline
 stage does not enjoy: between a layer's forward and its backward the stage runs the other
-layers (and other microbatches). Measured alone, the layers of an MLP added up to 75% of the
-whole model's forward+backward on a CPU. So, as PipeDream's profiler did, the times come from
+layers (and other microbatches). Measured alone, the layers add up to markedly less than the
+whole model's forward+backward. So, as PipeDream's profiler did, the times come from
 passes over the *whole* model, with a clock read at every layer boundary:
 
 - forward: the clock is read before the first layer and after each layer;

@@ -3,12 +3,10 @@
 On a GPU every pipeline rank has its own device, so one process measuring the layers sees what
 each rank will see. On CPUs several ranks share a host: while one stage computes, the others
 compute beside it, and they share the memory bandwidth and caches (and, on hosts with SMT, the
-cores themselves). The layers then run slower than in a lone profiling process: on this
-project's 2-core test machine, in three rounds of (lone profile, profile beside a co-runner,
-2-stage ``mlp`` pipedream run), the runs' forwards and backwards took 1.17-1.36x the lone
-profiles' times and 0.97-1.26x the co-run profiles'; the simulation was 25-26% too fast from
-the former, 8-17% from the latter. The contention a co-run profile sees varies from minute to
-minute there (in later rounds the runs took 1.2-1.4x: ``benchmarks/RESULTS.md``).
+cores themselves). The layers then run slower than in a lone profiling process, and a
+simulation from a lone profile predicts a CPU pipeline too fast; a profile taken beside
+co-runners comes closer to what the pipeline's actions take. The contention it sees still
+varies with whatever else the host runs at the time.
 
 ``pipedream profile --concurrent K`` therefore starts ``K - 1`` co-runner processes before it
 measures and stops them after: each trains the same workload (forward, backward and optimizer

@@ -5,7 +5,7 @@ runs them through the runtime's :class:`~pipedream.runtime.stage_worker.StageWor
 fixed cost per action on top: leaf copies of the weights for stashing, the swap of the version
 into the module (:class:`~pipedream.runtime.parameter_swap.ParameterSwap`),
 ``autograd.grad`` over inputs and weights, the weight-version bookkeeping around an update. It
-is about 0.2 ms per action on a CPU core, small next to real layers but not next to small ones.
+is a fixed cost per action, small next to real layers but not next to small ones.
 
 It is measured here on a stage with a single scalar weight (a middle stage of a 3-stage
 ``pipedream`` pipeline, so weight versions are stashed), as the time of each worker action
@@ -18,9 +18,8 @@ inputs from the workload's dataset and the last stage its targets (``pipedream/d
 the loss, which the last stage computes on every forward (with the runtime's check for a
 non-finite value) and differentiates on every backward: :func:`measure_loss` times it on the
 model's output and the dataset's targets. It is small for a mean squared error over a few
-outputs (the ``mlp`` workload's: 0.07 ms forward and 0.08 ms backward on a CPU core, next to
-the 2.9 ms forward of its last 4 layers at width 512) and not for a cross entropy over a large
-vocabulary.
+outputs (the ``mlp`` workload's is a few percent of its last stage's forward) and not for a
+cross entropy over a large vocabulary.
 """
 
 from __future__ import annotations
@@ -185,9 +184,8 @@ def _per_mib(
 
     The runtime writes into memory it last touched a whole minibatch earlier (a released copy,
     the ``.grad`` of the previous backward), so the targets rotate among twice the device's
-    last-level cache (:func:`cold_target_count`): one target written over and over stays in the
-    cache and measured 0.087 ms/MiB on this project's test machine (32 MiB of L3), rotating
-    targets 0.107 ms/MiB.
+    last-level cache (:func:`cold_target_count`): one target written over and over would stay
+    in the cache and measure a faster copy than the runtime gets.
     """
     source = torch.ones(_TARGET_MIB * 2**18, device=device)  # float32: 2**18 per MiB
     count_targets = cold_target_count(device)

@@ -39,8 +39,8 @@ issue order and ignores tags, so there nothing is posted ahead and a message is 
 order it is sent: header, then payload. Sends are never waited on until their buffers must be
 reclaimed (:meth:`P2P.poll` keeps at most ``MAX_SENDS_IN_FLIGHT``) or the run ends
 (:meth:`P2P.drain`). On the CPU, payloads are received into reused storage
-(:class:`~pipedream.runtime.receive_buffers.ReceiveBuffers`): on gloo a 32 MiB message into fresh
-pages took 15-17 ms here, into reused ones 11.5 ms.
+(:class:`~pipedream.runtime.receive_buffers.ReceiveBuffers`), so that gloo does not fault in
+fresh pages while it reads a large message.
 
 Ranks that share GPUs (``--device cuda-shared``) talk over gloo, which moves host memory only:
 their messages are *staged* (``staged=True``): copied to pinned host memory before they are

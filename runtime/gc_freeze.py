@@ -2,13 +2,13 @@
 
 Python collects cycles when enough objects have been allocated; every so often it scans all
 tracked objects (a full collection). With torch, the workload and the runtime loaded that is
-~170,000 objects and 80 ms on this project's test machine, at a moment no one chooses: a
-20 ms forward of the sleep benchmark took 105 ms, and the next stage waited for it.
+some 170,000 objects, scanned at a moment no one chooses: the action during which it runs can
+take several times its usual length, and the next stage waits for it.
 
 :func:`frozen_heap` collects once, then moves every object alive (modules, parameters,
 optimizer, imported code: what lives for the whole run) to the permanent generation
-(``gc.freeze``), so later collections only scan what the loop itself creates: a full
-collection then takes about 0.2 ms. Nothing is leaked: frozen objects stay alive anyway, and
+(``gc.freeze``), so later collections only scan what the loop itself creates, a small
+fraction of that. Nothing is leaked: frozen objects stay alive anyway, and
 ``gc.unfreeze`` on the way out hands them back to the collector.
 """
 

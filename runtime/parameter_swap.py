@@ -4,11 +4,9 @@ Every forward of a stage runs on a *version* of its weights
 (:mod:`pipedream.runtime.weight_versions`): tensors that stand in for the module's parameters
 for the length of one call.
 ``torch.func.functional_call`` does that for any module, but it swaps each tensor in and out
-through ``delattr``/``setattr`` with its checks: on a CPU core it added 0.16 ms to a call of a
-5-block ``nn.Sequential`` (10 tensors) and 1.05 ms to one of 50 blocks (100 tensors), against
-0.02 and 0.17 ms here. On the 4 layers of width 512 of the ``mlp`` benchmark's second stage
-(10 tensors), alternating in one process: the plain module call 3.08 ms, through
-``functional_call`` 3.30 ms, through this swap 3.10 ms (medians).
+through ``delattr``/``setattr`` with their checks, a cost per tensor and per call that grows with
+the number of parameters and matters next to small layers. This swap assigns the tensors
+directly, so a call through it costs about what the plain module call costs.
 
 :class:`ParameterSwap` puts the tensors straight into their owners' ``_parameters`` (where
 ``nn.Module.__getattr__`` finds them) and puts the parameters back when the call ends, also when

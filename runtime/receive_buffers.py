@@ -3,14 +3,10 @@
 Why. A received activation or gradient is written into a new tensor. On the CPU a block of
 32 MiB or more is mapped afresh by glibc whatever its settings (``pipedream/host_memory.py``),
 and the kernel maps and zeroes its pages on first touch: here inside gloo's receive, on the
-transport thread that carries all of the process's messages. On the 2-core host of
-``benchmarks/``, with the runtime's host-memory settings (huge pages on), a 32 MiB message
-between two processes took a median 15.1-17.4 ms into a fresh buffer and 11.5-11.6 ms into a
-reused one (``isend``/``irecv`` ping-pong, 20 repeats each, two rounds). In whole runs of the
-sleep benchmark's 32 MiB cases (pool off, then on, 2-3 alternating rounds each, 2026-11-25):
-large-S2-1f1b-m8 814 -> 767 ms per minibatch, large-S4-2bw-m16 1960 -> 1659,
-large-S4-gpipe-m16 2113 -> 1725, large-S8-gpipe-m16 4462 -> 3226 (means over the rounds).
-GPUs do not need this: PyTorch's CUDA caching allocator already reuses device memory.
+transport thread that carries all of the process's messages. That makes every large message
+slower to arrive than one into memory already mapped, and holds up the messages queued behind
+it on that thread; on a host whose cores the stages share, the faults also take CPU from the
+compute. GPUs do not need this: PyTorch's CUDA caching allocator already reuses device memory.
 
 How. The pool owns the *storage* of every buffer it hands out and gives out a tensor viewing
 it. Whoever receives the tensor (the stage, autograd's saved tensors, views of it) holds

@@ -6,8 +6,8 @@ before it reaches them (:meth:`pipedream.runtime.comm.P2P.post_recv`): a message
 while the rank computes is then read in the background instead of after the compute. Before
 it runs the action at position ``p`` of its table, the executor posts every receive at a
 position below ``p + window`` that it has not posted yet. Posting costs the rank's main thread
-time (on this project's CPU host 0.1-0.4 ms per receive, more while a large message streams
-in on the same pair), which the simulator charges where the runtime spends it.
+time (more while a large message streams in on the same pair, whose transport thread is busy
+reading it), which the simulator charges where the runtime spends it.
 
 Sends are not waited on when they are posted, but their buffers must be reclaimed: before each
 action the executor waits for its oldest sends until at most :data:`MAX_SENDS_IN_FLIGHT`

@@ -12,7 +12,7 @@ Data: sequences from a seeded sparse Markov chain over the vocabulary (every tok
 best achievable loss (about 1 nat for the defaults, against log(64) = 4.16 at init), so the loss
 visibly falls within a few hundred small steps, and ``evaluate`` reports how far from it a model is.
 The chain is stored sparsely (``branching`` successors per token), so a GPT-2-sized vocabulary of
-50,257 tokens builds in about a second. There is no dropout: the runtime's numerical tests need
+50,257 tokens builds quickly. There is no dropout: the runtime's numerical tests need
 forward passes to be deterministic.
 
 The default learning rate (Adam, 1e-3) is chosen for PipeDream's stale weights: in one-process

@@ -40,8 +40,8 @@ _ZEROS: dict[tuple[tuple[int, ...], torch.dtype, str], Tensor] = {}
 def _cached_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
     """One zero tensor per shape, dtype and device, never written to after creation.
 
-    Allocating and filling 32 MiB costs ~10 ms of CPU on a small machine (page faults), which
-    would be charged to the first and last stage on every microbatch.
+    Allocating and filling a large tensor costs CPU time (the kernel faults in and zeroes every
+    page), which would be charged to the first and last stage on every microbatch.
     """
     key = (shape, dtype, str(device))
     if key not in _ZEROS:
