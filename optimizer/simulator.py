@@ -99,11 +99,11 @@ __all__ = [
     "Timeline",
     "default_steps",
     "jittered",
+    "pipeline_edges",
     "simulate",
     "stage_work",
     "steady_window",
     "tied_bytes",
-    "pipeline_edges",
     "tied_pairs",
 ]
 
@@ -313,8 +313,9 @@ def stage_work(plan: Plan, profile: Profile) -> list[StageWork]:
     """
     index = {name: i for i, name in enumerate(profile.layer_names)}
     overhead = profile.overhead or ActionOverhead(0.0, 0.0, 0.0)
-    messages = stage_messages(profile, stages_of_layers(plan, profile))
-    tied = tied_bytes(plan, profile)
+    stage_of = stages_of_layers(plan, profile)
+    messages = stage_messages(profile, stage_of)
+    tied = tied_bytes(profile, stage_of)
     work = []
     for number, stage in enumerate(plan.stages):
         first, last = index[stage.first_layer], index[stage.last_layer]
@@ -352,18 +353,14 @@ def stage_work(plan: Plan, profile: Profile) -> list[StageWork]:
     return work
 
 
-def tied_bytes(plan: Plan, profile: Profile) -> dict[int, dict[int, float]]:
+def tied_bytes(profile: Profile, stage_of: Sequence[int]) -> dict[int, dict[int, float]]:
     """Stage -> other stage -> bytes of the tied parameters the two share (the profile's
-    ``tied`` entries whose layers the plan puts in several stages; the first owns them)."""
-    stage_of: dict[str, int] = {}
-    names = profile.layer_names
-    index = {name: i for i, name in enumerate(names)}
-    for number, stage in enumerate(plan.stages):
-        for name in names[index[stage.first_layer] : index[stage.last_layer] + 1]:
-            stage_of[name] = number
+    ``tied`` entries whose layers ``stage_of``, a stage per layer, puts in several stages; the
+    first owns them)."""
+    index = {name: i for i, name in enumerate(profile.layer_names)}
     out: dict[int, dict[int, float]] = {}
     for tied in profile.tied:
-        stages = sorted({stage_of[layer] for layer in tied.layers})
+        stages = sorted({stage_of[index[layer]] for layer in tied.layers})
         for copy in stages[1:]:
             for a, b in ((stages[0], copy), (copy, stages[0])):
                 out.setdefault(a, {})[b] = out.get(a, {}).get(b, 0.0) + tied.bytes
