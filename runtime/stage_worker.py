@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from pipedream.data import MicrobatchStream
 from pipedream.errors import RunFailure
+from pipedream.graph.placement import place_module
 from pipedream.model_io import ModelIO, to_device
 from pipedream.runtime.parameter_swap import ParameterSwap
 from pipedream.runtime.weight_versions import WeightVersions, accumulate_grads
@@ -114,7 +115,7 @@ class StageWorker:
         input_grads: Sequence[bool] | None = None,
     ) -> None:
         self.config = config
-        self.module = module.to(config.device)
+        self.module = place_module(module, config.device)
         self.loss_fn = loss_fn
         self.data = data
         self.model_io = model_io or ModelIO()
