@@ -39,7 +39,9 @@ class RankStats:
     compute_s: float
     """Seconds in forward, backward and update."""
     elapsed_s: float
-    """Seconds from the first to the last action."""
+    """Seconds the segments ran, each from its first action to its last (its queued GPU work
+    included); the checkpoint writes between segments are not counted, so a stage that never
+    waits is busy 100%."""
     peak_memory_bytes: int
     """Peak resident memory of the process (CPU) or peak allocated GPU memory."""
     skipped: int
@@ -68,8 +70,10 @@ def report(
     ranks: list[RankStats],
     checkpoint: Path,
     run_dir: Path,
+    device: torch.device | None = None,
 ) -> dict[str, Any]:
-    """Print the summary on stderr and write ``summary.json``; returns the summary."""
+    """Print the summary on stderr and write ``summary.json``; returns the summary. The
+    workload's evaluation runs on ``device`` (the reporting rank's; default the CPU)."""
     measured = logger.time_per_step_ms()
     predicted = plan.prediction.time_per_minibatch_ms if plan.prediction else None
     first = logger.losses[0] if logger.losses else float("nan")
@@ -120,11 +124,33 @@ def report(
             "include that contention; the prediction assumes one worker per process"
         )
     if workload.evaluate is not None:
-        workload.model.load_state_dict(load_full_state_dict(checkpoint))
-        metrics = workload.evaluate(workload.model)
+        metrics = evaluate_checkpoint(workload, checkpoint, device or torch.device("cpu"))
         summary["evaluation"] = metrics
         lines.append("evaluation: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     lines.append(f"checkpoint: {checkpoint}")
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print("\n".join(lines), file=sys.stderr, flush=True)
     return summary
+
+
+def evaluate_checkpoint(
+    workload: Workload, checkpoint: Path, device: torch.device
+) -> dict[str, float]:
+    """``workload.evaluate`` of the whole model at ``checkpoint``, computed on ``device``.
+
+    The model is first moved to one device: the reporting rank's stage shares the model's
+    tensors and moved its own layers to its device, the other stages' layers stayed where the
+    model was built. Where the whole model does not fit on that GPU, it is evaluated on the
+    CPU instead.
+    """
+    assert workload.evaluate is not None
+    state = load_full_state_dict(checkpoint)
+    try:
+        model = workload.model.to(device)
+        model.load_state_dict(state)
+        return workload.evaluate(model)
+    except torch.cuda.OutOfMemoryError:
+        model = workload.model.to("cpu")
+        torch.cuda.empty_cache()
+        model.load_state_dict(state)
+        return workload.evaluate(model)

@@ -295,23 +295,26 @@ class _RankJob:
         loss_log: LossLog,
         trace: list[TracedAction] | None,
         peaks: dict[str, int],
-    ) -> float:
+    ) -> tuple[float, float]:
         """Run the segments between checkpoints, writing one after each; returns the seconds
-        spent in actions and raises the peaks seen."""
-        compute_s = 0.0
+        spent in actions and the seconds the segments ran (from their first action to their
+        last, the queued GPU work included, checkpoint writes not), and raises the peaks seen."""
+        compute_s = elapsed_s = 0.0
         for first, count in todo:
             if first != todo[0][0]:
                 worker.start_segment(
                     self._table(first, count), initial_version=first // self.stage.replicas
                 )
             executor = self._executor(worker, loss_log, trace)
+            start = time.perf_counter()
             try:
                 executor.run()
                 loss_log.read()  # every loss of the segment checked before its checkpoint
             except RunFailure as exc:
                 where = self.last_checkpoint or "none yet"
                 raise type(exc)(f"{exc}; the last good checkpoint: {where}") from None
-            compute_s += executor.compute_s
+            compute_s += executor.compute_s  # on a GPU, waits for the segment's queued work
+            elapsed_s += time.perf_counter() - start
             peaks["max_versions"] = max(peaks["max_versions"], worker.versions.max_versions)
             peaks["max_copies"] = max(peaks["max_copies"], worker.versions.max_copies)
             peaks["max_in_flight"] = max(peaks["max_in_flight"], worker.max_in_flight)
@@ -329,7 +332,7 @@ class _RankJob:
                 tied=[tensor.names for tensor in self.layout.tied],
             )
             self.last_checkpoint = directory
-        return compute_s
+        return compute_s, elapsed_s
 
     def run(self, todo: list[tuple[int, int]], resume_from: Path | None) -> int:
         first, count = todo[0]
@@ -353,15 +356,13 @@ class _RankJob:
         with frozen_heap():  # no full collection pauses the loop (runtime/gc_freeze.py)
             start = time.perf_counter()
             loss_log = LossLog(logger, microbatches=self.plan.microbatches, device=self.device)
-            compute_s = self._segments(todo, worker, loss_log, trace, peaks)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # the wall time covers the queued work
+            compute_s, running_s = self._segments(todo, worker, loss_log, trace, peaks)
             elapsed = time.perf_counter() - start
         stats = RankStats(
             rank=self.rank,
             stage=self.stage_index,
             compute_s=compute_s,
-            elapsed_s=elapsed,
+            elapsed_s=running_s,
             copy_bytes=worker.versions.copy_bytes,
             peak_memory_bytes=peak_memory_bytes(self.device),
             skipped=len(worker.skipped),
@@ -391,6 +392,7 @@ class _RankJob:
                 ranks=everyone,
                 checkpoint=self.last_checkpoint,
                 run_dir=self.run_dir,
+                device=self.device,
             )
             logger.close()
         dist.barrier()
