@@ -8,8 +8,9 @@ through pinned memory without waiting, bf16 by ``torch.autocast``), the runtime 
 ``--steps`` timed ones: the plain loop from a synchronised start to a synchronised end, the
 runtime between the issue times of its updates in ``metrics.jsonl`` (a step is issued once the
 GPU has room for it, so in the steady state their spacing is the GPU's pace). Printed as a
-table with the ratio of the two and each side's loss after the last step. No assertions: speed
-is measured, not tested.
+table with the ratio of the two, each side's loss after the last step and how far apart
+their losses were at any step (the curves go to ``--out``'s ``.json`` beside it). No
+assertions: speed is measured, not tested.
 
     python benchmarks/gpu_speed.py [--steps 40] [--warmup 10] [--out FILE.md]
 """
@@ -46,15 +47,15 @@ ARGS = {
 MICROBATCH = 16
 
 
-def plain_loop(precision: str, *, warmup: int, steps: int) -> tuple[float, float]:
-    """(ms per step, loss of the last step) of the plain loop."""
+def plain_loop(precision: str, *, warmup: int, steps: int) -> tuple[float, list[float]]:
+    """(ms per step, the loss of every step) of the plain loop."""
     torch.manual_seed(0)
     workload = load_workload("gpt", ARGS, microbatch_size=MICROBATCH)
     device = torch.device("cuda")
     model = workload.model.to(device)
     optimizer = workload.optimizer(model.parameters())
     data = MicrobatchStream(workload.dataset, MICROBATCH, 0)
-    loss = torch.zeros(())
+    losses = []
     start = 0.0
     for step in range(warmup + steps):
         if step == warmup:
@@ -67,14 +68,15 @@ def plain_loop(precision: str, *, warmup: int, steps: int) -> tuple[float, float
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        losses.append(loss.detach())
     torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1000 / steps, float(loss)
+    return (time.perf_counter() - start) * 1000 / steps, [float(x) for x in losses]
 
 
 def one_stage(
     precision: str, *, warmup: int, steps: int, folder: Path
-) -> tuple[float, float, float]:
-    """(ms per step, loss of the last step, busy fraction) of the runtime on one GPU."""
+) -> tuple[float, list[float], float]:
+    """(ms per step, the loss of every step, busy fraction) of the runtime on one GPU."""
     layers = ["embed", *(f"h{i}" for i in range(12)), "norm", "head"]
     plan = {
         "format": "pipedream/plan@1",
@@ -119,7 +121,7 @@ def one_stage(
     times = [line["time_s"] for line in lines]
     per_step = (times[-1] - times[warmup - 1]) * 1000 / steps
     summary = json.loads((run / "summary.json").read_text())
-    return per_step, lines[-1]["loss"], summary["ranks"][0]["busy_fraction"]
+    return per_step, [line["loss"] for line in lines], summary["ranks"][0]["busy_fraction"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,15 +133,18 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("gpu_speed.py: no CUDA GPU here")
     rows = []
+    curves: dict[str, dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory() as folder:
         for precision in ("fp32", "bf16"):
-            plain_ms, plain_loss = plain_loop(precision, warmup=args.warmup, steps=args.steps)
-            stage_ms, stage_loss, busy = one_stage(
+            plain_ms, plain_losses = plain_loop(precision, warmup=args.warmup, steps=args.steps)
+            stage_ms, stage_losses, busy = one_stage(
                 precision, warmup=args.warmup, steps=args.steps, folder=Path(folder)
             )
+            curves[precision] = {"plain": plain_losses, "stage": stage_losses}
+            gap = max(abs(a - b) / abs(b) for a, b in zip(stage_losses, plain_losses, strict=True))
             rows.append(
                 f"| {precision} | {plain_ms:.2f} | {stage_ms:.2f} | {stage_ms / plain_ms:.3f} "
-                f"| {plain_loss:.3f} | {stage_loss:.3f} | {busy:.0%} |"
+                f"| {plain_losses[-1]:.3f} | {stage_losses[-1]:.3f} | {gap:.1e} | {busy:.0%} |"
             )
     table = "\n".join(
         [
@@ -148,14 +153,18 @@ def main(argv: list[str] | None = None) -> int:
             f"(torch {torch.__version__})",
             "",
             "| precision | plain loop ms/step | one stage ms/step | stage / plain "
-            "| plain loss | stage loss | stage busy |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            "| plain loss | stage loss | largest loss gap | stage busy |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
             *rows,
+            "",
+            "Losses are each side's after the last step; the largest loss gap is the largest "
+            "relative difference of the two sides' losses at the same step, over all steps.",
         ]
     )
     print(table)
     if args.out is not None:
         args.out.write_text(table + "\n")
+        args.out.with_suffix(".json").write_text(json.dumps(curves, indent=1) + "\n")
     return 0
 
 

@@ -18,8 +18,11 @@ export PYTHONUNBUFFERED=1
 "$python_bin" -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -n 3
 "$python_bin" -c 'import torch; assert torch.cuda.is_available(), "no CUDA GPU"; print("GPU:", torch.cuda.get_device_name(), "torch", torch.__version__)'
 start=$(date +%s)
-"$python_bin" -m pytest tests/gpu -m gpu -q -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log"
+# the speed comparison runs even when a test fails; the script's status is the tests'
+tests_rc=0
+"$python_bin" -m pytest tests/gpu -m gpu -q -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log" || tests_rc=$?
 tests_s=$(( $(date +%s) - start ))
 start=$(date +%s)
 "$python_bin" benchmarks/gpu_speed.py --out "$out/gpu-speed.md"
-echo "GPU tier: ${tests_s} s; speed comparison: $(( $(date +%s) - start )) s"
+echo "GPU tier: ${tests_s} s ($([ "$tests_rc" = 0 ] && echo passed || echo FAILED)); speed comparison: $(( $(date +%s) - start )) s"
+exit "$tests_rc"
