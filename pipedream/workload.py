@@ -113,8 +113,10 @@ def _convert(
     value: str, annotation: Any, *, key: str, workload: str, source: str | None = None
 ) -> Any:
     kind = annotation if isinstance(annotation, type) else None
-    if isinstance(annotation, str):
-        kind = {"int": int, "float": float, "bool": bool, "str": str}.get(annotation)
+    if isinstance(annotation, str):  # ``float | None``: a value given is a float
+        kind = {"int": int, "float": float, "bool": bool, "str": str}.get(
+            annotation.removesuffix(" | None")
+        )
     try:
         if kind is bool:
             lowered = value.lower()

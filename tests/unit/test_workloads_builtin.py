@@ -150,3 +150,23 @@ def test_digits_reaches_90_percent(stale_stages: int) -> None:
     assert workload.evaluate(workload.model)["test_accuracy"] < 0.3
     _train(workload, steps=300, batch=32, stale_stages=stale_stages)
     assert workload.evaluate(workload.model)["test_accuracy"] >= 0.9
+
+
+@pytest.mark.parametrize(
+    ("args", "lr"),
+    [
+        ({"dim": "64"}, 1e-3),
+        ({"dim": "256", "heads": "4"}, 1e-3),
+        ({"dim": "512", "heads": "8"}, 5e-4),  # wider: 1e-3 * 256 / dim
+        ({"dim": "512", "heads": "8", "lr": "0.01"}, 0.01),  # a given lr is kept
+    ],
+)
+def test_gpt_learning_rate_falls_with_width_unless_given(args: dict[str, str], lr: float) -> None:
+    workload = load_workload("gpt", {"layers": "1", "samples": "16", **args})
+    optimizer = workload.optimizer(workload.model.parameters())
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(lr)
+
+
+def test_an_optional_float_argument_rejects_a_non_number() -> None:
+    with pytest.raises(WorkloadError, match="lr='fast' is not a valid float"):
+        load_workload("gpt", {"lr": "fast"})
