@@ -45,6 +45,16 @@ fresh pages while it reads a large message.
 Ranks that share GPUs (``--device cuda-shared``) talk over gloo, which moves host memory only:
 their messages are *staged* (``staged=True``): copied to pinned host memory before they are
 sent, and to the rank's GPU once received; both copies are done when they return.
+
+On NCCL (``nccl=True``) nothing waits on the host for the GPU. The headers travel apart from
+their payloads, over a gloo group (``header_group``), as host tensors: reading a header is a
+wait for the peer's host to have sent it, not a copy from the GPU, which would wait for
+everything queued on the GPU before it. Payloads stay on NCCL, and both ends issue their NCCL
+operations in the same order (the headers were in that order on both ends, and are out of it
+on both ends). A payload's ``wait`` is then a stream wait: the rank's stream waits for the
+transfer, the host goes on (``Work.wait`` with a timeout would block the host until the
+transfer is done); a transfer that never completes is ended by the process group's own timeout,
+which ``pipedream train`` sets from ``--timeout``.
 """
 
 from __future__ import annotations
@@ -220,6 +230,8 @@ class P2P:
         timeout: float,
         post_early: bool,
         staged: bool = False,
+        nccl: bool = False,
+        header_group: Any = None,
     ):
         self.rank = rank
         self.device = device
@@ -228,9 +240,16 @@ class P2P:
         self.staged = staged
         self.wire = torch.device("cpu") if staged else device
         """Where messages travel from and to (host memory when staged)."""
+        self.nccl = nccl
+        """Payloads travel on NCCL: their waits are stream waits (the host goes on)."""
+        self.header_group = header_group
+        """A gloo group the headers travel on (NCCL payloads); None: with their payloads."""
+        assert not nccl or header_group is not None, "NCCL payloads need a gloo header group"
+        self._header_device = torch.device("cpu") if header_group is not None else self.wire
         self._incoming: dict[tuple[str, int, int], _Incoming] = {}
         self._buffers = ReceiveBuffers(self.wire, pin=staged and torch.cuda.is_available())
-        self._outgoing: list[tuple[Any, list[Tensor]]] = []
+        self._outgoing: list[tuple[Any, list[Tensor], bool]] = []
+        """Sends in flight: the work, the tensors it reads, whether it is waited on the host."""
         # (kind, peer) -> the specs of the first message sent to / received from the peer
         self._sent_reference: dict[tuple[str, int], list[Spec]] = {}
         self._received_reference: dict[tuple[str, int], list[Spec]] = {}
@@ -256,8 +275,9 @@ class P2P:
         )
 
     def _start(self, kind: str, microbatch: int, peer: int) -> _Incoming:
-        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.wire)
-        work = dist.irecv(header, src=peer, tag=message_tag(kind, microbatch, 0))
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self._header_device)
+        tag = message_tag(kind, microbatch, 0)
+        work = dist.irecv(header, src=peer, tag=tag, group=self.header_group)
         return _Incoming(peer, kind, microbatch, header, work)
 
     def _irecv(
@@ -277,15 +297,15 @@ class P2P:
         on NCCL nothing is posted ahead.)
         """
         while len(self._outgoing) > MAX_SENDS_IN_FLIGHT:
-            work, _ = self._outgoing.pop(0)
-            self._wait(work, "an earlier send")
+            work, _, on_host = self._outgoing.pop(0)
+            self._wait(work, "an earlier send", on_host=on_host)
 
     def recv(self, kind: str, microbatch: int, peer: int, *, what: str) -> tuple[list[Tensor], int]:
         """Wait for a message; returns its tensors and version tag."""
         key = (kind, microbatch, peer)
         incoming = self._incoming.pop(key, None) or self._start(kind, microbatch, peer)
-        self._wait(incoming.header_work, what)
-        header = decode_header(incoming.header.cpu())
+        self._wait(incoming.header_work, what, on_host=True)
+        header = decode_header(incoming.header.cpu())  # on a GPU (no header group): a sync
         channel = (kind, peer)
         reference = self._received_reference.get(channel)
         if header.flags == DEFINES_REFERENCE:
@@ -319,7 +339,7 @@ class P2P:
 
     def _wait_all(self, receives: _Receives, what: str) -> None:
         for work in receives.works:
-            self._wait(work, what)
+            self._wait(work, what, on_host=not self.nccl)
 
     # -- sending ---------------------------------------------------------------------------
     def send(
@@ -336,9 +356,11 @@ class P2P:
             flags = FAST
         else:  # a placeholder only where the receiver may have posted reference-shaped receives
             flags = PLACEHOLDER if self.post_early else CHANGED
-        header = encode_header(specs, version, flags).to(self.wire)  # raises before any send
+        header = encode_header(specs, version, flags)  # raises before any send
         self._sent_reference.setdefault(channel, specs)
-        self._isend(header, peer, message_tag(kind, microbatch, 0))
+        header = header.to(self._header_device)
+        header_tag = message_tag(kind, microbatch, 0)
+        self._isend(header, peer, header_tag, group=self.header_group, on_host=True)
         tags = payload_tags(kind, microbatch, len(specs), fast=flags == FAST)
         for tensor, tag in zip(tensors, tags):
             self._isend(tensor, peer, tag)
@@ -361,19 +383,25 @@ class P2P:
         host.copy_(tensor)  # not non_blocking: gloo reads it as soon as the send is posted
         return host
 
-    def _isend(self, tensor: Tensor, peer: int, tag: int) -> None:
-        self._outgoing.append((dist.isend(tensor, dst=peer, tag=tag), [tensor]))
+    def _isend(
+        self, tensor: Tensor, peer: int, tag: int, group: Any = None, on_host: bool | None = None
+    ) -> None:
+        """Start a send; ``on_host``: whether it is waited on the host (default: unless the
+        tensor is an NCCL payload)."""
+        work = dist.isend(tensor, dst=peer, tag=tag, group=group)
+        self._outgoing.append((work, [tensor], not self.nccl if on_host is None else on_host))
 
     def drain(self, *, what: str) -> None:
         """Wait for every outstanding send (end of run, checkpoints)."""
-        for work, _ in self._outgoing:
-            self._wait(work, what)
+        for work, _, on_host in self._outgoing:
+            self._wait(work, what, on_host=on_host)
         self._outgoing.clear()
 
-    def _wait(self, work: Any, what: str) -> None:
+    def _wait(self, work: Any, what: str, *, on_host: bool) -> None:
+        """Wait for ``work``: on the host, up to the timeout; else a stream wait."""
         start = time.monotonic()
         try:
-            ok = work.wait(timeout=timedelta(seconds=self.timeout))
+            ok = work.wait(timeout=timedelta(seconds=self.timeout)) if on_host else work.wait()
         except RuntimeError as exc:
             reason = " ".join(str(exc).split())  # one line
             raise PeerTimeoutError(

@@ -200,8 +200,10 @@ class Executor:
             else torch.zeros(0, device=self.worker.config.device)
         )
         work = dist.all_reduce(flat, group=self.replica_group, async_op=True)
-        try:
-            finished = work.wait(timeout=timedelta(seconds=self.timeout))
+        try:  # on NCCL a stream wait (a timeout would block the host until the GPU is done)
+            finished = (
+                work.wait() if self.p2p.nccl else work.wait(timeout=timedelta(seconds=self.timeout))
+            )
         except RuntimeError as exc:
             raise PeerTimeoutError(f"rank {self.rank}: {what} failed: {exc}") from None
         if finished is False:

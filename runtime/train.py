@@ -221,6 +221,8 @@ class _RankJob:
         for index, stage in enumerate(plan.stages):  # every rank creates every group, in order
             if stage.replicas > 1:
                 self.groups[index] = dist.new_group(list(stage.ranks))
+        # NCCL payloads: their headers go over gloo, so reading one never waits for the GPU
+        self.header_group = dist.new_group(backend="gloo") if self.backend == "nccl" else None
         self.stage_index = plan.stage_of_rank(self.rank)
         self.stage = plan.stages[self.stage_index]
         self.run_dir = _agree_on_run_dir(options.run_dir)
@@ -417,6 +419,8 @@ class _RankJob:
                 timeout=self.options.timeout,
                 post_early=self.backend == "gloo",
                 staged=self.placement.staged,
+                nccl=self.backend == "nccl",
+                header_group=self.header_group,
             ),
             rank=self.rank,
             io=self.layout.ios[self.stage_index],

@@ -127,13 +127,46 @@ def _flags_by_channel(messages: list[Message], flags: list[int]) -> dict[str, li
     return {k: [f for (kind, *_), f in zip(messages, flags) if kind == k] for k in FLAGS}
 
 
+def _groups_of_parts(header_group) -> list[str]:  # pragma: no cover - child
+    """Record, for every isend/irecv of this process, whether its part (header or payload)
+    went on the group it belongs on: headers on ``header_group``, payloads on the default."""
+    wrong: list[str] = []
+    isend, irecv = dist.isend, dist.irecv
+
+    def check(name: str, tag: int, group) -> None:
+        header = tag % comm.PARTS == 0
+        if group is not (header_group if header else None):
+            wrong.append(f"{name} tag {tag} on {group}")
+
+    def checked_isend(tensor, dst, group=None, tag=0):
+        check("isend", tag, group)
+        return isend(tensor, dst=dst, group=group, tag=tag)
+
+    def checked_irecv(tensor, src, group=None, tag=0):
+        check("irecv", tag, group)
+        return irecv(tensor, src=src, group=group, tag=tag)
+
+    dist.isend, dist.irecv = checked_isend, checked_irecv
+    return wrong
+
+
 def _worker(
-    rank: int, port: int, post_early: bool, staged: bool, queue
+    rank: int, port: int, post_early: bool, staged: bool, headers_apart: bool, queue
 ) -> None:  # pragma: no cover - child
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     device = torch.device("cuda" if staged and torch.cuda.is_available() else "cpu")
-    p2p = P2P(rank=rank, device=device, timeout=20, post_early=post_early, staged=staged)
+    # headers apart: as on NCCL, where payloads and headers travel on different groups
+    header_group = dist.new_group(backend="gloo") if headers_apart else None
+    wrong = _groups_of_parts(header_group)
+    p2p = P2P(
+        rank=rank,
+        device=device,
+        timeout=20,
+        post_early=post_early,
+        staged=staged,
+        header_group=header_group,
+    )
     rounds = [_messages(0), _again(1)]
     try:
         if rank == 0:
@@ -142,7 +175,7 @@ def _worker(
                     p2p.send(kind, mb, 1, [t.to(device) for t in tensors], version)
                 p2p.drain(what="sends")
                 dist.barrier()  # the receiver checks for leftovers after each round
-            queue.put(("sender", ["sends left after drain"] if p2p._outgoing else []))
+            queue.put(("sender", (["sends left after drain"] if p2p._outgoing else []) + wrong))
         else:
             known: set[str] = set()
             first, second = (_receive_order(messages, post_early) for messages in rounds)
@@ -158,23 +191,27 @@ def _worker(
             if flags != [F] * len(second) or p2p._incoming:
                 problems.append(f"second round: flags {flags}, left {list(p2p._incoming)}")
             dist.barrier()
-            queue.put(("receiver", problems))
+            queue.put(("receiver", problems + wrong))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(("post_early", "staged"), [(True, False), (False, False), (True, True)])
-def test_messages_round_trip(post_early: bool, staged: bool) -> None:
+@pytest.mark.parametrize(
+    ("post_early", "staged", "headers_apart"),
+    [(True, False, False), (False, False, False), (True, True, False), (False, False, True)],
+)
+def test_messages_round_trip(post_early: bool, staged: bool, headers_apart: bool) -> None:
     """Shape, count and dtype changes on a channel round-trip bit-exactly with their versions,
     each with the header flag the protocol prescribes; receives are speculative once a
     channel's reference is known; afterwards nothing is outstanding: the same tags carry a
     second round of messages intact (a dangling receive or placeholder would take one).
     ``staged``: through host memory, as ranks sharing a GPU talk (from and to the GPU where
-    there is one)."""
+    there is one). ``headers_apart``: the headers on a group of their own, in the order NCCL
+    needs, as the NCCL transport sends them (so that reading one never waits for the GPU)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    args = (port, post_early, staged, queue)
+    args = (port, post_early, staged, headers_apart, queue)
     procs = [ctx.Process(target=_worker, args=(r, *args)) for r in range(2)]
     for proc in procs:
         proc.start()

@@ -1,0 +1,53 @@
+"""On NCCL the transport never blocks the host on the GPU: payload waits are stream waits.
+
+``Work.wait(timeout=...)`` on an NCCL work blocks the calling thread until the GPU has finished
+the transfer (PyTorch's ProcessGroupNCCL polls it); ``Work.wait()`` only makes the current stream
+wait. Headers travel on gloo and are waited on the host, with the timeout. Checked with works
+that record how they were waited on (no NCCL here)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from pipedream.runtime.comm import P2P, _Receives
+
+
+class _Work:
+    def __init__(self) -> None:
+        self.waits: list[dict[str, Any]] = []
+
+    def wait(self, **kwargs: Any) -> bool:
+        self.waits.append(kwargs)
+        return True
+
+
+def _p2p(*, nccl: bool) -> P2P:
+    return P2P(
+        rank=0,
+        device=torch.device("cpu"),
+        timeout=7,
+        post_early=False,
+        nccl=nccl,
+        header_group=object() if nccl else None,
+    )
+
+
+def test_nccl_payloads_are_stream_waits_and_headers_host_waits() -> None:
+    p2p = _p2p(nccl=True)
+    payload, header, send, header_send = _Work(), _Work(), _Work(), _Work()
+    p2p._wait_all(_Receives([torch.zeros(1)], [payload]), "a payload")
+    p2p._wait(header, "a header", on_host=True)
+    p2p._outgoing += [(send, [], False), (header_send, [], True)]
+    p2p.drain(what="the sends")
+    assert payload.waits == [{}] and send.waits == [{}]
+    assert header.waits == [{"timeout": timedelta(seconds=7)}] == header_send.waits
+
+
+def test_gloo_waits_on_the_host_with_the_timeout() -> None:
+    p2p = _p2p(nccl=False)
+    payload = _Work()
+    p2p._wait_all(_Receives([torch.zeros(1)], [payload]), "a payload")
+    assert payload.waits == [{"timeout": timedelta(seconds=7)}]
