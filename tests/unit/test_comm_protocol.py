@@ -101,11 +101,13 @@ class _Loopback:
     send_log: list[tuple[int, torch.dtype]] = field(default_factory=list)
     recv_log: list[tuple[int, torch.dtype]] = field(default_factory=list)
 
-    def isend(self, tensor: Tensor, dst: int, tag: int) -> _Work:
+    def isend(self, tensor: Tensor, dst: int, tag: int, group: object = None) -> _Work:
+        assert group is None, "one group here: the transport's default"
         self.send_log.append((tensor.numel(), tensor.dtype))
         return self._post(self.sends, tag, tensor.clone())
 
-    def irecv(self, tensor: Tensor, src: int, tag: int) -> _Work:
+    def irecv(self, tensor: Tensor, src: int, tag: int, group: object = None) -> _Work:
+        assert group is None, "one group here: the transport's default"
         self.recv_log.append((tensor.numel(), tensor.dtype))
         return self._post(self.recvs, tag, tensor)
 
