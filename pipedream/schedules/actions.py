@@ -13,6 +13,16 @@ Compact string form (used in tests and printed grids)::
     "1RB3"     stage 1 receives the output gradient of microbatch 3 (from stage 2)
     "1SB3"     stage 1 sends the input gradient of microbatch 3 (to stage 0)
     "1A0"      stage 1 averages its gradients of minibatch 0 with its replicas (allreduce)
+    "1I3"      stage 1, input-gradient half of the backward of microbatch 3 (zero-bubble "B")
+    "1W3"      stage 1, weight-gradient half of the backward of microbatch 3 (zero-bubble "W")
+
+A backward is either one ``B`` or an ``I`` and a later ``W``: ``I`` computes the gradients of
+the stage's inputs (what the previous stage waits for, sent right after it), ``W`` those of the
+stage's weights, which nothing waits for until the update, so a schedule can run it in a bubble.
+
+A rank may run several stages (interleaved and V schedules): every action names its stage, and
+every message names the stages at both ends (``peer_stage``), so two stage pairs between the
+same two ranks never mix up their messages.
 
 Tied parameters (one tensor used by layers of several stages, such as a language model's
 embedding and output head) belong to the first of those stages, their *owner*; each later stage
@@ -47,6 +57,8 @@ class Op(enum.Enum):
 
     FORWARD = "F"
     BACKWARD = "B"
+    BACKWARD_INPUT = "I"
+    BACKWARD_WEIGHT = "W"
     UPDATE = "U"
     ALLREDUCE = "A"
     RECV_ACT = "RF"
@@ -60,7 +72,12 @@ class Op(enum.Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (Op.FORWARD, Op.BACKWARD)
+        return self in (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
+
+    @property
+    def is_backward(self) -> bool:
+        """A backward or one of its halves."""
+        return self in (Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
 
     @property
     def is_comm(self) -> bool:
@@ -91,6 +108,8 @@ class Action:
     """Global rank on the other end (sends and receives only)."""
     version: int | None = None
     """Weight version the F or B uses (number of this stage's updates it is based on)."""
+    peer_stage: int | None = None
+    """Stage on the other end (sends and receives only)."""
 
     def __str__(self) -> str:
         return f"{self.stage}{self.op.value}{self.index}"
@@ -100,6 +119,8 @@ class Action:
         names = {
             Op.FORWARD: "forward of microbatch",
             Op.BACKWARD: "backward of microbatch",
+            Op.BACKWARD_INPUT: "input-gradient backward of microbatch",
+            Op.BACKWARD_WEIGHT: "weight-gradient backward of microbatch",
             Op.UPDATE: "optimizer update of minibatch",
             Op.ALLREDUCE: "gradient allreduce of minibatch",
             Op.RECV_ACT: "receive of the activations of microbatch",
@@ -140,7 +161,7 @@ MESSAGE_KIND = {
 }
 """The kind of message each send and receive moves (its channel and tags)."""
 
-_PATTERN = re.compile(r"^(\d+)(RF|SF|RB|SB|SG|RG|SW|RW|F|B|U|A)(\d+)$")
+_PATTERN = re.compile(r"^(\d+)(RF|SF|RB|SB|SG|RG|SW|RW|F|B|I|W|U|A)(\d+)$")
 
 
 def parse_action(text: str) -> Action:

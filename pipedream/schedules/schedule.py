@@ -21,10 +21,12 @@ from pipedream.schedules.spec import PipelineSpec
 __all__ = [
     "CLOSE",
     "OrderEntry",
+    "RankEntry",
     "Schedule",
     "interleaved",
     "one_f_one_b",
     "replica_minibatches",
+    "stage_order_of_rank_order",
 ]
 
 CLOSE = Op.UPDATE
@@ -32,6 +34,11 @@ CLOSE = Op.UPDATE
 
 OrderEntry = tuple[Op, int]
 """``(Op.FORWARD | Op.BACKWARD, microbatch)`` or ``(CLOSE, minibatch)``."""
+
+RankEntry = tuple[Op, int, int]
+"""``(op, stage, index)``: one entry of a rank's order when the rank runs several stages; ``op``
+is F, B, I or W (index: microbatch) or ``CLOSE`` (index: minibatch), each stage's minibatch
+closing after the rank's last backward of it."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,20 @@ class Schedule:
     that travels with the activations is checked."""
     auto_rank: int = 0
     """Preference of ``pipedream plan --schedule auto`` among equally fast plans (lower first)."""
+    placement: Callable[[int, int], list[int]] | None = None
+    """``(stages, ranks)`` -> the rank of every stage, for schedules that run several stages
+    per rank (interleaved, V); None: one stage per rank, as the plan places them."""
+    rank_order: Callable[[PipelineSpec, int, Sequence[int]], list[RankEntry]] | None = None
+    """``(spec, rank, minibatches)``: the rank's computation over all its stages, in execution
+    order (schedules with a :attr:`placement`; the others give each stage's :attr:`order`)."""
+
+    spec_problem: Callable[[PipelineSpec], str] | None = None
+    """Why a pipeline's shape does not suit this schedule ("" when it does), beyond the
+    microbatch rules above (say, microbatches that must be a multiple of the ranks)."""
+
+    @property
+    def several_stages_per_rank(self) -> bool:
+        return self.placement is not None
 
     @property
     def flushes(self) -> bool:
@@ -128,4 +149,17 @@ def interleaved(spec: PipelineSpec, minibatches: Sequence[int], warmup: int) -> 
         order.append((op, index))
         if op is Op.BACKWARD and index % m == m - 1:
             order.append((CLOSE, index // m))
+    return order
+
+
+def stage_order_of_rank_order(
+    rank_order: Callable[[PipelineSpec, int, Sequence[int]], list[RankEntry]],
+) -> Callable[[PipelineSpec, int, Sequence[int]], list[OrderEntry]]:
+    """A several-stages-per-rank schedule's :attr:`Schedule.order`: the stage's entries of its
+    rank's order (the stage runs on one rank: such schedules do not replicate stages)."""
+
+    def order(spec: PipelineSpec, stage: int, minibatches: Sequence[int]) -> list[OrderEntry]:
+        (rank,) = spec.stage_ranks[stage]
+        return [(op, index) for op, s, index in rank_order(spec, rank, minibatches) if s == stage]
+
     return order

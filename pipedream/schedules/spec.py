@@ -3,6 +3,7 @@ pairs that exchange tensors and those that share tied parameters. Pure code, no 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipedream.errors import ScheduleError
@@ -17,7 +18,8 @@ class PipelineSpec:
     schedule: str
     """Schedule name (a key of :data:`pipedream.schedules.SCHEDULES`)."""
     stage_ranks: tuple[tuple[int, ...], ...]
-    """Global ranks of each stage's replicas, in pipeline order."""
+    """Global ranks of each stage's replicas, in pipeline order. A rank appears once, except
+    under schedules that run several stages per rank (their ``placement``)."""
     microbatches: int
     """Microbatches per minibatch."""
     num_minibatches: int
@@ -55,7 +57,11 @@ class PipelineSpec:
 
     @property
     def world_size(self) -> int:
-        return sum(len(ranks) for ranks in self.stage_ranks)
+        return len({rank for ranks in self.stage_ranks for rank in ranks})
+
+    def stages_of_rank(self, rank: int) -> list[int]:
+        """The stages ``rank`` runs a replica of (one, but for several-stage schedules)."""
+        return [stage for stage, ranks in enumerate(self.stage_ranks) if rank in ranks]
 
     def replicas(self, stage: int) -> int:
         return len(self.stage_ranks[stage])
@@ -92,13 +98,43 @@ class PipelineSpec:
                     f"edge ({producer}, {consumer}) must go forward between existing stages"
                 )
         flat = [rank for ranks in self.stage_ranks for rank in ranks]
-        if sorted(flat) != list(range(len(flat))):
+        if schedule.placement is not None:
+            self._check_placement(schedule.placement, flat)
+        elif sorted(flat) != list(range(len(flat))):
             raise ScheduleError(f"ranks must be 0..{len(flat) - 1}, each once; got {flat}")
+        problem = schedule.spec_problem(self) if schedule.spec_problem else ""
+        if problem:
+            raise ScheduleError(problem)
+        if self.tied and schedule.placement is not None:
+            raise ScheduleError(
+                f"schedule {self.schedule!r} does not take tied parameters across stages yet; "
+                "use '1f1b' or place the tied layers in one stage"
+            )
         for owner, copy in self.tied:
             if not 0 <= owner < copy < self.num_stages:
                 raise ScheduleError(
                     f"tied pair ({owner}, {copy}) must name an owner stage before a copy stage"
                 )
+
+    def _check_placement(self, placement: Callable[[int, int], list[int]], flat: list[int]) -> None:
+        """Stages on ranks as a several-stages-per-rank schedule places them, unreplicated."""
+        ranks = len(set(flat))
+        if any(len(r) != 1 for r in self.stage_ranks):
+            raise ScheduleError(
+                f"schedule {self.schedule!r} does not replicate stages yet; give each stage one "
+                "rank (replicate the whole pipeline with another run)"
+            )
+        if sorted(set(flat)) != list(range(ranks)):
+            raise ScheduleError(f"ranks must be 0..{ranks - 1}; got {flat}")
+        wanted = placement(self.num_stages, ranks) if self.num_stages % ranks == 0 else None
+        if flat != wanted:
+            raise ScheduleError(
+                f"schedule {self.schedule!r} places {self.num_stages} stages on {ranks} ranks "
+                f"as {wanted}; got {flat}"
+                if wanted is not None
+                else f"schedule {self.schedule!r} needs the same number of stages on every rank; "
+                f"got {self.num_stages} stages on {ranks} ranks"
+            )
 
 
 def warmup_depth(spec: PipelineSpec, stage: int) -> int:

@@ -92,6 +92,11 @@ def build_tables(
     """One action list per global rank for the whole run (or just for ``only_ranks``)."""
     spec.validate()
     tables: dict[int, list[Action]] = {}
+    if lookup(spec.schedule).several_stages_per_rank:
+        for rank in range(spec.world_size):
+            if only_ranks is None or rank in only_ranks:
+                tables[rank] = _rank_table(spec, rank)
+        return tables
     for stage, ranks in enumerate(spec.stage_ranks):
         for replica, rank in enumerate(ranks):
             if only_ranks is None or rank in only_ranks:
@@ -121,44 +126,80 @@ def _table(spec: PipelineSpec, stage: int, replica: int) -> list[Action]:
         peer = spec.stage_ranks[owner][replica % spec.replicas(owner)]
         while received[owner] < upto:
             received[owner] += 1
-            table.append(Action(Op.RECV_WEIGHTS, stage, received[owner], peer=peer))
+            version = received[owner]
+            table.append(Action(Op.RECV_WEIGHTS, stage, version, peer=peer, peer_stage=owner))
 
     for op, index in compute_order(spec, stage, replica):
         if op is Op.FORWARD:
-            minibatch = index // spec.microbatches
             for owner in owners:
                 receive_versions(owner, owner_versions[owner][index])
-            for producer in spec.producers(stage):
-                peer = spec.rank_of(producer, minibatch)
-                table.append(Action(Op.RECV_ACT, stage, index, peer=peer))
-            table.append(Action(Op.FORWARD, stage, index, version=versions[index]))
-            for consumer in spec.consumers(stage):
-                peer = spec.rank_of(consumer, minibatch)
-                table.append(Action(Op.SEND_ACT, stage, index, peer=peer))
-        elif op is Op.BACKWARD:
-            minibatch = index // spec.microbatches
-            for consumer in spec.consumers(stage):
-                peer = spec.rank_of(consumer, minibatch)
-                table.append(Action(Op.RECV_GRAD, stage, index, peer=peer))
-            table.append(Action(Op.BACKWARD, stage, index, version=versions[index]))
-            for producer in spec.producers(stage):
-                peer = spec.rank_of(producer, minibatch)
-                table.append(Action(Op.SEND_GRAD, stage, index, peer=peer))
+        if op.is_compute:
+            table += _with_messages(spec, op, stage, index, versions[index])
         elif op is Op.SEND_TIED_GRAD:  # to the owners' replicas of minibatch `index`
             for owner in owners:
-                table.append(Action(op, stage, index, peer=spec.rank_of(owner, index)))
+                peer = spec.rank_of(owner, index)
+                table.append(Action(op, stage, index, peer=peer, peer_stage=owner))
         elif op is Op.RECV_TIED_GRAD:
             for copy in copies:
-                table.append(Action(op, stage, index, peer=spec.rank_of(copy, index)))
+                peer = spec.rank_of(copy, index)
+                table.append(Action(op, stage, index, peer=peer, peer_stage=copy))
         elif op is Op.SEND_WEIGHTS:  # to the copy replicas k with k mod replicas = replica
             for copy in copies:
                 for k, peer in enumerate(spec.stage_ranks[copy]):
                     if k % spec.replicas(stage) == replica:
-                        table.append(Action(op, stage, index, peer=peer))
+                        table.append(Action(op, stage, index, peer=peer, peer_stage=copy))
         else:
             table.append(Action(op, stage, index))
     # the versions made by the last updates: the copies end as the owners' final tensors
     for owner in owners:
         first_version = spec.first_minibatch // spec.replicas(owner)
         receive_versions(owner, first_version + spec.num_minibatches // spec.replicas(owner))
+    return table
+
+
+def _with_messages(
+    spec: PipelineSpec, op: Op, stage: int, index: int, version: int
+) -> list[Action]:
+    """A forward, backward or backward half of microbatch ``index`` at ``stage`` with its
+    messages: the activations it needs received before a forward and its own sent after it;
+    the output gradients received before a backward (B or I) and the input gradients sent
+    after it. A weight-gradient half (W) exchanges nothing."""
+    minibatch = index // spec.microbatches
+    before: list[Action] = []
+    after: list[Action] = []
+    if op is Op.FORWARD:
+        for producer in spec.producers(stage):
+            peer = spec.rank_of(producer, minibatch)
+            before.append(Action(Op.RECV_ACT, stage, index, peer=peer, peer_stage=producer))
+        for consumer in spec.consumers(stage):
+            peer = spec.rank_of(consumer, minibatch)
+            after.append(Action(Op.SEND_ACT, stage, index, peer=peer, peer_stage=consumer))
+    elif op is not Op.BACKWARD_WEIGHT:
+        for consumer in spec.consumers(stage):
+            peer = spec.rank_of(consumer, minibatch)
+            before.append(Action(Op.RECV_GRAD, stage, index, peer=peer, peer_stage=consumer))
+        for producer in spec.producers(stage):
+            peer = spec.rank_of(producer, minibatch)
+            after.append(Action(Op.SEND_GRAD, stage, index, peer=peer, peer_stage=producer))
+    return [*before, Action(op, stage, index, version=version), *after]
+
+
+def _rank_table(spec: PipelineSpec, rank: int) -> list[Action]:
+    """The table of a rank that runs several stages (one replica each): its schedule's order
+    over all of them, each computation with its messages, each close an update. Forwards use
+    the stage's weights as they are (these schedules flush), backwards their forward's."""
+    schedule = lookup(spec.schedule)
+    assert schedule.rank_order is not None
+    minibatches = range(spec.first_minibatch, spec.first_minibatch + spec.num_minibatches)
+    updates_done = {stage: spec.first_minibatch for stage in spec.stages_of_rank(rank)}
+    versions: dict[tuple[int, int], int] = {}
+    table: list[Action] = []
+    for op, stage, index in schedule.rank_order(spec, rank, minibatches):
+        if op is CLOSE:
+            table.append(Action(Op.UPDATE, stage, updates_done[stage]))
+            updates_done[stage] += 1
+            continue
+        if op is Op.FORWARD:
+            versions[stage, index] = schedule.version(spec, stage, index, updates_done[stage])
+        table += _with_messages(spec, op, stage, index, versions[stage, index])
     return table

@@ -1,10 +1,12 @@
 """Checks an action table before anything runs, and prints it as a rank x step grid.
 
-The checks: every stage replica runs F and B of each of its microbatches exactly once (and each
-microbatch runs at exactly one replica of every stage), every send has its receive on the peer
-(and the other way round), allreduces of a stage's replicas line up, and a dependency simulation
-(sends never block; a receive waits for its send; an allreduce waits for all replicas) runs every
-action, so the real run cannot deadlock. A failure raises :class:`ScheduleError` whose message
+The checks: every stage replica runs F and the backward of each of its microbatches exactly
+once, the backward as one B or as an I and a later W (and each microbatch runs at exactly one
+replica of every stage), a rank runs only its own stages, every send has its receive on the
+peer (and the other way round; a message is known by its kind, microbatch and the ranks and
+stages at both ends), allreduces of a stage's replicas line up, and a dependency simulation
+(sends never block; a receive waits for its send; an allreduce waits for all replicas) runs
+every action, so the real run cannot deadlock. A failure raises :class:`ScheduleError` whose message
 holds the grid with the failing step marked.
 """
 
@@ -56,10 +58,22 @@ def format_grid(
     return "\n".join(lines)
 
 
+Message = tuple[Op, int, int, int | None, int, int | None]
+"""(receive op, index, from rank, from stage, to rank, to stage)."""
+
+
+def message_of(rank: int, action: Action) -> Message:
+    """The message a send or receive of ``rank`` moves (sends named by their receive)."""
+    assert action.peer is not None, action
+    if action.op in _MATCH:
+        return (_MATCH[action.op], action.index, rank, action.stage, action.peer, action.peer_stage)
+    return (action.op, action.index, action.peer, action.peer_stage, rank, action.stage)
+
+
 def simulate_dependencies(tables: Mapping[int, Sequence[Action]]) -> None:
     """Run the tables symbolically; raise ScheduleError if some rank can never proceed."""
     position = {rank: 0 for rank in tables}
-    sent: set[tuple[Op, int, int, int]] = set()  # (recv op, microbatch, from rank, to rank)
+    sent: set[Message] = set()
     # allreduce rendezvous: (stage, index) -> ranks that reached it
     arrived: dict[tuple[int, int], set[int]] = {}
     replicas_of: dict[int, set[int]] = {}
@@ -73,10 +87,9 @@ def simulate_dependencies(tables: Mapping[int, Sequence[Action]]) -> None:
             while position[rank] < len(table):
                 action = table[position[rank]]
                 if action.op in _MATCH:
-                    assert action.peer is not None
-                    sent.add((_MATCH[action.op], action.index, rank, action.peer))
+                    sent.add(message_of(rank, action))
                 elif action.op.is_receive:
-                    key = (action.op, action.index, action.peer, rank)
+                    key = message_of(rank, action)
                     if key not in sent:
                         break
                     sent.discard(key)
@@ -103,6 +116,26 @@ def _fail(tables: Mapping[int, Sequence[Action]], rank: int, pos: int, problem: 
     raise ScheduleError(f"{problem}\n" + format_grid(tables, compute_only=False, mark=(rank, pos)))
 
 
+def _out_of_order(action: Action, done: Mapping[Op, set[int]]) -> str:
+    """Why a stage's compute ``action`` cannot come after the computations in ``done``."""
+    index, op = action.index, action.op
+    if op is Op.FORWARD:
+        return f"second forward of microbatch {index}" if index in done[op] else ""
+    if index not in done[Op.FORWARD]:
+        return f"backward of {index} before its forward"
+    halves = done[Op.BACKWARD_INPUT] | done[Op.BACKWARD_WEIGHT]
+    if op is Op.BACKWARD and index in halves:
+        return f"backward of {index} both whole and in halves"
+    if op is Op.BACKWARD_INPUT and index in done[Op.BACKWARD]:
+        return f"backward of {index} both whole and in halves"
+    if op is Op.BACKWARD_WEIGHT:
+        if index not in done[Op.BACKWARD_INPUT]:
+            return f"weight gradient of {index} before its input gradient"
+        if index in done[Op.BACKWARD_WEIGHT]:
+            return f"second weight gradient of microbatch {index}"
+    return ""
+
+
 def validate_tables(spec: PipelineSpec, tables: Mapping[int, Sequence[Action]]) -> None:
     """All structural checks, then the dependency simulation."""
     m = spec.microbatches
@@ -113,30 +146,39 @@ def validate_tables(spec: PipelineSpec, tables: Mapping[int, Sequence[Action]]) 
     }
     if set(tables) != set(range(spec.world_size)):
         raise ScheduleError(f"tables for ranks {sorted(tables)}, expected 0..{spec.world_size - 1}")
-    sends: Counter[tuple[Op, int, int, int]] = Counter()
-    recvs: Counter[tuple[Op, int, int, int]] = Counter()
+    sends: Counter[Message] = Counter()
+    recvs: Counter[Message] = Counter()
+    for rank, table in tables.items():
+        for pos, action in enumerate(table):
+            if rank not in spec.stage_ranks[action.stage]:
+                _fail(tables, rank, pos, f"rank {rank} does not run stage {action.stage}")
+            if action.op in _MATCH:
+                sends[message_of(rank, action)] += 1
+            elif action.op.is_receive:
+                recvs[message_of(rank, action)] += 1
     for stage, ranks in enumerate(spec.stage_ranks):
-        forwards: Counter[int] = Counter()
-        backwards: Counter[int] = Counter()
+        counts = {op: Counter[int]() for op in (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT)}
         for rank in ranks:
-            seen_forward: set[int] = set()
+            done: dict[Op, set[int]] = {op: set() for op in Op}
             for pos, action in enumerate(tables[rank]):
-                if action.stage != stage:
-                    _fail(tables, rank, pos, f"rank {rank} runs stage {stage}, not {action.stage}")
-                if action.op is Op.FORWARD:
-                    forwards[action.index] += 1
-                    seen_forward.add(action.index)
-                    if spec.rank_of(stage, action.index // m) != rank:
-                        _fail(tables, rank, pos, f"microbatch {action.index} at the wrong replica")
-                elif action.op is Op.BACKWARD:
-                    backwards[action.index] += 1
-                    if action.index not in seen_forward:
-                        _fail(tables, rank, pos, f"backward of {action.index} before its forward")
-                elif action.op in _MATCH:
-                    sends[(_MATCH[action.op], action.index, rank, action.peer or 0)] += 1
-                elif action.op.is_receive:
-                    recvs[(action.op, action.index, action.peer or 0, rank)] += 1
-        for name, counter in (("forward", forwards), ("backward", backwards)):
+                if action.stage != stage or not action.op.is_compute:
+                    continue
+                problem = _out_of_order(action, done)
+                if problem:
+                    _fail(tables, rank, pos, problem)
+                done[action.op].add(action.index)
+                if action.op is Op.FORWARD and spec.rank_of(stage, action.index // m) != rank:
+                    _fail(tables, rank, pos, f"microbatch {action.index} at the wrong replica")
+                if action.op in counts:
+                    counts[action.op][action.index] += 1
+            unfinished = done[Op.BACKWARD_INPUT] - done[Op.BACKWARD_WEIGHT]
+            if unfinished:
+                raise ScheduleError(
+                    f"stage {stage} at rank {rank} never runs the weight gradient of "
+                    f"microbatches {sorted(unfinished)[:8]}\n" + format_grid(tables)
+                )
+        backwards = counts[Op.BACKWARD] + counts[Op.BACKWARD_INPUT]
+        for name, counter in (("forward", counts[Op.FORWARD]), ("backward", backwards)):
             if set(counter) != expected_micro or any(c != 1 for c in counter.values()):
                 wrong = sorted(
                     mb for mb in expected_micro | set(counter) if counter.get(mb, 0) != 1
@@ -146,9 +188,9 @@ def validate_tables(spec: PipelineSpec, tables: Mapping[int, Sequence[Action]]) 
                     f"(microbatches {wrong})\n" + format_grid(tables)
                 )
     if sends != recvs:
-        unmatched = sorted(((sends - recvs) + (recvs - sends)).keys())[:4]
+        unmatched = sorted(((sends - recvs) + (recvs - sends)).keys(), key=str)[:4]
         raise ScheduleError(
-            f"sends and receives do not match: {unmatched} (op, microbatch, from, to)\n"
-            + format_grid(tables, compute_only=False)
+            f"sends and receives do not match: {unmatched} (op, microbatch, from rank, from "
+            "stage, to rank, to stage)\n" + format_grid(tables, compute_only=False)
         )
     simulate_dependencies(tables)
