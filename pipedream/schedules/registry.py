@@ -5,18 +5,24 @@ from __future__ import annotations
 
 from pipedream.errors import ScheduleError
 from pipedream.schedules.gpipe import GPIPE
+from pipedream.schedules.interleaved_1f1b import INTERLEAVED_1F1B
 from pipedream.schedules.onefoneb import ONE_F_ONE_B
 from pipedream.schedules.pipedream import PIPEDREAM
 from pipedream.schedules.schedule import Schedule
 from pipedream.schedules.twobw import TWO_BW
 from pipedream.schedules.vertical_sync import PIPEDREAM_VS
 
-__all__ = ["SCHEDULES", "lookup"]
+__all__ = ["ONE_STAGE_PER_RANK", "SCHEDULES", "lookup"]
 
 SCHEDULES: dict[str, Schedule] = {
-    s.name: s for s in (PIPEDREAM, PIPEDREAM_VS, TWO_BW, ONE_F_ONE_B, GPIPE)
+    s.name: s for s in (PIPEDREAM, PIPEDREAM_VS, TWO_BW, ONE_F_ONE_B, GPIPE, INTERLEAVED_1F1B)
 }
 """The schedules by name, in the order the docs list them."""
+
+ONE_STAGE_PER_RANK = tuple(name for name, s in SCHEDULES.items() if not s.several_stages_per_rank)
+"""The schedules plans, the planner and the runtime take today: one stage per rank. The others
+(several stages per rank) build, validate and print their tables; plan files cannot place them
+yet."""
 
 
 def lookup(name: str) -> Schedule:

@@ -620,6 +620,9 @@ CASES: list[tuple[str, str, Edit, str, str, str]] = [
      "expected true or false, got str 'yes'", "write true or false"),
     ("plan-unknown-schedule", "plan", _set("schedule", value="pipedream2"), "schedule",
      "unknown schedule 'pipedream2'", "use one of pipedream, pipedream-vs, 2bw, 1f1b, gpipe"),
+    ("plan-several-stages-per-rank", "plan", _set("schedule", value="interleaved-1f1b"),
+     "schedule", "schedule 'interleaved-1f1b' runs several stages per rank, which plans cannot "
+     "place yet", "use one of pipedream, pipedream-vs, 2bw, 1f1b, gpipe"),
     ("plan-microbatches-pipedream", "plan", _set("microbatches", value=4), "microbatches",
      "must be 1 for schedule 'pipedream', got 4", "use schedule '2bw'"),
     ("plan-microbatches-pipedream-vs", "plan",
