@@ -15,7 +15,7 @@ from typing import Any
 from pipedream.formats.reader import MappingReader
 from pipedream.formats.topology import Topology
 from pipedream.formats.yamlio import read_yaml_mapping, write_yaml
-from pipedream.schedules.registry import ONE_STAGE_PER_RANK, SCHEDULES
+from pipedream.schedules.registry import RUNNABLE, SCHEDULES
 
 __all__ = [
     "PLAN_FORMAT",
@@ -222,13 +222,13 @@ class Plan:
         workload = reader.str("workload")
         args = reader.options("workload_args")
         schedule = reader.str("schedule")
-        if schedule not in ONE_STAGE_PER_RANK:
+        if schedule not in RUNNABLE:
             what = (
-                f"schedule {schedule!r} runs several stages per rank, which plans cannot place yet"
+                f"schedule {schedule!r} {SCHEDULES[schedule].not_runnable}"
                 if schedule in SCHEDULES
                 else f"unknown schedule {schedule!r}"
             )
-            raise reader.error("schedule", what, f"use one of {', '.join(ONE_STAGE_PER_RANK)}")
+            raise reader.error("schedule", what, f"use one of {', '.join(RUNNABLE)}")
         microbatch_size = reader.int("microbatch_size", minimum=1)
         microbatches = reader.int("microbatches", 1, minimum=1)
         if SCHEDULES[schedule].one_microbatch and microbatches != 1:

@@ -11,18 +11,19 @@ from pipedream.schedules.pipedream import PIPEDREAM
 from pipedream.schedules.schedule import Schedule
 from pipedream.schedules.twobw import TWO_BW
 from pipedream.schedules.vertical_sync import PIPEDREAM_VS
+from pipedream.schedules.zero_bubble import ZB_H1, ZBV
 
-__all__ = ["ONE_STAGE_PER_RANK", "SCHEDULES", "lookup"]
+__all__ = ["RUNNABLE", "SCHEDULES", "lookup"]
 
 SCHEDULES: dict[str, Schedule] = {
-    s.name: s for s in (PIPEDREAM, PIPEDREAM_VS, TWO_BW, ONE_F_ONE_B, GPIPE, INTERLEAVED_1F1B)
+    s.name: s
+    for s in (PIPEDREAM, PIPEDREAM_VS, TWO_BW, ONE_F_ONE_B, GPIPE, INTERLEAVED_1F1B, ZB_H1, ZBV)
 }
 """The schedules by name, in the order the docs list them."""
 
-ONE_STAGE_PER_RANK = tuple(name for name, s in SCHEDULES.items() if not s.several_stages_per_rank)
-"""The schedules plans, the planner and the runtime take today: one stage per rank. The others
-(several stages per rank) build, validate and print their tables; plan files cannot place them
-yet."""
+RUNNABLE = tuple(name for name, s in SCHEDULES.items() if not s.not_runnable)
+"""The schedules plans, the planner and the runtime take today. The others
+(:attr:`Schedule.not_runnable` says why) build, validate and print their tables."""
 
 
 def lookup(name: str) -> Schedule:

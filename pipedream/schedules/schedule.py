@@ -85,6 +85,8 @@ class Schedule:
     """``(spec, rank, minibatches)``: the rank's computation over all its stages, in execution
     order (schedules with a :attr:`placement`; the others give each stage's :attr:`order`)."""
 
+    splits_backward: bool = False
+    """Backwards run as an input-gradient half ``I`` and a later weight-gradient half ``W``."""
     spec_problem: Callable[[PipelineSpec], str] | None = None
     """Why a pipeline's shape does not suit this schedule ("" when it does), beyond the
     microbatch rules above (say, microbatches that must be a multiple of the ranks)."""
@@ -92,6 +94,15 @@ class Schedule:
     @property
     def several_stages_per_rank(self) -> bool:
         return self.placement is not None
+
+    @property
+    def not_runnable(self) -> str:
+        """What plans and the runtime cannot do yet that this schedule needs ("" if nothing)."""
+        if self.several_stages_per_rank:
+            return "runs several stages per rank, which plans cannot place yet"
+        if self.splits_backward:
+            return "splits backwards into input and weight halves, which the runtime cannot run yet"
+        return ""
 
     @property
     def flushes(self) -> bool:

@@ -98,13 +98,18 @@ class PipelineSpec:
                     f"edge ({producer}, {consumer}) must go forward between existing stages"
                 )
         flat = [rank for ranks in self.stage_ranks for rank in ranks]
+        if schedule.rank_order is not None and any(len(r) != 1 for r in self.stage_ranks):
+            raise ScheduleError(
+                f"schedule {self.schedule!r} does not replicate stages yet; give each stage one "
+                "rank (replicate the whole pipeline with another run)"
+            )
+        problem = schedule.spec_problem(self) if schedule.spec_problem else ""
+        if problem:
+            raise ScheduleError(problem)
         if schedule.placement is not None:
             self._check_placement(schedule.placement, flat)
         elif sorted(flat) != list(range(len(flat))):
             raise ScheduleError(f"ranks must be 0..{len(flat) - 1}, each once; got {flat}")
-        problem = schedule.spec_problem(self) if schedule.spec_problem else ""
-        if problem:
-            raise ScheduleError(problem)
         if self.tied and schedule.placement is not None:
             raise ScheduleError(
                 f"schedule {self.schedule!r} does not take tied parameters across stages yet; "
@@ -119,11 +124,6 @@ class PipelineSpec:
     def _check_placement(self, placement: Callable[[int, int], list[int]], flat: list[int]) -> None:
         """Stages on ranks as a several-stages-per-rank schedule places them, unreplicated."""
         ranks = len(set(flat))
-        if any(len(r) != 1 for r in self.stage_ranks):
-            raise ScheduleError(
-                f"schedule {self.schedule!r} does not replicate stages yet; give each stage one "
-                "rank (replicate the whole pipeline with another run)"
-            )
         if sorted(set(flat)) != list(range(ranks)):
             raise ScheduleError(f"ranks must be 0..{ranks - 1}; got {flat}")
         wanted = placement(self.num_stages, ranks) if self.num_stages % ranks == 0 else None

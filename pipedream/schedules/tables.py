@@ -92,7 +92,7 @@ def build_tables(
     """One action list per global rank for the whole run (or just for ``only_ranks``)."""
     spec.validate()
     tables: dict[int, list[Action]] = {}
-    if lookup(spec.schedule).several_stages_per_rank:
+    if lookup(spec.schedule).rank_order is not None:
         for rank in range(spec.world_size):
             if only_ranks is None or rank in only_ranks:
                 tables[rank] = _rank_table(spec, rank)
@@ -185,9 +185,9 @@ def _with_messages(
 
 
 def _rank_table(spec: PipelineSpec, rank: int) -> list[Action]:
-    """The table of a rank that runs several stages (one replica each): its schedule's order
-    over all of them, each computation with its messages, each close an update. Forwards use
-    the stage's weights as they are (these schedules flush), backwards their forward's."""
+    """The table of a rank under a schedule that orders each rank's work (over all its stages,
+    one replica each): that order, each computation with its messages, each close an update.
+    Forwards use the stage's weights as the schedule's rule says, backwards their forward's."""
     schedule = lookup(spec.schedule)
     assert schedule.rank_order is not None
     minibatches = range(spec.first_minibatch, spec.first_minibatch + spec.num_minibatches)

@@ -8,7 +8,7 @@ and a weight-gradient half (W), checked by the validator.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 
 import pytest
 
@@ -22,7 +22,8 @@ from pipedream.schedules import (
     parse_action,
     validate_tables,
 )
-from pipedream.schedules.validate import message_of
+
+from unit_time import unit_time_makespan
 
 
 def looped(ranks: int, chunks: int, microbatches: int, minibatches: int = 1) -> PipelineSpec:
@@ -68,35 +69,6 @@ def test_valid_for_up_to_16_stages_and_64_microbatches(ranks: int) -> None:
             for minibatches in (1, 2):
                 spec = looped(ranks, chunks, microbatches, minibatches)
                 validate_tables(spec, build_tables(spec))
-
-
-def unit_time_makespan(
-    tables: Mapping[int, Sequence[Action]], cost: Callable[[Op], float]
-) -> float:
-    """Every rank runs its table in order: compute takes ``cost(op)``, a send is instant, a
-    receive waits for its send. The time the last rank finishes."""
-    clock = dict.fromkeys(tables, 0.0)
-    position = dict.fromkeys(tables, 0)
-    sent: dict[object, float] = {}
-    moved = True
-    while moved:
-        moved = False
-        for rank, table in tables.items():
-            while position[rank] < len(table):
-                action = table[position[rank]]
-                if action.op.is_send:
-                    sent[message_of(rank, action)] = clock[rank]
-                elif action.op.is_receive:
-                    key = message_of(rank, action)
-                    if key not in sent:
-                        break
-                    clock[rank] = max(clock[rank], sent.pop(key))
-                elif action.op.is_compute:
-                    clock[rank] += cost(action.op)
-                position[rank] += 1
-                moved = True
-    assert all(position[r] == len(t) for r, t in tables.items()), "deadlock"
-    return max(clock.values())
 
 
 @pytest.mark.parametrize(("ranks", "chunks", "microbatches"), [(2, 2, 4), (4, 2, 8), (4, 4, 8)])
