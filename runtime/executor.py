@@ -96,7 +96,7 @@ class Executor:
                 self.p2p.post_recv(MESSAGE_KIND[ahead.op], ahead.index, ahead.peer)
             reclaiming = time.perf_counter()
             self.p2p.poll()
-            computes = action.op in (Op.FORWARD, Op.BACKWARD, Op.UPDATE)
+            computes = action.op.is_compute or action.op is Op.UPDATE
             start = time.perf_counter()
             if computes:
                 self._clock.start()
@@ -146,7 +146,7 @@ class Executor:
             if outputs:
                 self._outbox[key] = scatter_outputs(self.io, outputs)
                 self._outbox_tags[key] = tag
-        elif op is Op.BACKWARD:
+        elif op in (Op.BACKWARD, Op.BACKWARD_INPUT):
             assert action.version is not None
             key = ("grad", action.index)
             received = self._inbox.pop(key, None)
@@ -157,11 +157,16 @@ class Executor:
                 grads = self.worker.skip_backward(action)
             else:
                 output_grads = gather_output_grads(self.io, received) if received else None
-                grads = self.worker.backward(action, output_grads)
+                backward = self.worker.backward if op is Op.BACKWARD else self.worker.backward_input
+                grads = backward(action, output_grads)
             if grads:
                 self._outbox[key] = scatter_input_grads(self.io, grads)
                 self._outbox_tags[key] = SKIP_TAG if skip else action.version
             self._since_update.append(action.index)
+            if op is Op.BACKWARD:  # a split backward uses its version until its W
+                self.worker.release(position + 1)
+        elif op is Op.BACKWARD_WEIGHT:
+            self.worker.backward_weight(action)
             self.worker.release(position + 1)
         elif op in _TIED:
             self._tied(action, what)

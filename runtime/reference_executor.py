@@ -81,12 +81,17 @@ def run_reference(
                     out = worker.forward(action, inputs)
                     if out:
                         outbox[(rank, "act", action.index)] = scatter_outputs(io, out)
-                elif op is Op.BACKWARD:
+                elif op in (Op.BACKWARD, Op.BACKWARD_INPUT):
                     received = inbox.pop((rank, "grad", action.index), None)
                     grads = gather_output_grads(io, received) if received is not None else None
-                    out = worker.backward(action, grads)
+                    backward = worker.backward if op is Op.BACKWARD else worker.backward_input
+                    out = backward(action, grads)
                     if out:
                         outbox[(rank, "grad", action.index)] = scatter_input_grads(io, out)
+                    if op is Op.BACKWARD:
+                        worker.release(pos + 1)
+                elif op is Op.BACKWARD_WEIGHT:
+                    worker.backward_weight(action)
                     worker.release(pos + 1)
                 elif op is Op.ALLREDUCE:
                     group = arrived.setdefault((action.stage, action.index), set())

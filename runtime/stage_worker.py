@@ -25,9 +25,10 @@ from pipedream.data import MicrobatchStream
 from pipedream.errors import RunFailure
 from pipedream.graph.placement import place_module
 from pipedream.model_io import ModelIO, to_device
+from pipedream.runtime.backward_split import BackwardSplit, Deferred, weight_gradients
 from pipedream.runtime.parameter_swap import ParameterSwap
 from pipedream.runtime.weight_versions import WeightVersions, accumulate_grads
-from pipedream.schedules import Action
+from pipedream.schedules import Action, Op
 
 __all__ = ["NonFiniteLossError", "StageWorker", "TiedLinks", "WorkerConfig"]
 
@@ -95,6 +96,12 @@ class _Stashed:
     copies: dict[str, Tensor] = field(default_factory=dict)
     """With recomputation: the tied copies' values the forward used (a new version may come
     before the backward)."""
+    record: Deferred | None = None
+    """Split backwards: the module outputs the forward recorded."""
+    deferred: dict[nn.Module, list[Tensor]] = field(default_factory=dict)
+    """Split backwards, after I: the outputs of the modules whose weights wait for W."""
+    output_grads: dict[nn.Module, list[Tensor | None]] = field(default_factory=dict)
+    """Split backwards, after I: those outputs' gradients."""
 
 
 class StageWorker:
@@ -129,6 +136,11 @@ class StageWorker:
         self.optimizer = optimizer_factory(trained) if trained else None
         self.param_names = [name for name in named if name not in self._copies]
         self._call = ParameterSwap(self.module)
+        splits = any(a.op is Op.BACKWARD_INPUT for a in table)
+        self._split = (
+            BackwardSplit(self.module, exclude=frozenset(self._copies)) if splits else None
+        )
+        """Where the table splits backwards (I and W): which weights wait for W."""
         self.versions = WeightVersions(
             self.module, table, initial_version=initial_version, exclude=self._copies
         )
@@ -145,6 +157,10 @@ class StageWorker:
         if self.config.precision == "bf16":
             return torch.autocast(self.config.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
+
+    def _recording(self) -> contextlib.AbstractContextManager[Deferred | None]:
+        """Records the module outputs W starts from, where backwards are split."""
+        return self._split.recording() if self._split is not None else contextlib.nullcontext()
 
     def _run(self, params: dict[str, Tensor], inputs: list[Tensor]) -> list[Tensor]:
         with self._autocast():
@@ -217,7 +233,9 @@ class StageWorker:
                         self.losses[action.index] = loss
         else:
             stash.params = self._leaf_params(action.version)
-            outputs = self._run(stash.params, inputs)
+            with self._recording() as record:
+                outputs = self._run(stash.params, inputs)
+            stash.record = record
             stash.outputs = outputs
             if self.config.is_last:
                 stash.loss = self._loss(action.index, outputs)
@@ -235,38 +253,90 @@ class StageWorker:
         """
         stash = self._stash.pop(action.index)
         assert stash.version == action.version, (stash.version, action)
+        roots, root_grads = self._roots(action.index, stash, grads)
+        wrt_inputs = [t for t in stash.inputs if t.requires_grad]
+        wrt = wrt_inputs + list(stash.params.values())
+        computed = self._grad(roots, wrt, root_grads, retain=False)
+        self._accumulate(dict(zip(stash.params, computed[len(wrt_inputs) :])))
+        return self._input_grads(stash.inputs, computed[: len(wrt_inputs)])
+
+    def backward_input(self, action: Action, grads: Sequence[Tensor | None] | None) -> list[Tensor]:
+        """The input-gradient half (I) of the backward of ``action.index``: returns the
+        gradients of the stage inputs (to send on at once), accumulates those of the weights
+        that cannot wait (:mod:`~pipedream.runtime.backward_split`) and keeps what the weight
+        half needs: the graph and the gradients of the module outputs it starts from."""
+        assert self._split is not None, "a split backward in a table without I actions"
+        stash = self._stash[action.index]
+        assert stash.version == action.version, (stash.version, action)
+        roots, root_grads = self._roots(action.index, stash, grads)
+        outputs = self._split.deferred(stash.record or {})
+        later = self._split.deferred_names(outputs)
+        now = [name for name in stash.params if name not in later]
+        wrt_inputs = [t for t in stash.inputs if t.requires_grad]
+        flat_outputs = [t for tensors in outputs.values() for t in tensors]
+        wrt = wrt_inputs + [stash.params[name] for name in now] + flat_outputs
+        computed = iter(self._grad(roots, wrt, root_grads, retain=True))
+        input_grads = [next(computed) for _ in wrt_inputs]
+        self._accumulate({name: next(computed) for name in now})
+        stash.deferred = outputs
+        stash.output_grads = {sub: [next(computed) for _ in ts] for sub, ts in outputs.items()}
+        return self._input_grads(stash.inputs, input_grads)
+
+    def backward_weight(self, action: Action) -> None:
+        """The weight-gradient half (W) of the backward of ``action.index``: the deferred
+        weights' gradients from the module outputs' gradients its I computed."""
+        assert self._split is not None, "a split backward in a table without W actions"
+        if action.index in self.skipped:  # its I dropped it (non-finite loss)
+            return
+        stash = self._stash.pop(action.index)
+        assert stash.version == action.version, (stash.version, action)
+        grads = weight_gradients(self._split, stash.deferred, stash.output_grads, stash.params)
+        self._accumulate(grads)
+
+    def _roots(
+        self, index: int, stash: _Stashed, grads: Sequence[Tensor | None] | None
+    ) -> tuple[list[Tensor], list[Tensor | None]]:
+        """What the backward of ``index`` starts from: the loss (last stage) or the outputs with
+        their received gradients (recomputing the forward first, with ``--recompute``)."""
         if self.config.recompute:
             stash.params = self._leaf_params(stash.version, stash.copies)
-            stash.outputs = self._run(stash.params, stash.inputs)
+            with self._recording() as record:
+                stash.outputs = self._run(stash.params, stash.inputs)
+            stash.record = record
             if self.config.is_last:
-                stash.loss = self._loss(action.index, stash.outputs)
+                stash.loss = self._loss(index, stash.outputs)
         if self.config.is_last:
             assert stash.loss is not None
             # the minibatch's loss is the mean over its microbatches
-            roots, root_grads = [stash.loss / self.config.microbatches], [None]
-        else:
-            assert grads is not None and len(grads) == len(stash.outputs)
-            pairs = [
-                (o, g) for o, g in zip(stash.outputs, grads) if o.requires_grad and g is not None
-            ]
-            roots = [o for o, _ in pairs]
-            root_grads = [g for _, g in pairs]
-        wrt_inputs = [t for t in stash.inputs if t.requires_grad]
-        wrt = wrt_inputs + list(stash.params.values())
-        if roots:
-            computed = torch.autograd.grad(roots, wrt, root_grads, allow_unused=True)
-        else:  # nothing this stage sends on depends on its parameters or its inputs
-            computed = (None,) * len(wrt)
-        input_grads = iter(computed[: len(wrt_inputs)])
-        param_grads = dict(zip(stash.params, computed[len(wrt_inputs) :]))
-        copy_grads = {name: param_grads.pop(name) for name in self._copies}
+            return [stash.loss / self.config.microbatches], [None]
+        assert grads is not None and len(grads) == len(stash.outputs)
+        pairs = [(o, g) for o, g in zip(stash.outputs, grads) if o.requires_grad and g is not None]
+        return [o for o, _ in pairs], [g for _, g in pairs]
+
+    @staticmethod
+    def _grad(
+        roots: list[Tensor], wrt: list[Tensor], root_grads: list[Tensor | None], *, retain: bool
+    ) -> Sequence[Tensor | None]:
+        if not roots:  # nothing this stage sends on depends on its parameters or its inputs
+            return (None,) * len(wrt)
+        return torch.autograd.grad(roots, wrt, root_grads, retain_graph=retain, allow_unused=True)
+
+    def _accumulate(self, param_grads: dict[str, Tensor | None]) -> None:
+        """Weight gradients into the live weights; the copies' into the copies (for the owner)."""
+        copy_grads = {name: param_grads.pop(name) for name in self._copies if name in param_grads}
         self.versions.accumulate(param_grads)
         accumulate_grads(self._copies, copy_grads)
+
+    def _input_grads(
+        self, inputs: Sequence[Tensor], computed: Sequence[Tensor | None]
+    ) -> list[Tensor]:
+        """The gradient of every stage input, zeros where none flowed (nothing for stage 0)."""
         if self.config.is_first:
             return []
+        grads = iter(computed)
         out = []
-        for tensor in stash.inputs:
-            grad = next(input_grads) if tensor.requires_grad else None
+        for tensor in inputs:
+            grad = next(grads) if tensor.requires_grad else None
             out.append(torch.zeros_like(tensor) if grad is None else grad)
         return out
 

@@ -21,6 +21,8 @@ __all__ = ["COLOURS", "matplotlib_available", "plot_timeline"]
 COLOURS: dict[str, str] = {
     "forward": "#4c72b0",
     "backward": "#55a868",
+    "backward-input": "#8fd19e",
+    "backward-weight": "#2d6a3e",
     "update": "#8172b2",
     "send": "#dd8452",
     "receive-wait": "#c44e52",
@@ -29,9 +31,12 @@ COLOURS: dict[str, str] = {
 """Bar colour of each trace category; idle time is :data:`IDLE`."""
 
 IDLE = "#e6e6e6"
+_LABELLED = ("forward", "backward", "backward-input", "backward-weight")
 _LEGEND = {
     "forward": "forward",
     "backward": "backward",
+    "backward-input": "input gradient (I)",
+    "backward-weight": "weight gradient (W)",
     "update": "optimizer update",
     "send": "send (posting)",
     "receive-wait": "receive wait",
@@ -84,7 +89,7 @@ def plot_timeline(
             if start + width < low or start > high:
                 continue
             bars.setdefault(event.category, []).append((start, width))
-            if event.category in ("forward", "backward") and width > span / 120:
+            if event.category in _LABELLED and width > span / 120:
                 axes.text(
                     start + width / 2,
                     row,

@@ -43,6 +43,8 @@ __all__ = [
 CATEGORIES: dict[Op, str] = {
     Op.FORWARD: "forward",
     Op.BACKWARD: "backward",
+    Op.BACKWARD_INPUT: "backward-input",
+    Op.BACKWARD_WEIGHT: "backward-weight",
     Op.UPDATE: "update",
     Op.ALLREDUCE: "allreduce",
     Op.SEND_ACT: "send",

@@ -1,11 +1,17 @@
 """``sleep``: layers that sleep a fixed time in forward and backward, for schedule benchmarks.
 
-Each layer is a custom autograd function that sleeps ``forward_ms`` in forward and
-``backward_ms`` in backward and otherwise does (almost) nothing, so a pipeline of many stages
-fits on a couple of CPU cores: the measured time of a run minus its ideal time is the
-overhead of the schedule, the runtime and the communication, not contention for compute.
-``activation_bytes`` sets the size of the tensor every layer outputs (and so of every message
-between stages), e.g. 32 KiB or 32 MiB per microbatch.
+Each layer sleeps ``forward_ms`` in forward and ``backward_ms`` in backward (custom autograd
+functions) and otherwise does (almost) nothing, so a pipeline of many stages fits on a couple of
+CPU cores: the measured time of a run minus its ideal time is the overhead of the schedule, the
+runtime and the communication, not contention for compute. ``activation_bytes`` sets the size
+of the tensor every layer outputs (and so of every message between stages), e.g. 32 KiB or
+32 MiB per microbatch.
+
+Split backwards (zero-bubble schedules): ``weight_ms`` of a layer's ``backward_ms`` is its weight
+gradient (``W``), the rest its input gradient (``I``; default: half each). The two parts are
+separate autograd nodes (one on the layer's input alone, one on its weight alone), so a whole
+backward sleeps ``backward_ms`` and each half of a split one sleeps its part. The first layer,
+whose input needs no gradient, spends its whole ``backward_ms`` on the weight.
 
 The math is exact and trivial, chosen so that no step touches a large tensor:
 
@@ -49,41 +55,87 @@ def _cached_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     return _ZEROS[key]
 
 
-class _SleepFunction(torch.autograd.Function):
-    """``y = x + 0 * w`` (or a constant zero activation) with a sleep in forward and backward."""
+class _SleepForward(torch.autograd.Function):
+    """``y = x`` (a view; or a constant zero activation) after sleeping the forward; its
+    backward passes the gradient on without sleeping (the input's part sleeps in a hook on
+    ``x``, the weight's in :class:`_SleepWeight`)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, layer: SleepLayer) -> Tensor:
+    def forward(ctx: Any, x: Tensor, weight_term: Tensor, layer: SleepLayer) -> Tensor:
         time.sleep(layer.forward_s)
         ctx.layer = layer
         ctx.x_needs_grad = x.requires_grad
+        ctx.term = (weight_term.dtype, weight_term.device)
         if tuple(x.shape) == layer.shape:
             return x.view_as(x)
-        return _cached_zeros(layer.shape, weight.dtype, weight.device).view(layer.shape)
+        return _cached_zeros(layer.shape, weight_term.dtype, weight_term.device).view(layer.shape)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor, None]:
-        layer: SleepLayer = ctx.layer
-        time.sleep(layer.backward_s)
-        passes = ctx.x_needs_grad and tuple(grad.shape) == layer.shape
-        grad_x = grad if passes else None
-        return grad_x, torch.zeros((), dtype=grad.dtype, device=grad.device), None
+        passes = ctx.x_needs_grad and tuple(grad.shape) == ctx.layer.shape
+        dtype, device = ctx.term
+        return (grad if passes else None), torch.zeros((), dtype=dtype, device=device), None
+
+
+class _SleepInput(torch.autograd.Function):
+    """``x`` (a view) whose backward, the input's gradient, sleeps the input's part."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, seconds: float) -> Tensor:
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class _SleepWeight(torch.autograd.Function):
+    """``0 * w``, whose backward (the weight gradient, exactly 0) sleeps the weight's part."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: Tensor, seconds: float) -> Tensor:
+        ctx.seconds = seconds
+        return weight.new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        time.sleep(ctx.seconds)
+        return torch.zeros((), dtype=grad.dtype, device=grad.device), None
 
 
 class SleepLayer(nn.Module):
     """Sleeps ``forward_ms`` in forward and ``backward_ms`` in backward; outputs ``shape``."""
 
-    def __init__(self, shape: tuple[int, ...], *, forward_ms: float, backward_ms: float) -> None:
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        *,
+        forward_ms: float,
+        backward_ms: float,
+        weight_ms: float | None = None,
+    ) -> None:
         super().__init__()
         self.shape = tuple(shape)
         self.forward_s = forward_ms / 1000
         self.backward_s = backward_ms / 1000
+        self.weight_s = (backward_ms / 2 if weight_ms is None else weight_ms) / 1000
+        """Of the backward, the weight gradient's sleep (a split backward's ``W``)."""
         self.weight = nn.Parameter(torch.ones(()))
 
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[0] != self.shape[0]:  # the last microbatch of torch's chunking may differ
             raise ValueError(f"sleep layer expects a microbatch of {self.shape[0]}, got {x.shape}")
-        return _SleepFunction.apply(x, self.weight, self)  # type: ignore[no-any-return]
+        if x.requires_grad:
+            # autograd runs this node only for the input's gradient (a whole backward, or a
+            # split one's input half), never for the weight's alone
+            x = _SleepInput.apply(x, self.backward_s - self.weight_s)
+            weight_s = self.weight_s
+        else:  # nothing to compute for the input: the whole backward is the weight's
+            weight_s = self.backward_s
+        weight_term = _SleepWeight.apply(self.weight, weight_s)
+        return _SleepForward.apply(x, weight_term, self)  # type: ignore[no-any-return]
 
     def extra_repr(self) -> str:
         return (
@@ -134,6 +186,7 @@ def build(
     samples: int = 256,
     lr: float = 0.01,
     microbatch_size: int = 8,
+    weight_ms: float | None = None,
 ) -> Workload:
     """Build the sleep workload: ``layers`` sleep layers whose outputs are ``activation_bytes``.
 
@@ -149,6 +202,11 @@ def build(
         raise WorkloadError(
             f"sleep: forward_ms and backward_ms must be >= 0, got {forward_ms}, {backward_ms}"
         )
+    if weight_ms is not None and not 0 <= weight_ms <= backward_ms:
+        raise WorkloadError(
+            f"sleep: weight_ms={weight_ms} must be between 0 and backward_ms={backward_ms} (the "
+            "weight gradient's part of the backward)"
+        )
     row = 4 * microbatch_size
     if activation_bytes < row or activation_bytes % row:
         raise WorkloadError(
@@ -157,7 +215,10 @@ def build(
         )
     shape = (microbatch_size, activation_bytes // row)
     model = nn.Sequential(
-        *(SleepLayer(shape, forward_ms=forward_ms, backward_ms=backward_ms) for _ in range(layers))
+        *(
+            SleepLayer(shape, forward_ms=forward_ms, backward_ms=backward_ms, weight_ms=weight_ms)
+            for _ in range(layers)
+        )
     )
     return Workload(
         model=model,
