@@ -250,8 +250,9 @@ def minibatch_ms(
 
         stage 0: F0 F1 .  .  B0 B1 | F0 ...   S = 2, m = 2: 3 slots of F + B per minibatch
         stage 1: .  F0 F1 B0 B1 .  |
+
+    A schedule may state its own bubble (:meth:`Schedule.drain_slots`): ``zb-h1`` fills two
+    thirds of it with weight gradients, ``(S - 1) / 3`` slots when ``F = I = W``; the planner
+    simulates such plans anyway (:func:`~pipedream.optimizer.verify.needs_simulation`).
     """
-    slots = microbatches
-    if lookup(schedule).flushes:
-        slots += num_stages - 1
-    return slots * microbatch_ms
+    return (microbatches + lookup(schedule).drain_slots(num_stages)) * microbatch_ms

@@ -71,6 +71,9 @@ class MeasuredStage:
     reclaiming: float | None = None
     """Of ``between``, the share spent waiting for earlier sends to complete (None: not
     recorded)."""
+    input_share: float | None = None
+    """Where backwards are split: the input-gradient half's share of ``backward_ms`` (which
+    is then the mean I plus the mean W)."""
 
 
 @dataclass(frozen=True)
@@ -224,7 +227,7 @@ def measure_run(traces: Sequence[RankTrace], plan: Plan, *, skip: int | None = N
     start, end = completions[first], completions[last]
     stages = []
     for number in range(len(plan.stages)):
-        durations: dict[str, list[float]] = {"F": [], "B": [], "U": [], "S": []}
+        durations: dict[str, list[float]] = {k: [] for k in ("F", "B", "I", "W", "U", "S")}
         between, posting, reclaiming = [], [], []
         recorded = True  # whether every event in the window says what came before it
         for trace in traces:
@@ -248,10 +251,16 @@ def measure_run(traces: Sequence[RankTrace], plan: Plan, *, skip: int | None = N
             between.append(gaps / length if length > 0 else 0.0)
             posting.append(posted / length if length > 0 else 0.0)
             reclaiming.append(reclaimed / length if length > 0 else 0.0)
+        backward_ms, input_share = _mean(durations["B"]), None
+        halves = _mean(durations["I"]), _mean(durations["W"])
+        if backward_ms is None and halves[0] is not None and halves[1] is not None:
+            backward_ms = halves[0] + halves[1]
+            input_share = halves[0] / backward_ms if backward_ms > 0 else 0.5
         stages.append(
             MeasuredStage(
                 forward_ms=_mean(durations["F"]),
-                backward_ms=_mean(durations["B"]),
+                backward_ms=backward_ms,
+                input_share=input_share,
                 update_ms=_mean(durations["U"]),
                 send_ms=_mean(durations["S"]),
                 between=statistics.fmean(between) if between else None,
@@ -279,6 +288,8 @@ def measured_work(work: Sequence[StageWork], run: MeasuredRun) -> list[StageWork
             changes["forward_ms"] = measured.forward_ms
         if measured.backward_ms is not None:
             changes.update(backward_ms=measured.backward_ms, accumulate_ms=0.0)
+        if measured.input_share is not None:
+            changes["input_share"] = measured.input_share
         if measured.update_ms is not None:
             changes.update(update_ms=measured.update_ms, copy_ms=0.0)
         replaced.append(dataclasses.replace(profiled, **changes))

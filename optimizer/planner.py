@@ -46,7 +46,7 @@ from pipedream.optimizer.search import (
 )
 from pipedream.optimizer.tree import Cluster, Node, Tree, TreeEvaluation, evaluate_tree, leaf_ranks
 from pipedream.optimizer.verify import needs_simulation, simulated_ms
-from pipedream.schedules import RUNNABLE, SCHEDULES
+from pipedream.schedules import RUNNABLE, SCHEDULES, lookup
 
 __all__ = [
     "AUTO",
@@ -217,7 +217,10 @@ def _fastest_simulated(
     )
     if straight.tree is not None and straight.microbatches == outcome.microbatches:
         trees.append(straight.tree)
-    trees.append(data_parallel_tree(outcome.cluster, len(profile.layers)))
+    data_parallel = None
+    if lookup(outcome.schedule).replicates:
+        data_parallel = data_parallel_tree(outcome.cluster, len(profile.layers))
+        trees.append(data_parallel)
     found: list[tuple[float, Plan, TreeEvaluation, Tree]] = []
     for tree in trees:
         plan, evaluation = build_plan(
@@ -235,7 +238,7 @@ def _fastest_simulated(
     time_ms, plan, evaluation, tree = min(found, key=lambda item: item[0])
     assert plan.prediction is not None
     data_parallel_ms = plan.prediction.data_parallel_time_per_minibatch_ms
-    if found[-1][3] is trees[-1]:  # data parallelism fits: its simulated time
+    if found[-1][3] is data_parallel:  # data parallelism fits: its simulated time
         data_parallel_ms = found[-1][0]
     prediction = replace(
         plan.prediction,

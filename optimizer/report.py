@@ -7,6 +7,7 @@ from pipedream.formats.topology import Topology
 from pipedream.formats.units import format_bytes
 from pipedream.optimizer.baselines import Baseline
 from pipedream.optimizer.planner import PlanResult
+from pipedream.schedules import lookup
 
 __all__ = ["format_candidates", "format_comparison", "format_summary", "table"]
 
@@ -86,8 +87,12 @@ def format_summary(
         f"-> {prediction.throughput_samples_per_s:.1f} samples/s "
         f"(bottleneck: stage {prediction.bottleneck}"
         + (
-            "; simulated: the formula is not exact for replicated stages with several "
-            "microbatches per minibatch)"
+            (
+                "; simulated: the formula does not know how the backward splits)"
+                if lookup(plan.schedule).splits_backward
+                else "; simulated: the formula is not exact for replicated stages with several "
+                "microbatches per minibatch)"
+            )
             if prediction.method == "simulated"
             else ")"
         ),

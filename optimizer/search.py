@@ -101,7 +101,7 @@ def _solve(request: Request, schedule: str, m: int, counted: bool) -> dict[int, 
     return solve_cluster(
         request.costs,
         cluster,
-        straight=request.straight,
+        straight=request.straight or not lookup(schedule).replicates,
         use_fewer_workers=request.use_fewer_workers,
         memory=MemoryModel(schedule, m),
         memory_limit=request.memory_limit,
@@ -154,6 +154,11 @@ def solve_schedule(request: Request, *, schedule: str, microbatches: int | None)
 
 def _why_infeasible(request: Request, schedule: str, m: int) -> str:
     n, workers = request.costs.num_layers, request.topology.num_workers
+    if not lookup(schedule).replicates and workers > n and not request.use_fewer_workers:
+        return (
+            f"schedule {schedule} does not replicate stages, so {workers} workers need at least "
+            f"{workers} layers, but the profile has {n}; use --workers {n} or fewer"
+        )
     if request.straight and workers > n and not request.use_fewer_workers:
         return (
             f"--straight with {workers} workers needs at least {workers} layers, but the "

@@ -283,8 +283,8 @@ def _simulated_shares(timeline: Timeline, stage: int) -> tuple[float, float]:
     ranks = {e.rank for e in events}
     if not ranks or length <= 0:
         return 0.0, 0.0
-    spent = {kind: sum(e.end_ms - e.start_ms for e in events if e.kind == kind) for kind in "RW"}
-    return spent["R"] / length / len(ranks), spent["W"] / length / len(ranks)
+    spent = {kind: sum(e.end_ms - e.start_ms for e in events if e.kind == kind) for kind in "RH"}
+    return spent["R"] / length / len(ranks), spent["H"] / length / len(ranks)
 
 
 def format_measured(timeline: Timeline, replay: Timeline, run: MeasuredRun, run_dir: str) -> str:

@@ -128,6 +128,10 @@ class StageWork:
     accumulate_ms: float = 0.0
     """Adding one microbatch's gradients into ``.grad`` (every backward of a minibatch but its
     first)."""
+    input_share: float = 0.5
+    """The share of ``backward_ms`` that is the input-gradient half (I) where a schedule splits
+    backwards; the weight-gradient half (W) is the rest. Half: a layer's weight gradient and
+    its input gradient are one matrix product each of the same size."""
     tied_bytes: Mapping[int, float] = field(default_factory=dict)
     """Other stage -> bytes of the tied parameters this stage shares with it (owned by the
     earlier of the two): the copies' gradients go to the owner and every new version back,
@@ -255,8 +259,9 @@ class Event:
     stage: int
     """Its stage."""
     kind: str
-    """``F``, ``B``, ``A``, ``U``, ``S`` (posting a send), ``R`` (posting receives ahead) or
-    ``W`` (waiting for earlier sends to leave; not busy)."""
+    """``F``, ``B`` (or its halves ``I`` and ``W``), ``A``, ``U``, ``S`` (posting a send),
+    ``R`` (posting receives ahead) or ``H`` (held: waiting for earlier sends to leave; not
+    busy)."""
     index: int
     """Microbatch (F, B, S; R: of the first receive posted) or update (A, U) index."""
     start_ms: float
@@ -298,7 +303,7 @@ class Timeline:
     def busy_fraction(self, rank: int) -> float:
         """Share of the run the rank spends computing, allreducing, updating or posting sends
         and receives (not waiting for its sends to leave)."""
-        busy = sum(e.end_ms - e.start_ms for e in self.events if e.rank == rank and e.kind != "W")
+        busy = sum(e.end_ms - e.start_ms for e in self.events if e.rank == rank and e.kind != "H")
         return busy / self.makespan_ms if self.makespan_ms > 0 else 1.0
 
 
@@ -728,7 +733,7 @@ class _Run:
         reclaimed = self._sends_reclaimed(rank)
         assert reclaimed is not None and reclaimed <= now, (reclaimed, now)  # _ready waited
         if reclaimed > self.clock[rank]:
-            self.events.append(Event(rank, stage, "W", action.index, self.clock[rank], reclaimed))
+            self.events.append(Event(rank, stage, "H", action.index, self.clock[rank], reclaimed))
         self._reclaim(rank)
         if op.is_receive:
             key = (op, action.index, action.peer or 0, rank)
@@ -783,23 +788,27 @@ class _Run:
                 self._wake(member)
             return
         else:
+            work = self.work[stage]
             duration = {
-                Op.FORWARD: self.work[stage].forward_ms,
-                Op.BACKWARD: self.work[stage].backward_ms,
-                Op.UPDATE: self.work[stage].update_ms,
+                Op.FORWARD: work.forward_ms,
+                Op.BACKWARD: work.backward_ms,
+                Op.BACKWARD_INPUT: work.backward_ms * work.input_share,
+                Op.BACKWARD_WEIGHT: work.backward_ms * (1 - work.input_share),
+                Op.UPDATE: work.update_ms,
             }[op]
             if self.spread is not None and op is not Op.UPDATE:
                 ratios = self.spread.forward if op is Op.FORWARD else self.spread.backward
                 duration *= self.rng.choice(ratios)
-            if op is Op.BACKWARD and action.index % self.spec.microbatches:
-                duration += self.work[stage].accumulate_ms  # .grad holds the earlier ones
+            weights_done = op in (Op.BACKWARD, Op.BACKWARD_WEIGHT)
+            if weights_done and action.index % self.spec.microbatches:
+                duration += work.accumulate_ms  # .grad holds the earlier ones
             if op is Op.UPDATE:
                 self.updates_done[rank] += 1  # this update creates version updates_done
                 if self.uses[rank].needs_copy(self.updates_done[rank]):
                     duration += self.work[stage].copy_ms
             self.events.append(Event(rank, stage, op.value, action.index, now, now + duration))
             now += duration
-            if op is Op.BACKWARD:
+            if weights_done:  # the microbatch's backward is complete
                 self.backward_end[(stage, action.index)] = now
         self.clock[rank] = self._reach(rank, now)
         self._wake(rank)

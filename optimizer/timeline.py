@@ -27,25 +27,28 @@ __all__ = ["COLOURS", "draw_timeline", "format_timeline", "slot_ms"]
 COLOURS = {
     "F": "#4c72b0",
     "B": "#55a868",
+    "I": "#8fd19e",
+    "W": "#2d6a3e",
     "A": "#c44e52",
     "U": "#8c8c8c",
     "S": "#dd8452",
     "R": "#937860",
-    "W": "#e5c494",
+    "H": "#e5c494",
 }
-"""Bar colours: forward blue, backward green, allreduce red, update grey, send orange,
-receives posted ahead brown, waiting for sends to leave sand."""
+"""Bar colours: forward blue, backward green (its input-gradient half light, its weight-gradient
+half dark), allreduce red, update grey, send orange, receives posted ahead brown, held by sends
+still to leave sand."""
 
 
 def slot_ms(timeline: Timeline) -> float:
     """The grid's resolution: the shortest forward or backward (so each shows at least once)."""
-    durations = [e.end_ms - e.start_ms for e in timeline.events if e.kind in "FB"]
+    durations = [e.end_ms - e.start_ms for e in timeline.events if e.kind in "FBIW"]
     positive = [d for d in durations if d > 0]
     return min(positive) if positive else max(timeline.makespan_ms, 1e-9)
 
 
 def _label(event: Event) -> str:
-    return f"{event.kind}{event.index}" if event.kind in "FB" else event.kind
+    return f"{event.kind}{event.index}" if event.kind in "FBIW" else event.kind
 
 
 def format_timeline(timeline: Timeline, plan: Plan, *, width: int = 64) -> str:
@@ -134,11 +137,13 @@ def draw_timeline(timeline: Timeline, plan: Plan, path: str | os.PathLike[str]) 
     names = {
         "F": "forward",
         "B": "backward",
+        "I": "input gradient",
+        "W": "weight gradient",
         "A": "allreduce",
         "U": "update",
         "S": "send",
         "R": "receives posted",
-        "W": "waiting for sends",
+        "H": "waiting for sends",
     }
     shown = {event.kind for event in timeline.events} | {"F", "B"}
     axes.legend(

@@ -29,6 +29,7 @@ from pipedream.formats.plan import Plan
 from pipedream.formats.profile import Profile
 from pipedream.formats.topology import Topology
 from pipedream.optimizer.simulator import Network, default_steps, simulate, stage_work
+from pipedream.schedules import lookup
 
 __all__ = ["MAX_SIMULATED_ACTIONS", "needs_simulation", "simulated_ms"]
 
@@ -38,8 +39,10 @@ beyond which the formula stands; also the most a simulation may grow to."""
 
 
 def needs_simulation(plan: Plan) -> bool:
-    """Whether the formula may be wrong for ``plan``: a replicated stage and ``m > 1``."""
-    return plan.microbatches > 1 and any(stage.replicas > 1 for stage in plan.stages)
+    """Whether the formula may be wrong for ``plan``: a replicated stage and ``m > 1``, or a
+    schedule that splits backwards (its bubble depends on how the backward splits)."""
+    replicated = plan.microbatches > 1 and any(stage.replicas > 1 for stage in plan.stages)
+    return replicated or lookup(plan.schedule).splits_backward
 
 
 def _compute_actions(plan: Plan) -> int:

@@ -87,6 +87,9 @@ class Schedule:
 
     splits_backward: bool = False
     """Backwards run as an input-gradient half ``I`` and a later weight-gradient half ``W``."""
+    bubble_slots: Callable[[int], float] | None = None
+    """``stages`` -> the idle slots (of one forward and backward) a minibatch adds in the
+    planner's formula; None: ``S - 1`` for a schedule that flushes, else none."""
     spec_problem: Callable[[PipelineSpec], str] | None = None
     """Why a pipeline's shape does not suit this schedule ("" when it does), beyond the
     microbatch rules above (say, microbatches that must be a multiple of the ranks)."""
@@ -96,13 +99,22 @@ class Schedule:
         return self.placement is not None
 
     @property
+    def replicates(self) -> bool:
+        """Whether stages may have replicas (schedules that order whole ranks do not, yet)."""
+        return self.rank_order is None
+
+    @property
     def not_runnable(self) -> str:
         """What plans and the runtime cannot do yet that this schedule needs ("" if nothing)."""
         if self.several_stages_per_rank:
             return "runs several stages per rank, which plans cannot place yet"
-        if self.splits_backward:
-            return "splits backwards into input and weight halves, which the runtime cannot run yet"
         return ""
+
+    def drain_slots(self, num_stages: int) -> float:
+        """Idle slots per minibatch in the planner's formula (the fill and drain bubble)."""
+        if self.bubble_slots is not None:
+            return self.bubble_slots(num_stages)
+        return num_stages - 1 if self.flushes else 0
 
     @property
     def flushes(self) -> bool:

@@ -91,6 +91,7 @@ ZB_H1 = Schedule(
     auto_rank=6,
     rank_order=_zb_h1_order,
     splits_backward=True,
+    bubble_slots=lambda stages: (stages - 1) / 3,  # the paper's (S - 1)(F + I - W), F = I = W
 )
 
 ZBV = Schedule(

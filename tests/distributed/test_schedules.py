@@ -63,6 +63,8 @@ CASES = [
     Case("2bw", 3, 4, ADAM, recompute=True, resume=True),
     Case("1f1b", 4, 3, MOMENTUM, recompute=True, resume=True),
     Case("gpipe", 3, 2, ADAMW),
+    Case("zb-h1", 3, 4, ADAM, recompute=True, resume=True),
+    Case("zb-h1", 4, 3, MOMENTUM),
 ]
 
 

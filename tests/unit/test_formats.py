@@ -619,10 +619,11 @@ CASES: list[tuple[str, str, Edit, str, str, str]] = [
     ("plan-recompute-string", "plan", _set("recompute", value="yes"), "recompute",
      "expected true or false, got str 'yes'", "write true or false"),
     ("plan-unknown-schedule", "plan", _set("schedule", value="pipedream2"), "schedule",
-     "unknown schedule 'pipedream2'", "use one of pipedream, pipedream-vs, 2bw, 1f1b, gpipe"),
+     "unknown schedule 'pipedream2'",
+     "use one of pipedream, pipedream-vs, 2bw, 1f1b, gpipe, zb-h1"),
     ("plan-several-stages-per-rank", "plan", _set("schedule", value="interleaved-1f1b"),
      "schedule", "schedule 'interleaved-1f1b' runs several stages per rank, which plans cannot "
-     "place yet", "use one of pipedream, pipedream-vs, 2bw, 1f1b, gpipe"),
+     "place yet", "use one of pipedream, pipedream-vs, 2bw, 1f1b, gpipe, zb-h1"),
     ("plan-microbatches-pipedream", "plan", _set("microbatches", value=4), "microbatches",
      "must be 1 for schedule 'pipedream', got 4", "use schedule '2bw'"),
     ("plan-microbatches-pipedream-vs", "plan",

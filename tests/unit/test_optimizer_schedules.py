@@ -133,7 +133,8 @@ def test_auto_picks_the_fastest_schedule_and_microbatches() -> None:
     assert result.plan.prediction is not None
     assert result.plan.prediction.time_per_minibatch_ms == pytest.approx(20.0)
     tried = {(o.schedule, o.microbatches) for o in result.candidates}
-    assert ("pipedream", 1) in tried and ("gpipe", 32) in tried and len(tried) == 17
+    assert ("pipedream", 1) in tried and ("gpipe", 32) in tried and ("zb-h1", 8) in tried
+    assert len(tried) == 22  # pipedream, pipedream-vs, then 5 m each for 2bw 1f1b gpipe zb-h1
     # with the minibatch pinned, only schedules that take it
     pinned = plan_profile(
         TWO, topology=CLUSTER, options=PlanOptions(schedule="auto", microbatches=4)

@@ -54,6 +54,20 @@ def test_flush_schedules_take_m_plus_s_minus_1_slots(schedule: str, stages: int,
     assert timeline.time_per_minibatch_ms == pytest.approx((m + stages - 1) * (F + B))
 
 
+@pytest.mark.parametrize(
+    ("stages", "m", "idle"), [(2, 4, 1), (4, 4, 3), (4, 8, 5), (8, 16, 9), (8, 32, 9)]
+)
+def test_zb_h1_idles_a_third_of_1f1b(stages: int, m: int, idle: int) -> None:
+    """F = I = W = 1 (a backward of 2, split in half): a minibatch takes 3m + idle units, idle
+    from S - 1 to S + 1 (the tables' own unit-time bubble), against 1F1B's 3(S - 1)."""
+    timeline = simulate(
+        plan_of("zb-h1", [1] * stages, m), equal(stages, 1.0, 2.0), FAST, num_minibatches=6
+    )
+    assert timeline.time_per_minibatch_ms == pytest.approx(3 * m + idle)
+    kinds = {event.kind for event in timeline.events}
+    assert {"I", "W"} <= kinds and "B" not in kinds
+
+
 @pytest.mark.parametrize(("schedule", "m"), [("pipedream", 1), ("pipedream-vs", 1), ("2bw", 4)])
 @pytest.mark.parametrize("stages", [1, 2, 4])
 def test_async_schedules_take_m_slots_in_steady_state(schedule: str, m: int, stages: int) -> None:
@@ -261,7 +275,7 @@ def test_a_rank_waits_for_its_oldest_sends_beyond_the_runtimes_bound(network: Ne
     timeline = simulate(plan_of("gpipe", [1, 1], 12), work, network, num_minibatches=2)
     starts = [e.start_ms for e in timeline.events if e.rank == 0 and e.kind == "F"]
     assert starts[:12] == pytest.approx([0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 21, 31])
-    waits = [(e.index, e.start_ms, e.end_ms) for e in timeline.events if e.kind == "W"]
+    waits = [(e.index, e.start_ms, e.end_ms) for e in timeline.events if e.kind == "H"]
     assert waits[:3] == [(9, 9.0, 11.0), (10, 12.0, 21.0), (11, 22.0, 31.0)]
 
 

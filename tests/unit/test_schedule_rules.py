@@ -64,6 +64,9 @@ def _names(args: dict[str, str]) -> list[str]:
         ),
         ("gpipe", 2, 2, {"layers": "4", "width": "16", "optimizer": "adamw", "lr": "0.01"}, False),
         ("gpipe", 4, 5, SGD, True),
+        ("zb-h1", 3, 4, SGD, False),
+        ("zb-h1", 2, 3, {"layers": "4", "width": "16", "optimizer": "adam", "lr": "0.01"}, True),
+        ("zb-h1", 4, 6, {"layers": "4", "width": "16", "optimizer": "adamw", "lr": "0.01"}, False),
     ],
 )
 def test_schedule_equals_its_rule(
@@ -84,7 +87,7 @@ def test_schedule_equals_its_rule(
         optimizer=workload.optimizer,
     )  # fmt: skip
     assert max_rel_diff(got, want) < 1e-5
-    if schedule in ("1f1b", "gpipe"):  # synchronous: ordinary training on m x B samples
+    if schedule in ("1f1b", "gpipe", "zb-h1"):  # synchronous: ordinary training on m x B
         plain = plain_training(
             load_workload("mlp", args).model, num_updates=steps,
             batch=lambda k: tuple(torch.cat(p) for p in zip(*minibatch(k))),  # type: ignore[arg-type]
