@@ -1,9 +1,10 @@
-"""Zero-bubble orders from a unit-time list schedule.
+"""Zero-bubble orders from a unit-time list schedule (``zbv``'s).
 
 Zero-bubble schedules split every backward into an input-gradient half ``I`` (what the stage
 before waits for) and a weight-gradient half ``W`` (what only the update waits for), and run
-the ``W`` s where 1F1B idles. Their orders are made here by running one minibatch of the
-pipeline in unit time (``F = I = W = 1``), as Qi et al. (ICLR 2024) make theirs by simulation:
+the ``W`` s where 1F1B idles. Where no simple rule places them (the V, two stages per rank),
+the order is made here by running one minibatch of the pipeline in unit time
+(``F = I = W = 1``), as Qi et al. (ICLR 2024) make theirs by simulation:
 whenever a rank is free it runs, in this order of preference,
 
 1. the ``I`` of one of its stages whose output gradient has arrived (the latest stage first:

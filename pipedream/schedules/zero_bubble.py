@@ -3,20 +3,24 @@
 Both split every backward into ``I`` (input gradients, sent on at once) and ``W`` (weight
 gradients, which only the update needs) and fill 1F1B's bubbles with the ``W`` s; both flush
 after every minibatch, so the rule is ``1f1b``'s: ``W^(k+1) = W^(k) - eta * mean_i grad
-f_i(W^(k))``, exact synchronous SGD. Their orders come from one unit-time run of a minibatch
-(:mod:`pipedream.schedules.list_schedule`), the same for every minibatch.
+f_i(W^(k))``, exact synchronous SGD. Every minibatch has the same order.
 
-- ``zb-h1``: one stage per rank, and no rank holds more microbatches' activations than 1F1B's
-  first stage does (``S``). With ``F = I = W`` the bubble is about ``(S - 1) / (3 m)`` of the
-  compute, a third of 1F1B's ``(S - 1) / m``::
+- ``zb-h1``: one stage per rank. Stage ``s`` runs 1F1B's ``S - 1 - s`` warm-up forwards, then
+  forwards and input gradients alternately, each ``W`` running ``s`` backwards after its ``I``
+  (the last stage's ``W`` s come latest, where the earlier stages still wait for gradients),
+  then the remaining ``I`` s and ``W`` s. Every stage holds at most ``S`` microbatches'
+  activations, 1F1B's first stage's; with ``F = I = W`` a minibatch idles ``S - 1`` units, the
+  paper's ``(S - 1)(F + I - W)``, a third of 1F1B's ``(S - 1) / m`` of the compute::
 
-      S = 3, m = 6:  rank 0:  F0 F1 F2 I0 W0 I1 F3 I2 W1 F4 W2 I3 F5 W3 I4 W4 I5 W5
-                     rank 2:  F0 I0 F1 I1 F2 I2 W0 W1 F3 I3 W2 W3 F4 I4 F5 I5 W4 W5
+      S = 3, m = 4:  stage 0:  F0 F1 F2 I0 W0 F3 I1 W1 I2 W2 I3 W3
+                     stage 1:  F0 F1 I0 F2 I1 W0 F3 I2 W1 I3 W2 W3
+                     stage 2:  F0 I0 F1 I1 F2 I2 W0 F3 I3 W1 W2 W3
 
 - ``zbv``: ``2 P`` stages on ``P`` ranks in a V, rank ``r`` running stages ``r`` and
   ``2 P - 1 - r`` (so the last stage is on rank 0, with the first), each rank holding at most
-  ``2 P`` stage-microbatches' activations, 1F1B's peak in activations of half the layers. With
-  equal stage times the bubble is about ``(P - 1) / (6 m)`` of the compute.
+  ``2 P`` stage-microbatches' activations, 1F1B's peak in activations of half the layers. Its
+  order comes from one unit-time run of a minibatch (:mod:`pipedream.schedules.list_schedule`).
+  With equal stage times the bubble is about ``(P - 1) / (6 m)`` of the compute.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipedream.errors import ScheduleError
+from pipedream.schedules.actions import Op
 from pipedream.schedules.list_schedule import unit_time_orders
 from pipedream.schedules.pipedream import latest_version
 from pipedream.schedules.schedule import (
@@ -34,7 +39,7 @@ from pipedream.schedules.schedule import (
 )
 from pipedream.schedules.spec import PipelineSpec
 
-__all__ = ["ZB_H1", "ZBV", "v_placement"]
+__all__ = ["ZB_H1", "ZBV", "v_placement", "zb_h1_stage_order"]
 
 
 def v_placement(num_stages: int, num_ranks: int) -> list[int]:
@@ -60,9 +65,32 @@ def _rank_order(
     return order
 
 
+def zb_h1_stage_order(num_stages: int, stage: int, microbatches: int) -> list[tuple[Op, int]]:
+    """One minibatch of ``zb-h1`` at ``stage``: ``(op, microbatch)`` in execution order."""
+    m = microbatches
+    warmup = min(num_stages - 1 - stage, m)
+    order = [(Op.FORWARD, j) for j in range(warmup)]
+    weights = 0
+    for k in range(warmup, m + warmup):
+        if k < m:
+            order.append((Op.FORWARD, k))
+        order.append((Op.BACKWARD_INPUT, k - warmup))
+        if k - warmup >= stage:  # W lags its I by `stage` backwards
+            order.append((Op.BACKWARD_WEIGHT, weights))
+            weights += 1
+    order += [(Op.BACKWARD_WEIGHT, j) for j in range(weights, m)]
+    return order
+
+
 def _zb_h1_order(spec: PipelineSpec, rank: int, minibatches: Sequence[int]) -> list[RankEntry]:
-    placement = list(range(spec.num_stages))
-    return _rank_order(placement, spec.num_stages, spec, rank, minibatches)
+    (stage,) = spec.stages_of_rank(rank)
+    m = spec.microbatches
+    one = zb_h1_stage_order(spec.num_stages, stage, m)
+    order: list[RankEntry] = []
+    for k in minibatches:
+        order += [(op, stage, k * m + j) for op, j in one]
+        order.append((CLOSE, stage, k))
+    return order
 
 
 def _zbv_order(spec: PipelineSpec, rank: int, minibatches: Sequence[int]) -> list[RankEntry]:
@@ -91,7 +119,7 @@ ZB_H1 = Schedule(
     auto_rank=6,
     rank_order=_zb_h1_order,
     splits_backward=True,
-    bubble_slots=lambda stages: (stages - 1) / 3,  # the paper's (S - 1)(F + I - W), F = I = W
+    bubble_slots=lambda stages: (stages - 1) / 3,  # (S - 1)(F + I - W) with F = I = W
 )
 
 ZBV = Schedule(
