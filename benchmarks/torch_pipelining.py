@@ -1,4 +1,5 @@
-"""The same workloads under ``torch.distributed.pipelining`` (ScheduleGPipe, Schedule1F1B).
+"""The same workloads under ``torch.distributed.pipelining`` (ScheduleGPipe, Schedule1F1B and,
+for ``zb-h1``, ScheduleInterleavedZeroBubble with one stage per rank: its ZB1P schedule).
 
 A driver launched with torchrun, one process per stage, gloo on 127.0.0.1::
 
@@ -6,12 +7,13 @@ A driver launched with torchrun, one process per stage, gloo on 127.0.0.1::
         benchmarks/torch_pipelining.py CASES.json OUT.json
 
 ``CASES.json`` is a list of cases, each ``{name, workload, workload_args, stages: [[first,
-last], ...], schedule: gpipe|1f1b, microbatches, microbatch_size, steps, warmup}``; all cases of a
-file have ``len(stages) == S``. Each rank builds the workload exactly as ``pipedream train``
-does, cuts out its stage's layers (manual stage construction: ``PipelineStage`` around the
-stage's ``nn.Sequential``, input and output shapes given), and runs ``schedule.step`` followed
-by the optimizer step, ``steps`` times. The last rank writes, per case, the mean time per step
-after ``warmup`` steps to ``OUT.json``. Same data stream, same loss, same optimizer as ours.
+last], ...], schedule: gpipe|1f1b|zb-h1, microbatches, microbatch_size, steps, warmup}``; all
+cases of a file have ``len(stages) == S``. Each rank builds the workload exactly as ``pipedream
+train`` does, cuts out its stage's layers (manual stage construction: ``PipelineStage`` around
+the stage's ``nn.Sequential``, input and output shapes given), and runs ``schedule.step``
+followed by the optimizer step, ``steps`` times. The last rank writes, per case, the mean time
+per step after ``warmup`` steps to ``OUT.json``. Same data stream, same loss, same optimizer as
+ours.
 """
 
 from __future__ import annotations
@@ -25,7 +27,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleavedZeroBubble,
+)
 
 from pipedream.data import MicrobatchStream
 from pipedream.host_memory import configure_host_memory
@@ -35,7 +42,8 @@ from pipedream.workload import load_workload
 
 __all__ = ["SCHEDULES", "run_case"]
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "zb-h1": ScheduleInterleavedZeroBubble}
+"""Ours -> PyTorch's schedule of the same name (the zero-bubble one takes a list of stages)."""
 
 
 def _stage_shapes(model: nn.Module, example: torch.Tensor) -> list[Any]:
@@ -48,6 +56,19 @@ def _stage_shapes(model: nn.Module, example: torch.Tensor) -> list[Any]:
             x = layer(x)
     shapes.append(("<out>", torch.empty_like(x)))
     return shapes
+
+
+class _OwnOutput(nn.Module):
+    """The stage, its output a tensor of its own: PyTorch's split backward detaches the
+    stage's outputs in place, which a view (the sleep layers' identity) does not allow."""
+
+    def __init__(self, stage: nn.Module) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.stage(x)
+        return out.clone() if out._is_view() else out
 
 
 def _batch(stream: MicrobatchStream, step: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,6 +87,9 @@ def run_case(case: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]
     following = names.index(last) + 1
     out_example = shapes[names[following]] if following < len(names) else shapes["<out>"]
     module = build_stage_module(workload.model, layers)
+    several = SCHEDULES[case["schedule"]] is ScheduleInterleavedZeroBubble
+    if several:
+        module = _OwnOutput(module)
     # the metadata's requires_grad decides whether activations get gradients and are sent back
     in_example = shapes[layers[0]].requires_grad_(rank > 0 and out_example.is_floating_point())
     stage = PipelineStage(
@@ -76,7 +100,8 @@ def run_case(case: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]
         input_args=(in_example,),
         output_args=(out_example.requires_grad_(out_example.is_floating_point()),),
     )
-    schedule = SCHEDULES[case["schedule"]](stage, m, loss_fn=workload.loss_fn)
+    kind = SCHEDULES[case["schedule"]]
+    schedule = kind([stage] if several else stage, m, loss_fn=workload.loss_fn)
     optimizer = workload.optimizer(module.parameters())
     stream = MicrobatchStream(workload.dataset, b, seed=0)
     ends = []
