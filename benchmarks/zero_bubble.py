@@ -27,7 +27,7 @@ from common import machine_lines, write_section
 from sleep_pipeline import MICROBATCH_SIZE, SIZES, Case, run_ours, run_torch
 
 from pipedream.schedules import Op, PipelineSpec, build_tables
-from pipedream.schedules.validate import message_of
+from pipedream.schedules.unit_time import unit_time_makespan
 
 __all__ = ["ZeroBubbleCase", "main", "unit_time_ms"]
 
@@ -39,29 +39,8 @@ def unit_time_ms(schedule: str, stages: int, microbatches: int) -> float:
     """One minibatch of the schedule's tables with F = I = W = ``F_MS`` (B = 2 F) and free
     messages: the ideal of what the tables ask for."""
     spec = PipelineSpec(schedule, tuple((s,) for s in range(stages)), microbatches, 1)
-    tables = build_tables(spec)
     cost = {Op.FORWARD: 1, Op.BACKWARD: 2, Op.BACKWARD_INPUT: 1, Op.BACKWARD_WEIGHT: 1}
-    clock = dict.fromkeys(tables, 0.0)
-    position = dict.fromkeys(tables, 0)
-    sent: dict[object, float] = {}
-    moved = True
-    while moved:
-        moved = False
-        for rank, table in tables.items():
-            while position[rank] < len(table):
-                action = table[position[rank]]
-                if action.op.is_send:
-                    sent[message_of(rank, action)] = clock[rank]
-                elif action.op.is_receive:
-                    key = message_of(rank, action)
-                    if key not in sent:
-                        break
-                    clock[rank] = max(clock[rank], sent.pop(key))
-                else:
-                    clock[rank] += cost.get(action.op, 0)
-                position[rank] += 1
-                moved = True
-    return max(clock.values()) * F_MS
+    return unit_time_makespan(build_tables(spec), cost.__getitem__) * F_MS
 
 
 @dataclass(frozen=True)

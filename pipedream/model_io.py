@@ -31,6 +31,7 @@ __all__ = [
     "first_device",
     "map_tensors",
     "model_args",
+    "tensors_in",
     "to_device",
 ]
 
@@ -54,6 +55,11 @@ def call_model(model: nn.Module | Callable[..., Any], inputs: Any) -> Any:
 def map_tensors(fn: Callable[[Tensor], Any], value: Any) -> Any:
     """``value`` with ``fn`` applied to every tensor in it (tuples, lists, dicts kept)."""
     return pytree.tree_map_only(Tensor, fn, value)
+
+
+def tensors_in(value: Any) -> list[Tensor]:
+    """Every tensor in ``value`` (nested tuples, lists, dicts), in order."""
+    return [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, Tensor)]
 
 
 def to_device(value: Any, device: torch.device) -> Any:

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from pipedream.model_io import tensors_in
+
 __all__ = ["ChainLayer", "time_chain"]
 
 
@@ -42,16 +44,6 @@ class ChainLayer:
     """Names of the values the layer reads."""
     outputs: tuple[str, ...]
     """Names of the values the layer produces."""
-
-
-def _tensors(value: Any) -> list[Tensor]:
-    if isinstance(value, Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in _tensors(item)]
-    if isinstance(value, dict):
-        return [t for item in value.values() for t in _tensors(item)]
-    return []
 
 
 class _Clock:
@@ -104,7 +96,7 @@ def _one_pass(
         outputs = layer.module(*(values[name] for name in layer.inputs))
         forward_marks.append(clock.mark())
         values.update(zip(layer.outputs, outputs))
-        last = [t for value in outputs for t in _tensors(value)]
+        last = [t for value in outputs for t in tensors_in(value)]
         produced.append([t.grad_fn for t in last if t.grad_fn is not None])
     roots = [t for t in last if t.requires_grad]
     starts: dict[int, Any] = {}

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from pipedream.model_io import tensors_in
+
 __all__ = ["BackwardSplit", "Deferred", "weight_gradients"]
 
 Deferred = dict[nn.Module, list[Any]]
@@ -75,7 +77,7 @@ class BackwardSplit:
         out: dict[nn.Module, list[Tensor]] = {}
         for sub, calls in record.items():
             if len(calls) == 1:
-                tensors = [t for t in _tensors(calls[0]) if t.requires_grad]
+                tensors = [t for t in tensors_in(calls[0]) if t.requires_grad]
                 if tensors:
                     out[sub] = tensors
         return out
@@ -108,13 +110,3 @@ def weight_gradients(
         )
         grads.update(zip(names, computed))
     return grads
-
-
-def _tensors(value: Any) -> list[Tensor]:
-    if isinstance(value, Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in _tensors(item)]
-    if isinstance(value, dict):
-        return [t for item in value.values() for t in _tensors(item)]
-    return []

@@ -22,8 +22,7 @@ from pipedream.schedules import (
     parse_action,
     validate_tables,
 )
-
-from unit_time import unit_time_makespan
+from pipedream.schedules.unit_time import unit_time_makespan
 
 
 def looped(ranks: int, chunks: int, microbatches: int, minibatches: int = 1) -> PipelineSpec:

@@ -7,9 +7,8 @@ import pytest
 from pipedream.errors import ScheduleError
 from pipedream.schedules import Op, PipelineSpec, build_tables, lookup, validate_tables
 from pipedream.schedules.list_schedule import unit_time_orders
+from pipedream.schedules.unit_time import peak_in_flight, unit_time_makespan
 from pipedream.schedules.zero_bubble import v_placement
-
-from unit_time import peak_in_flight, unit_time_makespan
 
 COST = {Op.FORWARD: 1.0, Op.BACKWARD_INPUT: 1.0, Op.BACKWARD_WEIGHT: 1.0, Op.BACKWARD: 2.0}
 

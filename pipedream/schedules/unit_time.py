@@ -1,11 +1,12 @@
-"""Running action tables in unit time: how long a schedule takes when every computation costs
-a fixed time and messages are instant (what the schedules' bubble formulas assume)."""
+"""Action tables in unit time: how long a schedule takes when every computation costs a fixed
+time and messages are instant (what the schedules' bubble formulas assume), and how many
+microbatches' activations a rank holds at most. Pure code, no torch."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from pipedream.schedules import Action, Op
+from pipedream.schedules.actions import Action, Op
 from pipedream.schedules.validate import message_of
 
 __all__ = ["peak_in_flight", "unit_time_makespan"]
