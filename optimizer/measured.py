@@ -40,6 +40,7 @@ from pipedream.formats.trace import RankTrace
 from pipedream.optimizer.messages import LinkTimes, MessageTime, link_times, message_kind
 from pipedream.optimizer.simulator import StageWork
 from pipedream.schedules import Action, Op, build_tables, parse_action, spec_from_plan
+from pipedream.schedules.validate import Message, message_of
 
 __all__ = [
     "MeasuredRun",
@@ -152,7 +153,7 @@ def _tables_of_run(traces: Sequence[RankTrace], plan: Plan) -> dict[int, list[Ac
     """The plan's tables for as many minibatches as the run trained, if every rank's trace
     ran exactly its table (None otherwise: then no peers are known)."""
     m = plan.microbatches
-    forwards = [e.index for t in traces if t.stage == 0 for e in t.events if e.op is Op.FORWARD]
+    forwards = [e.index for t in traces for e in t.events if e.op is Op.FORWARD and e.stage == 0]
     if not forwards or len(forwards) % m:
         return None
     spec = spec_from_plan(
@@ -178,28 +179,24 @@ def message_times(traces: Sequence[RankTrace], plan: Plan) -> list[MessageTime]:
     tables = _tables_of_run(traces, plan)
     if tables is None:
         return []
-    stage_of = {rank: number for number, s in enumerate(plan.stages) for rank in s.ranks}
-    sent: dict[tuple[str, int, int, int], float] = {}
-    received: dict[tuple[str, int, int, int], tuple[float, float]] = {}
+    sent: dict[Message, float] = {}
+    received: dict[Message, tuple[float, float]] = {}
     for trace in traces:
         for action, event in zip(tables[trace.rank], trace.events):
             if not action.op.is_comm:
                 continue
-            kind, peer = message_kind(action.op), action.peer if action.peer is not None else -1
+            key = message_of(trace.rank, action)
             if action.op in _SENDS:
-                sent[(kind, action.index, trace.rank, peer)] = event.start * 1000
+                sent[key] = event.start * 1000
             else:
-                received[(kind, action.index, peer, trace.rank)] = (
-                    event.start * 1000,
-                    event.end * 1000,
-                )
+                received[key] = (event.start * 1000, event.end * 1000)
     messages = []
     for key, (reached, done) in received.items():
-        kind, _, source, destination = key
+        op, _, _, source, _, destination = key
         if key in sent:
-            messages.append(
-                MessageTime(stage_of[source], stage_of[destination], kind, sent[key], reached, done)
-            )
+            assert source is not None and destination is not None, key
+            kind = message_kind(op)
+            messages.append(MessageTime(source, destination, kind, sent[key], reached, done))
     return messages
 
 

@@ -46,7 +46,7 @@ from pipedream.optimizer.search import (
 )
 from pipedream.optimizer.tree import Cluster, Node, Tree, TreeEvaluation, evaluate_tree, leaf_ranks
 from pipedream.optimizer.verify import needs_simulation, simulated_ms
-from pipedream.schedules import RUNNABLE, SCHEDULES, lookup
+from pipedream.schedules import PLANNED, SCHEDULES, lookup
 
 __all__ = [
     "AUTO",
@@ -98,13 +98,13 @@ class PlanResult:
 
 
 def _check_options(options: PlanOptions) -> None:
-    if options.schedule not in (*RUNNABLE, AUTO):
+    if options.schedule not in (*PLANNED, AUTO):
         what = (
-            f"schedule {options.schedule!r} {SCHEDULES[options.schedule].not_runnable}"
+            f"schedule {options.schedule!r} {SCHEDULES[options.schedule].not_planned}"
             if options.schedule in SCHEDULES
             else f"unknown schedule {options.schedule!r}"
         )
-        raise PlanningError(f"{what}; use one of {', '.join(RUNNABLE)} or auto")
+        raise PlanningError(f"{what}; use one of {', '.join(PLANNED)} or auto")
     if options.cost_model not in COST_MODELS:
         raise PlanningError(
             f"unknown cost model {options.cost_model!r}; use one of {', '.join(COST_MODELS)}"

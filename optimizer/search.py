@@ -34,7 +34,7 @@ from pipedream.optimizer.cost_model import LayerCosts, minibatch_ms
 from pipedream.optimizer.hierarchy import Solution, solve_cluster
 from pipedream.optimizer.memory import MemoryModel
 from pipedream.optimizer.tree import Cluster, Tree, evaluate_tree
-from pipedream.schedules import RUNNABLE, SCHEDULES, lookup
+from pipedream.schedules import PLANNED, SCHEDULES, lookup
 
 __all__ = [
     "AUTO_MICROBATCHES",
@@ -51,7 +51,7 @@ DEFAULT_SYNC_MICROBATCHES = 4
 """Smallest default number of microbatches for 2bw, 1f1b and gpipe."""
 AUTO_MICROBATCHES = (2, 4, 8, 16, 32)
 """Microbatches per minibatch that ``--schedule auto`` tries for 2bw, 1f1b and gpipe."""
-AUTO_ORDER = tuple(sorted(RUNNABLE, key=lambda name: SCHEDULES[name].auto_rank))
+AUTO_ORDER = tuple(sorted(PLANNED, key=lambda name: SCHEDULES[name].auto_rank))
 """Preference among equally fast schedules: exact (synchronous) semantics first."""
 
 

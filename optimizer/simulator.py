@@ -87,6 +87,7 @@ from pipedream.schedules import (
     Op,
     PipelineSpec,
     build_tables,
+    lookup,
     receives_posted_before,
     spec_from_plan,
     version_use,
@@ -492,6 +493,11 @@ def simulate(
     the random generator seeded by ``seed`` (and so with the network's ``message_spread``,
     every message).
     """
+    missing = lookup(plan.schedule).not_planned
+    if missing:
+        raise PlanningError(
+            f"schedule {plan.schedule!r} {missing}, nor does the simulator; run the plan"
+        )
     if num_minibatches is not None:
         return _simulate(plan, work, network, num_minibatches, spread, seed)
     if _drawn(spread, network):

@@ -33,23 +33,25 @@ __all__ = ["prune_checkpoints", "resume_point", "write_checkpoint"]
 
 def write_checkpoint(
     directory: Path,
-    worker: StageWorker,
+    stages: Sequence[tuple[int, StageWorker, Collection[str]]],
     plan: Plan,
     *,
     rank: int,
-    stage: int,
     step: int,
     keep: int,
-    omit: Collection[str] = (),
     tied: Sequence[Sequence[str]] = (),
 ) -> None:
     """Collective: every rank calls it at the same step, after the pipeline drained.
 
-    ``omit``: names in the stage's state dict that another stage's file stores (copies of tied
-    tensors); ``tied``: the names of each tensor the model reaches under several names.
+    ``stages``: the rank's stages (one, or several under interleaved and V schedules), each
+    with its worker and the names in its state dict that another stage's file stores (copies
+    of tied tensors, ``omit``); ``tied``: the names of each tensor the model reaches under
+    several names. The first replica of every stage writes the stage's file.
     """
-    entry = None
-    if plan.stages[stage].ranks[0] == rank:
+    entries = []
+    for stage, worker, omit in stages:
+        if plan.stages[stage].ranks[0] != rank:
+            continue
         payload = stage_payload(
             worker.module,
             worker.optimizer,
@@ -59,11 +61,11 @@ def write_checkpoint(
             param_names=worker.param_names,
             omit=omit,
         )
-        entry = (stage, *save_stage_file(directory, stage, payload))
-    entries: list[Any] = [None] * plan.world_size
-    dist.all_gather_object(entries, entry)
+        entries.append((stage, *save_stage_file(directory, stage, payload)))
+    gathered: list[Any] = [None] * plan.world_size
+    dist.all_gather_object(gathered, entries)
     if rank == 0:
-        files = sorted(e for e in entries if e is not None)
+        files = sorted(entry for rank_entries in gathered for entry in rank_entries)
         write_manifest(
             directory,
             step=step,

@@ -75,6 +75,7 @@ from pipedream.schedules import MAX_SENDS_IN_FLIGHT
 
 __all__ = [
     "CHANGED",
+    "LANES",
     "DEFINES_REFERENCE",
     "FAST",
     "HEADER_LEN",
@@ -87,6 +88,7 @@ __all__ = [
     "decode_header",
     "encode_header",
     "message_tag",
+    "channel_kind",
     "payload_tags",
     "specs_of",
 ]
@@ -136,10 +138,24 @@ class PeerTimeoutError(RunFailure):
 
 
 # -- tags and headers ------------------------------------------------------------------------
+LANES = 16
+"""Channels of one kind between two ranks (``kind@lane``): a rank that runs several stages
+receives each of its stages' messages on a lane of its own (the stage's place among the rank's
+stages), so two stage pairs between the same two ranks never share a tag or a reference."""
+
+
+def channel_kind(kind: str, lane: int) -> str:
+    """The kind of lane ``lane``'s messages: ``act``, ``act@1``, ..."""
+    assert 0 <= lane < LANES, f"lane {lane} out of range: at most {LANES} stages per rank"
+    return kind if lane == 0 else f"{kind}@{lane}"
+
+
 def message_tag(kind: str, microbatch: int, part: int) -> int:
-    """A tag unique among the messages that can be in flight between two ranks (< 2**28)."""
+    """A tag unique among the messages that can be in flight between two ranks (< 2**31):
+    microbatch modulo 2**19, lane, kind and part."""
     assert 0 <= part < PARTS, f"part {part} out of range"
-    return ((microbatch % (1 << 20)) * 4 + _KINDS[kind]) * PARTS + part
+    base, _, lane = kind.partition("@")
+    return (((microbatch % (1 << 19)) * LANES + int(lane or 0)) * 4 + _KINDS[base]) * PARTS + part
 
 
 def payload_tags(kind: str, microbatch: int, count: int, *, fast: bool) -> list[int]:

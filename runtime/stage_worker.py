@@ -136,13 +136,17 @@ class StageWorker:
         self.optimizer = optimizer_factory(trained) if trained else None
         self.param_names = [name for name in named if name not in self._copies]
         self._call = ParameterSwap(self.module)
-        splits = any(a.op is Op.BACKWARD_INPUT for a in table)
+        splits = any(a.op is Op.BACKWARD_INPUT and a.stage == config.stage for a in table)
         self._split = (
             BackwardSplit(self.module, exclude=frozenset(self._copies)) if splits else None
         )
         """Where the table splits backwards (I and W): which weights wait for W."""
         self.versions = WeightVersions(
-            self.module, table, initial_version=initial_version, exclude=self._copies
+            self.module,
+            table,
+            initial_version=initial_version,
+            exclude=self._copies,
+            stage=self.config.stage,
         )
         self._stash: dict[int, _Stashed] = {}
         self.max_in_flight = 0
@@ -210,7 +214,11 @@ class StageWorker:
         """Continue with the next table (after a drain), keeping module and optimizer state."""
         assert not self._stash, "a segment must start with an empty pipeline"
         self.versions = WeightVersions(
-            self.module, table, initial_version=initial_version, exclude=self._copies
+            self.module,
+            table,
+            initial_version=initial_version,
+            exclude=self._copies,
+            stage=self.config.stage,
         )
 
     # -- actions ---------------------------------------------------------------------------

@@ -48,6 +48,12 @@ class RankStats:
     """Microbatches skipped for a non-finite loss."""
     tied_copy_bytes: int = 0
     """Bytes of the copies of other stages' tied parameters the stage holds."""
+    stages: tuple[int, ...] = ()
+    """Every stage the rank runs (interleaved and V schedules: several; empty: ``stage``)."""
+
+    @property
+    def all_stages(self) -> tuple[int, ...]:
+        return self.stages or (self.stage,)
 
     @property
     def busy_fraction(self) -> float:
@@ -103,7 +109,7 @@ def report(
     ]
     for r in sorted(ranks, key=lambda r: r.rank):
         lines.append(
-            f"  rank {r.rank} stage {r.stage}: busy {r.busy_fraction:.0%} (bubble "
+            f"  rank {r.rank} {_stages_text(r.all_stages)}: busy {r.busy_fraction:.0%} (bubble "
             f"{1 - r.busy_fraction:.0%}), peak memory {format_bytes(r.peak_memory_bytes)}, "
             f"up to {r.max_in_flight} microbatches in flight, {r.max_versions} weight versions "
             f"held ({r.max_copies} copies x {format_bytes(r.copy_bytes)})"
@@ -113,7 +119,7 @@ def report(
                 else ""
             )
         )
-    skipped = sum(r.skipped for r in ranks if r.stage == plan.num_stages - 1)
+    skipped = sum(r.skipped for r in ranks if plan.num_stages - 1 in r.all_stages)
     if skipped:
         lines.append(f"skipped {skipped} microbatches with a non-finite loss (zero gradient)")
     summary["skipped_microbatches"] = skipped
@@ -154,3 +160,9 @@ def evaluate_checkpoint(
         torch.cuda.empty_cache()
         model.load_state_dict(state)
         return workload.evaluate(model)
+
+
+def _stages_text(stages: tuple[int, ...]) -> str:
+    if len(stages) == 1:
+        return f"stage {stages[0]}"
+    return "stages " + ", ".join(str(stage) for stage in stages)

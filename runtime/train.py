@@ -36,7 +36,7 @@ from pipedream.runtime.environment import (
     device_and_backend,
     read_launch_env,
 )
-from pipedream.runtime.executor import Executor
+from pipedream.runtime.executor import Executor, LocalStage
 from pipedream.runtime.gc_freeze import frozen_heap
 from pipedream.runtime.loss_log import LossLog
 from pipedream.runtime.metrics import MetricsLogger
@@ -212,7 +212,6 @@ class _RankJob:
         self.env = env
         self.workload = workload
         self.layout = layout
-        self.stage_of_rank = {r: i for i, st in enumerate(plan.stages) for r in st.ranks}
         self.placement = placement
         self.device = placement.device
         self.backend = placement.backend
@@ -223,23 +222,25 @@ class _RankJob:
                 self.groups[index] = dist.new_group(list(stage.ranks))
         # NCCL payloads: their headers go over gloo, so reading one never waits for the GPU
         self.header_group = dist.new_group(backend="gloo") if self.backend == "nccl" else None
-        self.stage_index = plan.stage_of_rank(self.rank)
-        self.stage = plan.stages[self.stage_index]
+        self.stage_indices = plan.stages_of_rank(self.rank)
+        """The stages this rank runs: one, or several (interleaved and V schedules)."""
+        self.last_stage = plan.num_stages - 1
         self.run_dir = _agree_on_run_dir(options.run_dir)
         self.last_checkpoint: Path | None = None
-        self.stored_elsewhere: set[str] = set()
+        self.stored_elsewhere: dict[int, set[str]] = {}
+        """Stage -> the names in its state dict that another stage's file stores."""
 
     def _table(self, first: int, count: int) -> list[Action]:
         spec = spec_from_plan(self.plan, first, count, self.layout.edges, self.layout.tied_pairs)
         return build_tables(spec, only_ranks=(self.rank,))[self.rank]
 
-    def _worker(self, first: int, count: int) -> StageWorker:
-        plan, last = self.plan, self.plan.num_stages - 1
+    def _worker(self, stage: int, table: list[Action], first: int) -> StageWorker:
+        plan = self.plan
         data = None
-        if self.stage_index in (0, last):  # inputs on the first stage, targets on the last
+        if stage in (0, self.last_stage):  # inputs on the first stage, targets on the last
             data = MicrobatchStream(self.workload.dataset, plan.microbatch_size, self.options.seed)
         config = WorkerConfig(
-            stage=self.stage_index,
+            stage=stage,
             num_stages=plan.num_stages,
             microbatches=plan.microbatches,
             device=self.device,
@@ -247,27 +248,28 @@ class _RankJob:
             precision=self.options.precision,
             skip_nonfinite=self.options.on_nonfinite == "skip",
         )
-        module = self.layout.build(self.stage_index)
+        module = self.layout.build(stage)
         # before the worker moves the module: which tensors other stages store, by identity
-        self.stored_elsewhere = self.layout.stored_elsewhere(self.stage_index, module)
+        self.stored_elsewhere[stage] = self.layout.stored_elsewhere(stage, module)
         return StageWorker(
             config,
             module,
-            self._table(first, count),
+            table,
             optimizer_factory=self.workload.optimizer,
             loss_fn=self.workload.loss_fn,
             data=data,
-            initial_version=first // self.stage.replicas,
+            initial_version=first // plan.stages[stage].replicas,
             model_io=self.layout.model_io,
-            tied=self.layout.tied_links(self.stage_index, module),
-            input_grads=input_needs_grad(self.layout.ios[self.stage_index]),
+            tied=self.layout.tied_links(stage, module),
+            input_grads=input_needs_grad(self.layout.ios[stage]),
         )
 
     def _logger(self) -> MetricsLogger | None:
         """The first replica of the last stage computes the loss and reports it."""
-        if self.stage_index != self.plan.num_stages - 1 or self.stage.ranks[0] != self.rank:
-            return None
         plan = self.plan
+        last = plan.stages[self.last_stage]
+        if self.last_stage not in self.stage_indices or last.ranks[0] != self.rank:
+            return None
         unused = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if unused and self.device.type == "cpu" and self.options.device == "auto":
             print(
@@ -285,15 +287,15 @@ class _RankJob:
         )
         return MetricsLogger(
             self.run_dir / "metrics.jsonl",
-            total_steps=self.options.steps // self.stage.replicas,
-            samples_per_step=plan.microbatch_size * plan.microbatches * self.stage.replicas,
+            total_steps=self.options.steps // last.replicas,
+            samples_per_step=plan.microbatch_size * plan.microbatches * last.replicas,
             progress=self.options.progress,
         )
 
     def _segments(
         self,
         todo: list[tuple[int, int]],
-        worker: StageWorker,
+        workers: dict[int, StageWorker],
         loss_log: LossLog,
         trace: list[TracedAction] | None,
         peaks: dict[str, int],
@@ -304,10 +306,11 @@ class _RankJob:
         compute_s = elapsed_s = 0.0
         for first, count in todo:
             if first != todo[0][0]:
-                worker.start_segment(
-                    self._table(first, count), initial_version=first // self.stage.replicas
-                )
-            executor = self._executor(worker, loss_log, trace)
+                table = self._table(first, count)
+                for stage, worker in workers.items():
+                    replicas = self.plan.stages[stage].replicas
+                    worker.start_segment(table, initial_version=first // replicas)
+            executor = self._executor(workers, loss_log, trace)
             start = time.perf_counter()
             try:
                 executor.run()
@@ -317,20 +320,22 @@ class _RankJob:
                 raise type(exc)(f"{exc}; the last good checkpoint: {where}") from None
             compute_s += executor.compute_s  # on a GPU, waits for the segment's queued work
             elapsed_s += time.perf_counter() - start
-            peaks["max_versions"] = max(peaks["max_versions"], worker.versions.max_versions)
-            peaks["max_copies"] = max(peaks["max_copies"], worker.versions.max_copies)
-            peaks["max_in_flight"] = max(peaks["max_in_flight"], worker.max_in_flight)
+            for worker in workers.values():
+                peaks["max_versions"] = max(peaks["max_versions"], worker.versions.max_versions)
+                peaks["max_copies"] = max(peaks["max_copies"], worker.versions.max_copies)
+                peaks["max_in_flight"] = max(peaks["max_in_flight"], worker.max_in_flight)
             step = first + count
             directory = self.run_dir / "checkpoints" / step_dir_name(step)
             write_checkpoint(
                 directory,
-                worker,
+                [
+                    (stage, worker, self.stored_elsewhere[stage])
+                    for stage, worker in workers.items()
+                ],
                 self.plan,
                 rank=self.rank,
-                stage=self.stage_index,
                 step=step,
                 keep=self.options.keep,
-                omit=self.stored_elsewhere,
                 tied=[tensor.names for tensor in self.layout.tied],
             )
             self.last_checkpoint = directory
@@ -338,37 +343,42 @@ class _RankJob:
 
     def run(self, todo: list[tuple[int, int]], resume_from: Path | None) -> int:
         first, count = todo[0]
-        worker = self._worker(first, count)
+        table = self._table(first, count)
+        workers = {stage: self._worker(stage, table, first) for stage in self.stage_indices}
         if resume_from is not None:
-            restore_stage(
-                resume_from,
-                worker.module,
-                worker.optimizer,
-                stage=self.stage_index,
-                param_names=worker.param_names,
-            )
+            for stage, worker in workers.items():
+                restore_stage(
+                    resume_from,
+                    worker.module,
+                    worker.optimizer,
+                    stage=stage,
+                    param_names=worker.param_names,
+                )
+                # the first version must be taken of the restored weights, not the initial ones
+                worker.start_segment(
+                    worker.versions.table, initial_version=worker.versions.live_version
+                )
             self.last_checkpoint = resume_from
-            # the first version must be taken of the restored weights, not the initial ones
-            worker.start_segment(
-                worker.versions.table, initial_version=worker.versions.live_version
-            )
         logger = self._logger()
         trace: list[TracedAction] | None = [] if self.options.trace else None
         peaks = {"max_versions": 0, "max_copies": 0, "max_in_flight": 0}
         with frozen_heap():  # no full collection pauses the loop (runtime/gc_freeze.py)
             start = time.perf_counter()
             loss_log = LossLog(logger, microbatches=self.plan.microbatches, device=self.device)
-            compute_s, running_s = self._segments(todo, worker, loss_log, trace, peaks)
+            compute_s, running_s = self._segments(todo, workers, loss_log, trace, peaks)
             elapsed = time.perf_counter() - start
+        # a skipped microbatch is skipped at every stage: count it once, at the loss if here
+        counted = workers.get(self.last_stage) or workers[self.stage_indices[0]]
         stats = RankStats(
             rank=self.rank,
-            stage=self.stage_index,
+            stage=self.stage_indices[0],
+            stages=self.stage_indices,
             compute_s=compute_s,
             elapsed_s=running_s,
-            copy_bytes=worker.versions.copy_bytes,
+            copy_bytes=sum(worker.versions.copy_bytes for worker in workers.values()),
             peak_memory_bytes=peak_memory_bytes(self.device),
-            skipped=len(worker.skipped),
-            tied_copy_bytes=worker.copy_bytes,
+            skipped=len(counted.skipped),
+            tied_copy_bytes=sum(worker.copy_bytes for worker in workers.values()),
             **peaks,
         )
         everyone: list[Any] = [None] * self.env.world_size
@@ -378,7 +388,7 @@ class _RankJob:
                 self.run_dir,
                 trace,
                 rank=self.rank,
-                stage=self.stage_index,
+                stage=self.stage_indices[0],
                 world_size=self.env.world_size,
                 edges=self.layout.edges,
                 tied=self.layout.tied_pairs,
@@ -402,17 +412,35 @@ class _RankJob:
 
     def _executor(
         self,
-        worker: StageWorker,
+        workers: dict[int, StageWorker],
         loss_log: LossLog,
         trace: list[TracedAction] | None,
     ) -> Executor:
+        last = workers.get(self.last_stage)
+
         def on_update(action: Action, microbatches: list[int]) -> None:
-            losses = [(mb, worker.losses.pop(mb)) for mb in microbatches if mb in worker.losses]
+            if last is None or action.stage != self.last_stage:
+                return
+            losses = [(mb, last.losses.pop(mb)) for mb in microbatches if mb in last.losses]
             loss_log.add(action.index, losses)
 
+        stages = {
+            stage: LocalStage(
+                worker,
+                self.layout.ios[stage],
+                replica_group=self.groups.get(stage),
+                num_replicas=self.plan.stages[stage].replicas,
+            )
+            for stage, worker in workers.items()
+        }
+        plan = self.plan
+        lanes = {
+            stage: plan.stages_of_rank(ranks.ranks[0]).index(stage)
+            for stage, ranks in enumerate(plan.stages)
+        }
         return Executor(
-            worker,
-            worker.versions.table,
+            stages,
+            next(iter(workers.values())).versions.table,
             P2P(
                 rank=self.rank,
                 device=self.device,
@@ -423,11 +451,8 @@ class _RankJob:
                 header_group=self.header_group,
             ),
             rank=self.rank,
-            io=self.layout.ios[self.stage_index],
-            stage_of_rank=self.stage_of_rank,
-            replica_group=self.groups.get(self.stage_index),
-            num_replicas=self.stage.replicas,
-            check_versions=lookup(self.plan.schedule).vertical_sync,
+            lanes=lanes,
+            check_versions=lookup(plan.schedule).vertical_sync,
             timeout=self.options.timeout,
             on_update=on_update,
             trace=trace,

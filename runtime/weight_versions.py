@@ -37,6 +37,7 @@ class WeightVersions:
         *,
         initial_version: int,
         exclude: Collection[str] = (),
+        stage: int | None = None,
     ):
         self.params: dict[str, nn.Parameter] = {
             name: param for name, param in module.named_parameters() if name not in exclude
@@ -45,7 +46,7 @@ class WeightVersions:
         self.table = table
         """The action table these versions serve."""
         self.live_version = initial_version
-        self._use = version_use(table, initial_version=initial_version)
+        self._use = version_use(table, initial_version=initial_version, stage=stage)
         self._last_use = self._use.last_use
         self._versions: dict[int, dict[str, Tensor]] = {}
         self._copied: set[int] = set()

@@ -12,10 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipedream.errors import ScheduleError
 from pipedream.formats.reader import MappingReader
 from pipedream.formats.topology import Topology
 from pipedream.formats.yamlio import read_yaml_mapping, write_yaml
-from pipedream.schedules.registry import RUNNABLE, SCHEDULES
+from pipedream.schedules.registry import SCHEDULES
+from pipedream.schedules.schedule import Schedule
+from pipedream.schedules.spec import PipelineSpec
 
 __all__ = [
     "PLAN_FORMAT",
@@ -184,6 +187,10 @@ class Plan:
                 return index
         raise KeyError(rank)
 
+    def stages_of_rank(self, rank: int) -> tuple[int, ...]:
+        """The stages ``rank`` runs: one, or several under interleaved and V schedules."""
+        return tuple(index for index, stage in enumerate(self.stages) if rank in stage.ranks)
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"format": PLAN_FORMAT, "workload": self.workload}
         if self.workload_args:
@@ -222,13 +229,10 @@ class Plan:
         workload = reader.str("workload")
         args = reader.options("workload_args")
         schedule = reader.str("schedule")
-        if schedule not in RUNNABLE:
-            what = (
-                f"schedule {schedule!r} {SCHEDULES[schedule].not_runnable}"
-                if schedule in SCHEDULES
-                else f"unknown schedule {schedule!r}"
+        if schedule not in SCHEDULES:
+            raise reader.error(
+                "schedule", f"unknown schedule {schedule!r}", f"use one of {', '.join(SCHEDULES)}"
             )
-            raise reader.error("schedule", what, f"use one of {', '.join(RUNNABLE)}")
         microbatch_size = reader.int("microbatch_size", minimum=1)
         microbatches = reader.int("microbatches", 1, minimum=1)
         if SCHEDULES[schedule].one_microbatch and microbatches != 1:
@@ -274,7 +278,7 @@ class Plan:
                     "give exactly one rank per replica",
                 )
             stages.append(StagePlan(first, last, replicas, ranks))
-        _check_ranks(reader, stages, world_size)
+        _check_ranks(reader, stages, world_size, SCHEDULES[schedule], microbatches)
         if layers is not None:
             _check_stage_layers(reader, stages, layers)
         prediction = None
@@ -311,7 +315,13 @@ class Plan:
         )
 
 
-def _check_ranks(reader: MappingReader, stages: list[StagePlan], world_size: int) -> None:
+def _check_ranks(
+    reader: MappingReader,
+    stages: list[StagePlan],
+    world_size: int,
+    schedule: Schedule,
+    microbatches: int,
+) -> None:
     seen: dict[int, int] = {}
     for index, stage in enumerate(stages):
         for rank in stage.ranks:
@@ -321,13 +331,20 @@ def _check_ranks(reader: MappingReader, stages: list[StagePlan], world_size: int
                     f"rank {rank} is out of range for world_size {world_size}",
                     f"use ranks 0..{world_size - 1}",
                 )
-            if rank in seen:
+            if rank in seen and schedule.placement is None:
                 raise reader.error(
                     f"stages[{index}].ranks",
                     f"rank {rank} is already used by stage {seen[rank]}",
                     "each rank runs exactly one stage replica",
                 )
             seen[rank] = index
+    if schedule.placement is not None:
+        spec = PipelineSpec(schedule.name, tuple(s.ranks for s in stages), microbatches, 0)
+        try:
+            spec.validate()
+        except ScheduleError as exc:
+            fix = "place the stages as the schedule does"
+            raise reader.error("stages", str(exc), fix) from None
     if len(seen) != world_size:
         missing = sorted(set(range(world_size)) - set(seen))
         raise reader.error(

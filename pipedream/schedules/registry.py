@@ -13,7 +13,7 @@ from pipedream.schedules.twobw import TWO_BW
 from pipedream.schedules.vertical_sync import PIPEDREAM_VS
 from pipedream.schedules.zero_bubble import ZB_H1, ZBV
 
-__all__ = ["RUNNABLE", "SCHEDULES", "lookup"]
+__all__ = ["PLANNED", "SCHEDULES", "lookup"]
 
 SCHEDULES: dict[str, Schedule] = {
     s.name: s
@@ -21,9 +21,9 @@ SCHEDULES: dict[str, Schedule] = {
 }
 """The schedules by name, in the order the docs list them."""
 
-RUNNABLE = tuple(name for name, s in SCHEDULES.items() if not s.not_runnable)
-"""The schedules plans, the planner and the runtime take today. The others
-(:attr:`Schedule.not_runnable` says why) build, validate and print their tables."""
+PLANNED = tuple(name for name, s in SCHEDULES.items() if not s.not_planned)
+"""The schedules the planner and the simulator take today; the others
+(:attr:`Schedule.not_planned` says why) run from hand-written plans."""
 
 
 def lookup(name: str) -> Schedule:

@@ -104,10 +104,10 @@ class Schedule:
         return self.rank_order is None
 
     @property
-    def not_runnable(self) -> str:
-        """What plans and the runtime cannot do yet that this schedule needs ("" if nothing)."""
+    def not_planned(self) -> str:
+        """What the planner and the simulator cannot do yet for this schedule ("" if nothing)."""
         if self.several_stages_per_rank:
-            return "runs several stages per rank, which plans cannot place yet"
+            return "runs several stages per rank, which the planner does not place yet"
         return ""
 
     def drain_slots(self, num_stages: int) -> float:

@@ -33,11 +33,16 @@ class VersionUse:
         return last is not None and replaced is not None and last > replaced
 
 
-def version_use(table: Sequence[Action], *, initial_version: int) -> VersionUse:
-    """The :class:`VersionUse` of one stage replica's ``table``."""
+def version_use(
+    table: Sequence[Action], *, initial_version: int, stage: int | None = None
+) -> VersionUse:
+    """The :class:`VersionUse` of one stage replica's ``table`` (``stage``: of that stage's
+    actions in a rank's table that holds several stages; positions stay the table's)."""
     last_use: dict[int, int] = {}
     updates: list[int] = []
     for position, action in enumerate(table):
+        if stage is not None and action.stage != stage:
+            continue
         if action.version is not None:
             last_use[action.version] = position
         if action.op is Op.UPDATE:

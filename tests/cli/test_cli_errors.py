@@ -108,7 +108,8 @@ def test_train_missing_plan(tmp_path: Path) -> None:
         pytest.param(
             _two_stages(schedule="fast"),
             "schedule",
-            "unknown schedule 'fast'; use one of pipedream, pipedream-vs, 2bw, 1f1b, gpipe, zb-h1",
+            "unknown schedule 'fast'; use one of pipedream, pipedream-vs, 2bw, 1f1b, gpipe, "
+            "interleaved-1f1b, zb-h1, zbv",
             id="unknown-schedule",
         ),
         pytest.param(

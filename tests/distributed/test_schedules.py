@@ -55,6 +55,8 @@ class Case:
     resume: bool = False
     """Checkpoint at STEPS / 2 and resume from it (else: no checkpoint mid-run, --trace)."""
     seed: int = 0
+    placement: tuple[int, ...] | None = None
+    """The rank of every stage, where ranks run several stages (interleaved, V)."""
 
 
 CASES = [
@@ -65,6 +67,8 @@ CASES = [
     Case("gpipe", 3, 2, ADAMW),
     Case("zb-h1", 3, 4, ADAM, recompute=True, resume=True),
     Case("zb-h1", 4, 3, MOMENTUM),
+    Case("interleaved-1f1b", 4, 2, ADAM, resume=True, placement=(0, 1, 0, 1)),
+    Case("zbv", 4, 3, MOMENTUM, recompute=True, placement=(0, 1, 1, 0)),
 ]
 
 
@@ -74,6 +78,10 @@ def _launch(tmp: Path, case: Case, name: str, *extra: str) -> Path:
         "mlp", even_groups(names, case.num_stages), schedule=case.schedule,
         microbatch_size=B, microbatches=case.microbatches, workload_args=case.args,
     )  # fmt: skip
+    if case.placement is not None:
+        for stage, rank in zip(plan["stages"], case.placement):
+            stage["ranks"] = [rank]
+        plan["world_size"] = len(set(case.placement))
     path = write_plan(plan, tmp / "plan.yaml")
     run_dir = tmp / name
     options = ["--steps", str(STEPS), "--seed", str(case.seed), "--run-dir", str(run_dir)]

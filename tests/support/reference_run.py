@@ -68,15 +68,21 @@ def reference_layout_weights(
     layers: list[str] | None = None,
     recompute: bool = False,
     seed: int = 0,
+    placement: list[int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The model's state dict (every name of a tied tensor included) after the reference
     executor ran ``steps`` minibatches of the plan, its stages cut as ``pipedream train`` cuts
-    them (:func:`~pipedream.runtime.stage_layout.stage_layout`: traced models, tied parameters)."""
+    them (:func:`~pipedream.runtime.stage_layout.stage_layout`: traced models, tied parameters).
+    ``placement``: the rank of every stage, where ranks run several stages (one model per rank,
+    as one process has)."""
     replicas = replicas or [1] * len(stages)
     plan_stages, rank = [], 0
-    for group, count in zip(stages, replicas):
-        plan_stages.append(StagePlan(group[0], group[-1], count, tuple(range(rank, rank + count))))
+    for index, (group, count) in enumerate(zip(stages, replicas)):
+        ranks = (placement[index],) if placement else tuple(range(rank, rank + count))
+        plan_stages.append(StagePlan(group[0], group[-1], count, ranks))
         rank += count
+    if placement:
+        rank = len(set(placement))
     plan = Plan(
         workload=workload,
         workload_args=dict(workload_args),
@@ -95,14 +101,14 @@ def reference_layout_weights(
     first = layout_of()
     spec = spec_from_plan(plan, 0, steps, first.edges, first.tied_pairs)
     tables = build_tables(spec)
-    workers: dict[int, StageWorker] = {}
+    workers: dict[int, dict[int, StageWorker]] = {}
     layouts: dict[int, StageLayout] = {}
     for stage, entry in enumerate(plan_stages):
         for rank in entry.ranks:  # every rank its own model, as every process has
-            layout = layouts[rank] = layout_of()
+            layout = layouts[rank] = layouts.get(rank) or layout_of()
             module = layout.build(stage)
             built = load_workload(workload, workload_args, microbatch_size=microbatch_size)
-            workers[rank] = StageWorker(
+            workers.setdefault(rank, {})[stage] = StageWorker(
                 WorkerConfig(stage, len(plan_stages), microbatches, recompute=recompute),
                 module,
                 tables[rank],
@@ -117,7 +123,7 @@ def reference_layout_weights(
     merged: dict[str, torch.Tensor] = {}
     for stage, entry in enumerate(plan_stages):
         rank = entry.ranks[0]
-        skip = layouts[rank].stored_elsewhere(stage, workers[rank].module)
-        state = workers[rank].module.state_dict()
+        skip = layouts[rank].stored_elsewhere(stage, workers[rank][stage].module)
+        state = workers[rank][stage].module.state_dict()
         merged.update({k: v for k, v in state.items() if k not in skip})
     return expand_aliases(merged, [tensor.names for tensor in first.tied])

@@ -18,9 +18,11 @@ from pipedream.runtime.comm import (
     DEFINES_REFERENCE,
     FAST,
     HEADER_LEN,
+    LANES,
     MAX_TENSORS,
     P2P,
     PLACEHOLDER,
+    channel_kind,
     decode_header,
     encode_header,
     message_tag,
@@ -64,9 +66,12 @@ def test_more_than_31_tensors_are_refused_naming_the_count() -> None:
 
 
 def test_tag_ranges_are_disjoint_and_fit_in_31_bits() -> None:
-    microbatches = [*range(64), (1 << 20) - 1]
+    """Across kinds, lanes (the receiving stage's place on its rank) and microbatches."""
+    microbatches = [*range(64), (1 << 19) - 1]
     seen: set[int] = set()
-    for kind in ("act", "grad"):
+    kinds = [channel_kind(k, lane) for k in ("act", "grad") for lane in (0, 1, LANES - 1)]
+    assert kinds[:2] == ["act", "act@1"]
+    for kind in kinds:
         for mb in microbatches:
             header = {message_tag(kind, mb, 0)}
             slow = set(payload_tags(kind, mb, MAX_TENSORS, fast=False))

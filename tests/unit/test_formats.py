@@ -620,10 +620,11 @@ CASES: list[tuple[str, str, Edit, str, str, str]] = [
      "expected true or false, got str 'yes'", "write true or false"),
     ("plan-unknown-schedule", "plan", _set("schedule", value="pipedream2"), "schedule",
      "unknown schedule 'pipedream2'",
-     "use one of pipedream, pipedream-vs, 2bw, 1f1b, gpipe, zb-h1"),
-    ("plan-several-stages-per-rank", "plan", _set("schedule", value="interleaved-1f1b"),
-     "schedule", "schedule 'interleaved-1f1b' runs several stages per rank, which plans cannot "
-     "place yet", "use one of pipedream, pipedream-vs, 2bw, 1f1b, gpipe, zb-h1"),
+     "use one of pipedream, pipedream-vs, 2bw, 1f1b, gpipe, interleaved-"
+     "1f1b, zb-h1, zbv"),
+    ("plan-several-stages-misplaced", "plan", _set("schedule", value="interleaved-1f1b"),
+     "stages", "schedule 'interleaved-1f1b' does not replicate stages yet",
+     "place the stages as the schedule does"),
     ("plan-microbatches-pipedream", "plan", _set("microbatches", value=4), "microbatches",
      "must be 1 for schedule 'pipedream', got 4", "use schedule '2bw'"),
     ("plan-microbatches-pipedream-vs", "plan",

@@ -132,7 +132,7 @@ def test_flush_schedule_picks_the_stage_count_with_its_bubble() -> None:
     ("options", "workers", "message"),
     [
         ({"schedule": "pipe"}, 2, "unknown schedule 'pipe'"),
-        ({"schedule": "interleaved-1f1b"}, 2, "several stages per rank, which plans cannot"),
+        ({"schedule": "interleaved-1f1b"}, 2, "several stages per rank, which the planner does"),
         ({"cost_model": "alpa"}, 2, "unknown cost model 'alpa'"),
         ({"microbatches": 4}, 2, "--microbatches 4 with schedule 'pipedream'"),
         ({"microbatches": 2, "schedule": "pipedream-vs"}, 2, "must be 1"),

@@ -456,3 +456,10 @@ def test_steady_window_spans_whole_cycles_of_the_second_half() -> None:
     assert steady_window(ends[:8], margin=2, period=1) is None  # too short for 3 cycles
     growing = [float(t * t) for t in range(20)]
     assert steady_window(growing, margin=2, period=1) is None  # still a transient
+
+
+def test_several_stages_per_rank_are_not_simulated_yet() -> None:
+    stages = tuple(StagePlan(f"l{s}", f"l{s}", 1, (s % 2,)) for s in range(4))
+    plan = Plan("toy", "interleaved-1f1b", 1, 2, 2, stages)
+    with pytest.raises(PlanningError, match="several stages per rank.*nor does the simulator"):
+        simulate(plan, equal(4, 1.0, 2.0), FAST, num_minibatches=2)

@@ -125,3 +125,46 @@ def test_replicated_flush_schedules_equal_their_rule(
         loss_fn=workload.loss_fn, optimizer=workload.optimizer,
     )  # fmt: skip
     assert max_rel_diff(got, want) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("schedule", "placement", "m", "args", "recompute"),
+    [
+        ("interleaved-1f1b", [0, 1, 0, 1], 2, SGD, False),
+        (
+            "interleaved-1f1b",
+            [0, 1, 2, 0, 1, 2],
+            3,
+            {"layers": "5", "width": "16", "optimizer": "adam", "lr": "0.01"},
+            True,
+        ),
+        ("zbv", [0, 1, 1, 0], 3, SGD, False),
+        (
+            "zbv",
+            [0, 1, 2, 2, 1, 0],
+            4,
+            {"layers": "5", "width": "16", "optimizer": "adamw", "lr": "0.01"},
+            True,
+        ),
+    ],
+)
+def test_several_stages_per_rank_equal_plain_training(
+    schedule: str, placement: list[int], m: int, args: dict[str, str], recompute: bool
+) -> None:
+    """Interleaved and V placements: each rank runs several stages of one model (a process
+    each), hands its own stages' messages over in memory, and the synchronous rule holds."""
+    steps = 4
+    stages = even_groups(_names(args), len(placement))
+    got = reference_layout_weights(
+        "mlp", args, stages, schedule=schedule, microbatches=m, steps=steps,
+        microbatch_size=B, recompute=recompute, placement=placement,
+    )  # fmt: skip
+    workload = load_workload("mlp", args)
+    data = MicrobatchStream(workload.dataset, B, 0)
+    minibatch = lambda t: [data.microbatch(t * m + j) for j in range(m)]  # noqa: E731
+    plain = plain_training(
+        load_workload("mlp", args).model, num_updates=steps,
+        batch=lambda k: tuple(torch.cat(p) for p in zip(*minibatch(k))),  # type: ignore[arg-type]
+        loss_fn=workload.loss_fn, optimizer=workload.optimizer,
+    )  # fmt: skip
+    assert max_rel_diff(got, plain) < 1e-5

@@ -111,6 +111,6 @@ def test_bad_shapes_and_what_runs_today() -> None:
         PipelineSpec("zbv", ((0,), (1,), (0,), (1,)), 2, 1).validate()
     with pytest.raises(ScheduleError, match="does not replicate stages"):
         PipelineSpec("zb-h1", ((0, 1), (2,)), 2, 2).validate()
-    assert lookup("zb-h1").not_runnable == ""
-    assert "several stages per rank" in lookup("zbv").not_runnable
-    assert lookup("1f1b").not_runnable == ""
+    assert lookup("zb-h1").not_planned == ""
+    assert "several stages per rank" in lookup("zbv").not_planned
+    assert lookup("1f1b").not_planned == ""
