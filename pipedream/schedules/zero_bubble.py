@@ -16,11 +16,15 @@ f_i(W^(k))``, exact synchronous SGD. Every minibatch has the same order.
                      stage 1:  F0 F1 I0 F2 I1 W0 F3 I2 W1 I3 W2 W3
                      stage 2:  F0 I0 F1 I1 F2 I2 W0 F3 I3 W1 W2 W3
 
-- ``zbv``: ``2 P`` stages on ``P`` ranks in a V, rank ``r`` running stages ``r`` and
-  ``2 P - 1 - r`` (so the last stage is on rank 0, with the first), each rank holding at most
-  ``2 P`` stage-microbatches' activations, 1F1B's peak in activations of half the layers. Its
-  order comes from one unit-time run of a minibatch (:mod:`pipedream.schedules.list_schedule`).
-  With equal stage times the bubble is about ``(P - 1) / (6 m)`` of the compute.
+- ``zbv``: ``2 P`` stages on ``P`` ranks in a V, rank ``r`` running stages ``r`` (down) and
+  ``2 P - 1 - r`` (up; so the last stage is on rank 0, with the first), the paper's handcrafted
+  order: ``2 (P - r) - 1`` forwards down, then ``r`` pairs of forwards up and down, then
+  ``P - r`` forwards up each followed by its ``I`` and ``W``; in the steady state a forward,
+  ``I`` and ``W`` down, then the same up; in the cool-down ``r`` pairs of ``I`` down and up,
+  ``P - r`` of ``I`` and ``W`` down, then the remaining ``W`` s. The order is laid out for at
+  least ``2 P - 1`` microbatches and those beyond ``m`` are left out. Each rank holds at most
+  ``2 P`` stage-microbatches' activations, 1F1B's peak in activations of half the layers; with
+  equal stage times and ``m >= 2 P`` a minibatch idles ``P - 1`` units of one pass of a stage.
 """
 
 from __future__ import annotations
@@ -29,7 +33,6 @@ from collections.abc import Sequence
 
 from pipedream.errors import ScheduleError
 from pipedream.schedules.actions import Op
-from pipedream.schedules.list_schedule import unit_time_orders
 from pipedream.schedules.pipedream import latest_version
 from pipedream.schedules.schedule import (
     CLOSE,
@@ -39,7 +42,7 @@ from pipedream.schedules.schedule import (
 )
 from pipedream.schedules.spec import PipelineSpec
 
-__all__ = ["ZB_H1", "ZBV", "v_placement", "zb_h1_stage_order"]
+__all__ = ["ZB_H1", "ZBV", "v_placement", "zb_h1_stage_order", "zbv_rank_order"]
 
 
 def v_placement(num_stages: int, num_ranks: int) -> list[int]:
@@ -50,19 +53,6 @@ def v_placement(num_stages: int, num_ranks: int) -> list[int]:
             f"{num_ranks} ranks"
         )
     return [s if s < num_ranks else 2 * num_ranks - 1 - s for s in range(num_stages)]
-
-
-def _rank_order(
-    placement: Sequence[int], limit: int, spec: PipelineSpec, rank: int, minibatches: Sequence[int]
-) -> list[RankEntry]:
-    m = spec.microbatches
-    one = unit_time_orders(placement, m, limit)[rank]
-    stages = sorted({stage for _, stage, _ in one})
-    order: list[RankEntry] = []
-    for k in minibatches:
-        order += [(op, stage, k * m + j) for op, stage, j in one]
-        order += [(CLOSE, stage, k) for stage in stages]
-    return order
 
 
 def zb_h1_stage_order(num_stages: int, stage: int, microbatches: int) -> list[tuple[Op, int]]:
@@ -93,9 +83,59 @@ def _zb_h1_order(spec: PipelineSpec, rank: int, minibatches: Sequence[int]) -> l
     return order
 
 
+def zbv_rank_order(ranks: int, rank: int, microbatches: int) -> list[tuple[Op, int, int]]:
+    """One minibatch of ``zbv`` at ``rank``: ``(op, stage, microbatch)`` in execution order."""
+    laid_out = max(2 * ranks - 1, microbatches)
+    down, up = rank, 2 * ranks - 1 - rank
+    order: list[tuple[Op, int, int]] = []
+    done = {Op.FORWARD: {down: 0, up: 0}, Op.BACKWARD_INPUT: {down: 0, up: 0}}
+
+    def run(op: Op, stage: int) -> None:
+        order.append((op, stage, done[op][stage]))
+        done[op][stage] += 1
+
+    def whole_backward(stage: int) -> None:  # I and W of the same microbatch, back to back
+        j = done[Op.BACKWARD_INPUT][stage]
+        order.extend([(Op.BACKWARD_INPUT, stage, j), (Op.BACKWARD_WEIGHT, stage, j)])
+        done[Op.BACKWARD_INPUT][stage] += 1
+
+    forwards = done[Op.FORWARD]
+    for _ in range(2 * (ranks - rank) - 1):
+        run(Op.FORWARD, down)
+    for _ in range(rank):
+        run(Op.FORWARD, up)
+        run(Op.FORWARD, down)
+    for _ in range(ranks - rank):
+        run(Op.FORWARD, up)
+        whole_backward(up)
+    while forwards[up] < forwards[down] or forwards[down] < laid_out:
+        if forwards[down] < laid_out:
+            run(Op.FORWARD, down)
+        whole_backward(down)
+        run(Op.FORWARD, up)
+        whole_backward(up)
+    weights = dict(done[Op.BACKWARD_INPUT])
+    for _ in range(rank):
+        run(Op.BACKWARD_INPUT, down)
+        run(Op.BACKWARD_INPUT, up)
+    for _ in range(ranks - rank):
+        run(Op.BACKWARD_INPUT, down)
+        order.append((Op.BACKWARD_WEIGHT, down, weights[down]))
+        weights[down] += 1
+    for stage in (up, down):
+        order += [(Op.BACKWARD_WEIGHT, stage, j) for j in range(weights[stage], laid_out)]
+    return [(op, stage, j) for op, stage, j in order if j < microbatches]
+
+
 def _zbv_order(spec: PipelineSpec, rank: int, minibatches: Sequence[int]) -> list[RankEntry]:
-    ranks = spec.world_size
-    return _rank_order(v_placement(spec.num_stages, ranks), 2 * ranks, spec, rank, minibatches)
+    m = spec.microbatches
+    one = zbv_rank_order(spec.world_size, rank, m)
+    stages = sorted({stage for _, stage, _ in one})
+    order: list[RankEntry] = []
+    for k in minibatches:
+        order += [(op, stage, k * m + j) for op, stage, j in one]
+        order += [(CLOSE, stage, k) for stage in stages]
+    return order
 
 
 def _zbv_problem(spec: PipelineSpec) -> str:

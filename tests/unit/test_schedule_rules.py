@@ -88,12 +88,7 @@ def test_schedule_equals_its_rule(
     )  # fmt: skip
     assert max_rel_diff(got, want) < 1e-5
     if schedule in ("1f1b", "gpipe", "zb-h1"):  # synchronous: ordinary training on m x B
-        plain = plain_training(
-            load_workload("mlp", args).model, num_updates=steps,
-            batch=lambda k: tuple(torch.cat(p) for p in zip(*minibatch(k))),  # type: ignore[arg-type]
-            loss_fn=workload.loss_fn, optimizer=workload.optimizer,
-        )  # fmt: skip
-        assert max_rel_diff(got, plain) < 1e-5
+        assert max_rel_diff(got, _plain(args, m, steps)) < 1e-5
     elif num_stages > 1:  # the staleness is real
         sync = stale_oracle(
             workload.model, stages, num_minibatches=steps, minibatch=minibatch,
@@ -159,12 +154,22 @@ def test_several_stages_per_rank_equal_plain_training(
         "mlp", args, stages, schedule=schedule, microbatches=m, steps=steps,
         microbatch_size=B, recompute=recompute, placement=placement,
     )  # fmt: skip
+    assert max_rel_diff(got, _plain(args, m, steps)) < 1e-5
+
+
+def _plain(args: dict[str, str], m: int, steps: int) -> dict[str, torch.Tensor]:
+    """Ordinary training of the mlp on minibatches of m x B samples: the synchronous rule."""
     workload = load_workload("mlp", args)
     data = MicrobatchStream(workload.dataset, B, 0)
-    minibatch = lambda t: [data.microbatch(t * m + j) for j in range(m)]  # noqa: E731
-    plain = plain_training(
-        load_workload("mlp", args).model, num_updates=steps,
-        batch=lambda k: tuple(torch.cat(p) for p in zip(*minibatch(k))),  # type: ignore[arg-type]
-        loss_fn=workload.loss_fn, optimizer=workload.optimizer,
-    )  # fmt: skip
-    assert max_rel_diff(got, plain) < 1e-5
+
+    def batch(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pairs = [data.microbatch(k * m + j) for j in range(m)]
+        return torch.cat([x for x, _ in pairs]), torch.cat([y for _, y in pairs])
+
+    return plain_training(
+        workload.model,
+        num_updates=steps,
+        batch=batch,
+        loss_fn=workload.loss_fn,
+        optimizer=workload.optimizer,
+    )

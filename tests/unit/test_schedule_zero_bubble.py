@@ -6,7 +6,6 @@ import pytest
 
 from pipedream.errors import ScheduleError
 from pipedream.schedules import Op, PipelineSpec, build_tables, lookup, validate_tables
-from pipedream.schedules.list_schedule import unit_time_orders
 from pipedream.schedules.unit_time import peak_in_flight, unit_time_makespan
 from pipedream.schedules.zero_bubble import v_placement
 
@@ -43,18 +42,10 @@ def test_zbv_literal() -> None:
     """P = 2: stages 0 and 3 on rank 0, 1 and 2 on rank 1; stage 1 hands stage 2 its
     activations within rank 1, and stage 3 (the loss) is on rank 0."""
     tables = build_tables(vee(2, 2))
-    assert compute(tables[0]) == "0F0 0F1 3F0 3I0 3F1 3I1 0I0 3W0 0I1 3W1 0W0 0W1 0U0 3U0"
-    assert compute(tables[1]) == "1F0 2F0 1F1 2F1 2I0 1I0 2I1 1I1 2W0 1W0 2W1 1W1 1U0 2U0"
+    assert compute(tables[0]) == "0F0 0F1 3F0 3I0 3W0 3F1 3I1 3W1 0I0 0W0 0I1 0W1 0U0 3U0"
+    assert compute(tables[1]) == "1F0 2F0 1F1 2F1 2I0 2W0 1I0 1W0 2I1 2W1 1I1 1W1 1U0 2U0"
     local = [a for a in tables[1] if a.op is Op.SEND_ACT and a.stage == 1]
     assert {(a.peer, a.peer_stage) for a in local} == {(1, 2)}
-
-
-def test_the_unit_time_run_is_the_documented_rule() -> None:
-    """(zbv's orders) I first (latest stage first), else F under the limit, else the oldest W."""
-    orders = unit_time_orders([0, 1], 2, 2)
-    assert [f"{op.value}{j}" for op, _, j in orders[1]] == ["F0", "I0", "F1", "I1", "W0", "W1"]
-    with pytest.raises(AssertionError, match="stuck"):
-        unit_time_orders([0, 1, 1, 0], 4, 1)  # one stage-microbatch per rank: the V deadlocks
 
 
 @pytest.mark.parametrize("stages", range(1, 17))
@@ -88,11 +79,11 @@ def test_zb_h1_bubble_is_about_a_third_of_1f1b(stages: int, bubbles: list[int]) 
     assert got == bubbles
 
 
-@pytest.mark.parametrize(("ranks", "bubbles"), [(2, [1, 1, 1]), (4, [3, 4, 4]), (8, [7, 7, 7])])
+@pytest.mark.parametrize(("ranks", "bubbles"), [(2, [2, 1, 1]), (4, [6, 3, 3]), (8, [14, 7, 7])])
 def test_zbv_bubble_against_1f1b(ranks: int, bubbles: list[int]) -> None:
     """2 P stages of unit times: 6 m units per rank; 1F1B over the same model in P stages (each
-    twice the work) idles 6 (P - 1); zbv about P - 1, holding at most 2 P stage-microbatches
-    (1F1B's first rank holds P microbatches of twice the layers)."""
+    twice the work) idles 6 (P - 1); zbv P - 1 once m >= 2 P (2 (P - 1) at m = P), holding at
+    most 2 P stage-microbatches (1F1B's first rank holds P microbatches of twice the layers)."""
     got = []
     for m in (ranks, 2 * ranks, 4 * ranks):
         tables = build_tables(vee(ranks, m))
