@@ -111,8 +111,11 @@ def plan_dict(
     schedule: str,
     microbatch_size: int,
     microbatches: int,
+    placement: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    """A hand-written straight plan: one rank per stage, layers ``(first, last)`` per stage."""
+    """A hand-written plan, layers ``(first, last)`` per stage: one rank per stage, or stage
+    ``s`` on rank ``placement[s]`` (schedules that run several stages per rank)."""
+    ranks = list(placement) if placement is not None else list(range(len(stages)))
     return {
         "format": "pipedream/plan@1",
         "workload": workload,
@@ -120,10 +123,10 @@ def plan_dict(
         "schedule": schedule,
         "microbatch_size": microbatch_size,
         "microbatches": microbatches,
-        "world_size": len(stages),
+        "world_size": len(set(ranks)),
         "stages": [
             {"first_layer": first, "last_layer": last, "replicas": 1, "ranks": [rank]}
-            for rank, (first, last) in enumerate(stages)
+            for rank, (first, last) in zip(ranks, stages)
         ],
     }
 
@@ -172,8 +175,9 @@ def steady_period_ms(traces: Sequence[RankTrace], *, skip: int) -> tuple[float, 
 def update_intervals_ms(traces: Sequence[RankTrace], *, skip: int) -> list[float]:
     """The intervals between consecutive optimizer updates of the last stage after ``skip``
     (milliseconds; their mean is :func:`steady_period_ms`)."""
-    last = max(traces, key=lambda t: t.stage)
-    ends = [e.end for e in last.events if e.op is Op.UPDATE][skip:]
+    stage = max(e.stage for t in traces for e in t.events)  # ranks may run several stages
+    last = next(t for t in traces if any(e.stage == stage for e in t.events))
+    ends = [e.end for e in last.events if e.op is Op.UPDATE and e.stage == stage][skip:]
     if len(ends) < 2:
         raise RuntimeError(f"{last.path}: only {len(ends)} updates after skipping {skip}")
     return [(b - a) * 1000 for a, b in zip(ends, ends[1:])]

@@ -101,6 +101,15 @@ class Case:
         skip = self.stages + 2 + warm
         return skip + PIPEDREAM_MEASURED, skip
 
+    def placement(self) -> list[int] | None:
+        """The rank of every stage where ranks run several stages (None: one rank each)."""
+        return None
+
+    @property
+    def ranks(self) -> int:
+        placement = self.placement()
+        return self.stages if placement is None else len(set(placement))
+
     def workload_args(self) -> dict[str, Any]:
         return {
             "layers": self.stages,
@@ -145,6 +154,7 @@ def run_ours(case: Case, *, reuse: bool = False) -> dict[str, Any]:
         schedule=case.schedule,
         microbatch_size=MICROBATCH_SIZE,
         microbatches=case.microbatches,
+        placement=case.placement(),
     )
     steps, skip = case.steps_and_skip
     path = directory / "plan.yaml"
@@ -211,6 +221,7 @@ def run_torch(
                 "workload_args": {k: str(v) for k, v in case.workload_args().items()},
                 "stages": [[str(i), str(i)] for i in range(stages)],
                 "schedule": case.schedule,
+                "placement": case.placement(),
                 "microbatches": case.microbatches,
                 "microbatch_size": MICROBATCH_SIZE,
                 "steps": steps,
@@ -218,7 +229,9 @@ def run_torch(
             }
         )
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    argv += ["--nproc-per-node", str(stages), "benchmarks/torch_pipelining.py"]
+    ranks = {case.ranks for case in group}
+    assert len(ranks) == 1, ranks
+    argv += ["--nproc-per-node", str(ranks.pop()), "benchmarks/torch_pipelining.py"]
     argv += [str(directory / "cases.json"), str(out)]
     cases_json = json.dumps(specs, indent=1)
     names = {spec["name"] for spec in specs}

@@ -1,19 +1,21 @@
-"""The same workloads under ``torch.distributed.pipelining`` (ScheduleGPipe, Schedule1F1B and,
-for ``zb-h1``, ScheduleInterleavedZeroBubble with one stage per rank: its ZB1P schedule).
+"""The same workloads under ``torch.distributed.pipelining``: ScheduleGPipe, Schedule1F1B,
+ScheduleInterleavedZeroBubble with one stage per rank (its ZB1P schedule) for ``zb-h1``,
+ScheduleInterleaved1F1B and ScheduleZBVZeroBubble for ``interleaved-1f1b`` and ``zbv``.
 
-A driver launched with torchrun, one process per stage, gloo on 127.0.0.1::
+A driver launched with torchrun, one process per rank, gloo on 127.0.0.1::
 
-    python -m torch.distributed.run --standalone --nproc-per-node S \\
+    python -m torch.distributed.run --standalone --nproc-per-node RANKS \\
         benchmarks/torch_pipelining.py CASES.json OUT.json
 
 ``CASES.json`` is a list of cases, each ``{name, workload, workload_args, stages: [[first,
-last], ...], schedule: gpipe|1f1b|zb-h1, microbatches, microbatch_size, steps, warmup}``; all
-cases of a file have ``len(stages) == S``. Each rank builds the workload exactly as ``pipedream
-train`` does, cuts out its stage's layers (manual stage construction: ``PipelineStage`` around
-the stage's ``nn.Sequential``, input and output shapes given), and runs ``schedule.step``
-followed by the optimizer step, ``steps`` times. The last rank writes, per case, the mean time
-per step after ``warmup`` steps to ``OUT.json``. Same data stream, same loss, same optimizer as
-ours.
+last], ...], placement (the rank of every stage, or null: one stage per rank), schedule,
+microbatches, microbatch_size, steps, warmup}``; all cases of a file run on the same number of
+ranks. Each rank builds the workload exactly as ``pipedream train`` does, cuts out its stages'
+layers (manual stage construction: a ``PipelineStage`` around each stage's ``nn.Sequential``,
+input and output shapes given), and runs ``schedule.step`` followed by the optimizer step,
+``steps`` times. The rank of the last stage measures, per case, the mean time per step after
+``warmup`` steps, and rank 0 writes it to ``OUT.json``. Same data stream, same loss, same
+optimizer as ours.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
+    ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
 )
 
 from pipedream.data import MicrobatchStream
@@ -42,8 +46,18 @@ from pipedream.workload import load_workload
 
 __all__ = ["SCHEDULES", "run_case"]
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "zb-h1": ScheduleInterleavedZeroBubble}
-"""Ours -> PyTorch's schedule of the same name (the zero-bubble one takes a list of stages)."""
+SCHEDULES: dict[str, Any] = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "zb-h1": ScheduleInterleavedZeroBubble,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+    "zbv": ScheduleZBVZeroBubble,
+}
+"""Ours -> PyTorch's schedule of the same name."""
+MULTI = (ScheduleInterleavedZeroBubble, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
+"""The ones that take a list of the rank's stages."""
+SPLIT = (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
+"""The ones that split backwards (their stage outputs must not be views)."""
 
 
 def _stage_shapes(model: nn.Module, example: torch.Tensor) -> list[Any]:
@@ -76,53 +90,65 @@ def _batch(stream: MicrobatchStream, step: int, m: int) -> tuple[torch.Tensor, t
     return torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
 
 
-def run_case(case: dict[str, Any], rank: int, world_size: int) -> dict[str, Any] | None:
-    """Run one case on this rank; the last rank returns the measurement."""
-    m, b = case["microbatches"], case["microbatch_size"]
-    workload = load_workload(case["workload"], case["workload_args"], microbatch_size=b)
+def _stage(
+    case: dict[str, Any], workload: Any, index: int, own_output: bool
+) -> tuple[PipelineStage, nn.Module]:
+    """Stage ``index`` of the case's split, as a PipelineStage around its layers."""
     names = layer_names(workload.model)
-    first, last = case["stages"][rank]
+    first, last = case["stages"][index]
     layers = names[names.index(first) : names.index(last) + 1]
     shapes = dict(_stage_shapes(workload.model, workload.example_input))
     following = names.index(last) + 1
     out_example = shapes[names[following]] if following < len(names) else shapes["<out>"]
     module = build_stage_module(workload.model, layers)
-    several = SCHEDULES[case["schedule"]] is ScheduleInterleavedZeroBubble
-    if several:
+    if own_output:
         module = _OwnOutput(module)
     # the metadata's requires_grad decides whether activations get gradients and are sent back
-    in_example = shapes[layers[0]].requires_grad_(rank > 0 and out_example.is_floating_point())
+    in_example = shapes[layers[0]].requires_grad_(index > 0 and out_example.is_floating_point())
     stage = PipelineStage(
         module,
-        rank,
-        world_size,
+        index,
+        len(case["stages"]),
         torch.device("cpu"),
         input_args=(in_example,),
         output_args=(out_example.requires_grad_(out_example.is_floating_point()),),
     )
+    return stage, module
+
+
+def run_case(case: dict[str, Any], rank: int, world_size: int) -> dict[str, Any] | None:
+    """Run one case on this rank; the rank of the last stage returns the measurement."""
+    m, b = case["microbatches"], case["microbatch_size"]
+    workload = load_workload(case["workload"], case["workload_args"], microbatch_size=b)
+    placement = case.get("placement") or list(range(len(case["stages"])))
+    mine = [index for index, owner in enumerate(placement) if owner == rank]
     kind = SCHEDULES[case["schedule"]]
-    schedule = kind([stage] if several else stage, m, loss_fn=workload.loss_fn)
-    optimizer = workload.optimizer(module.parameters())
+    several = kind in MULTI
+    built = [_stage(case, workload, index, own_output=kind in SPLIT) for index in mine]
+    stages = [stage for stage, _ in built]
+    schedule = kind(stages if several else stages[0], m, loss_fn=workload.loss_fn)
+    params = [p for _, module in built for p in module.parameters()]
+    optimizer = workload.optimizer(params)
     stream = MicrobatchStream(workload.dataset, b, seed=0)
+    first, last = 0 in mine, len(placement) - 1 in mine
     ends = []
     losses: list[torch.Tensor] = []
     for step in range(case["steps"]):
         inputs, targets = _batch(stream, step, m)
-        if rank == 0:
-            schedule.step(inputs)
-        elif rank == world_size - 1:
-            schedule.step(target=targets, losses=losses, return_outputs=False)
+        args = (inputs,) if first else ()
+        if last:
+            schedule.step(*args, target=targets, losses=losses, return_outputs=False)
         else:
-            schedule.step()
+            schedule.step(*args)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         ends.append(time.perf_counter())
     dist.barrier()
-    if rank != world_size - 1:
+    if not last:
         return None
     window = ends[case["warmup"] - 1 :]
     period = (window[-1] - window[0]) * 1000 / (len(window) - 1)
-    loss = float(torch.stack(losses[-m:]).mean()) if losses else None
+    loss = float(torch.stack(losses[-m:]).detach().mean()) if losses else None
     return {"name": case["name"], "period_ms": period, "steps": len(window) - 1, "loss": loss}
 
 
@@ -135,12 +161,16 @@ def main(argv: list[str]) -> int:
     results = []
     try:
         for case in cases:
-            assert len(case["stages"]) == world_size, (case["name"], world_size)
+            ranks = set(case.get("placement") or range(len(case["stages"])))
+            assert len(ranks) == world_size, (case["name"], world_size)
             with frozen_heap():  # as ours: no full garbage collection pauses the loop
                 result = run_case(case, rank, world_size)
-            if result is not None:
-                results.append(result)
-                print(f"torch.distributed.pipelining {result}", flush=True)
+            gathered: list[Any] = [None] * world_size  # from the rank of the last stage
+            dist.all_gather_object(gathered, result)
+            if rank == 0:
+                (measured,) = [r for r in gathered if r is not None]
+                results.append(measured)
+                print(f"torch.distributed.pipelining {measured}", flush=True)
                 Path(argv[1]).write_text(json.dumps(results, indent=1))
     finally:
         dist.destroy_process_group()
