@@ -113,7 +113,8 @@ def default_skip(num_minibatches: int) -> int:
 def _check_matches(traces: Sequence[RankTrace], plan: Plan) -> None:
     if not traces:
         raise TraceError("the run has no traces; run the training with --trace")
-    ranks = {stage_rank: number for number, s in enumerate(plan.stages) for stage_rank in s.ranks}
+    # a rank's trace names its first stage (interleaved and V schedules run several)
+    ranks = {r: min(plan.stages_of_rank(r)) for s in plan.stages for r in s.ranks}
     for trace in traces:
         if trace.world_size != plan.world_size or ranks.get(trace.rank) != trace.stage:
             raise TraceError(
@@ -134,10 +135,8 @@ def _completions(traces: Sequence[RankTrace], last_stage: int, unit: str) -> lis
     end of its last update on the last stage."""
     ends: dict[int, float] = {}
     for trace in traces:
-        if trace.stage != last_stage:
-            continue
         for event in trace.events:
-            if event.op is Op.UPDATE:
+            if event.op is Op.UPDATE and event.stage == last_stage:
                 ends[event.index] = max(ends.get(event.index, event.end), event.end)
     if not ends:
         return []
@@ -228,9 +227,9 @@ def measure_run(traces: Sequence[RankTrace], plan: Plan, *, skip: int | None = N
         between, posting, reclaiming = [], [], []
         recorded = True  # whether every event in the window says what came before it
         for trace in traces:
-            if trace.stage != number:
+            if number not in plan.stages_of_rank(trace.rank):
                 continue
-            gaps = posted = reclaimed = 0.0
+            gaps = posted = reclaimed = 0.0  # the rank's, shared by the stages it runs
             for previous, event in zip((None, *trace.events), trace.events):
                 if event.start < start or event.end > end:
                     continue
@@ -242,7 +241,7 @@ def measure_run(traces: Sequence[RankTrace], plan: Plan, *, skip: int | None = N
                         posted += event.posting
                         reclaimed += event.reclaiming
                 key = "S" if event.op in _SENDS else event.op.value
-                if key in durations:
+                if key in durations and event.stage == number:
                     durations[key].append(event.end - event.start)
             length = end - start
             between.append(gaps / length if length > 0 else 0.0)

@@ -80,18 +80,17 @@ from pipedream.optimizer.messages import MessageTime, message_kind
 from pipedream.optimizer.stage_messages import stage_messages, stages_of_layers
 from pipedream.optimizer.transfers import Transfer, TransferPool
 from pipedream.schedules import (
-    MATCHING_RECEIVE,
     MAX_SENDS_IN_FLIGHT,
     RECEIVE_WINDOW,
     Action,
     Op,
     PipelineSpec,
     build_tables,
-    lookup,
     receives_posted_before,
     spec_from_plan,
     version_use,
 )
+from pipedream.schedules.validate import Message, message_of
 
 __all__ = [
     "Event",
@@ -493,11 +492,6 @@ def simulate(
     the random generator seeded by ``seed`` (and so with the network's ``message_spread``,
     every message).
     """
-    missing = lookup(plan.schedule).not_planned
-    if missing:
-        raise PlanningError(
-            f"schedule {plan.schedule!r} {missing}, nor does the simulator; run the plan"
-        )
     if num_minibatches is not None:
         return _simulate(plan, work, network, num_minibatches, spread, seed)
     if _drawn(spread, network):
@@ -621,7 +615,7 @@ class _Run:
         self.spread, self.rng = spread, rng or random.Random(0)
         self.position = {rank: 0 for rank in tables}
         self.clock = {rank: 0.0 for rank in tables}
-        self.messages: dict[tuple[Op, int, int, int], float] = {}  # -> arrival time
+        self.messages: dict[Message, float] = {}  # -> arrival time
         self.link_free: dict[tuple[int, int], float] = {}
         self.arrived: dict[tuple[int, int], dict[int, float]] = {}
         self.events: list[Event] = []
@@ -633,14 +627,18 @@ class _Run:
             per_unit = math.inf if network.unit_capacity is None else network.unit_capacity / 1e3
             self.pool = TransferPool(per_unit, network.duplex, network.per_rank)
         self.pool_version = 0  # heap entries (t, -1 - version) are the pool's completions
-        self.uses = {rank: version_use(table, initial_version=0) for rank, table in tables.items()}
-        self.updates_done = {rank: 0 for rank in tables}
+        # per (rank, stage): a rank may run several stages, each with its own versions
+        self.uses = {
+            (rank, stage): version_use(table, initial_version=0, stage=stage)
+            for rank, table in tables.items()
+            for stage in {action.stage for action in table}
+        }
+        self.updates_done = dict.fromkeys(self.uses, 0)
         self.posts = {rank: receives_posted_before(table) for rank, table in tables.items()}
         # each rank's messages sent and not yet waited on, oldest first, and when each left it
-        self.unwaited: dict[int, deque[tuple[Op, int, int, int]]] = {r: deque() for r in tables}
-        self.left: dict[tuple[Op, int, int, int], float] = {}
-        self.stage_of = {r: s for s, ranks in enumerate(spec.stage_ranks) for r in ranks}
-        self.sent: dict[tuple[Op, int, int, int], float] = {}  # -> when its post started
+        self.unwaited: dict[int, deque[Message]] = {r: deque() for r in tables}
+        self.left: dict[Message, float] = {}
+        self.sent: dict[Message, float] = {}  # -> when its post started
         self.message_times: list[MessageTime] = []
         for rank in tables:
             self.clock[rank] = self._reach(rank, 0.0)
@@ -669,7 +667,8 @@ class _Run:
         table = self.tables[rank]
         if position >= len(table) or not self.network.recv_ms:
             return now
-        receives = self.posts[rank][position]
+        # a message between two stages of the rank is handed over: nothing is posted for it
+        receives = [p for p in self.posts[rank][position] if table[p].peer != rank]
         if not receives:
             return now
         end = now + len(receives) * self.network.recv_ms
@@ -687,7 +686,7 @@ class _Run:
             return None
         action = table[self.position[rank]]
         if action.op.is_receive:
-            arrival = self.messages.get((action.op, action.index, action.peer or 0, rank))
+            arrival = self.messages.get(message_of(rank, action))
             return None if arrival is None else max(ready, arrival)
         return ready
 
@@ -719,10 +718,10 @@ class _Run:
     def _transfers_done(self, when: float) -> None:
         assert self.pool is not None
         for transfer in self.pool.complete(when):
-            key: tuple[Op, int, int, int] = transfer.key
+            key: Message = transfer.key
             self.messages[key] = when + self.network.latency_ms
             self.left[key] = when
-            self._wake(key[3])
+            self._wake(key[4])
             self._wake(key[2])  # its sender may wait to reclaim it
         self._schedule_pool()
 
@@ -742,21 +741,27 @@ class _Run:
             self.events.append(Event(rank, stage, "H", action.index, self.clock[rank], reclaimed))
         self._reclaim(rank)
         if op.is_receive:
-            key = (op, action.index, action.peer or 0, rank)
+            key = message_of(rank, action)
             del self.messages[key]
-            source, sent = self.stage_of[action.peer or 0], self.sent.pop(key)
-            message = MessageTime(source, stage, message_kind(op), sent, reclaimed, now)
+            assert action.peer_stage is not None
+            sent = self.sent.pop(key)
+            message = MessageTime(action.peer_stage, stage, message_kind(op), sent, reclaimed, now)
             self.message_times.append(message)  # reached the receive once sends were reclaimed
+        elif op.is_send and action.peer == rank:  # to another stage of the rank: handed over
+            key = message_of(rank, action)
+            self.sent[key] = self.messages[key] = now
         elif op.is_send:
             peer = action.peer or 0
+            peer_stage = action.peer_stage
+            assert peer_stage is not None
             link = (min(rank, peer), max(rank, peer))
             if op is Op.SEND_ACT:
-                size = _message_bytes(self.work, stage, self.stage_of[peer], gradient=False)
+                size = _message_bytes(self.work, stage, peer_stage, gradient=False)
             elif op is Op.SEND_GRAD:
-                size = _message_bytes(self.work, self.stage_of[peer], stage, gradient=True)
+                size = _message_bytes(self.work, peer_stage, stage, gradient=True)
             else:  # a tied parameter's gradient or new version
-                size = self.work[stage].tied_bytes[self.stage_of[peer]]
-            key = (MATCHING_RECEIVE[op], action.index, rank, peer)
+                size = self.work[stage].tied_bytes[peer_stage]
+            key = message_of(rank, action)
             self.unwaited[rank].append(key)
             self.sent[key] = now
             moved = size  # the bytes its transfer takes as long as
@@ -809,8 +814,8 @@ class _Run:
             if weights_done and action.index % self.spec.microbatches:
                 duration += work.accumulate_ms  # .grad holds the earlier ones
             if op is Op.UPDATE:
-                self.updates_done[rank] += 1  # this update creates version updates_done
-                if self.uses[rank].needs_copy(self.updates_done[rank]):
+                self.updates_done[rank, stage] += 1  # this update creates version updates_done
+                if self.uses[rank, stage].needs_copy(self.updates_done[rank, stage]):
                     duration += self.work[stage].copy_ms
             self.events.append(Event(rank, stage, op.value, action.index, now, now + duration))
             now += duration

@@ -22,7 +22,7 @@ SCHEDULES: dict[str, Schedule] = {
 """The schedules by name, in the order the docs list them."""
 
 PLANNED = tuple(name for name, s in SCHEDULES.items() if not s.not_planned)
-"""The schedules the planner and the simulator take today; the others
+"""The schedules the planner places stages for today; the others
 (:attr:`Schedule.not_planned` says why) run from hand-written plans."""
 
 

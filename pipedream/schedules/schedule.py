@@ -105,7 +105,7 @@ class Schedule:
 
     @property
     def not_planned(self) -> str:
-        """What the planner and the simulator cannot do yet for this schedule ("" if nothing)."""
+        """What the planner cannot do yet for this schedule ("" if nothing)."""
         if self.several_stages_per_rank:
             return "runs several stages per rank, which the planner does not place yet"
         return ""

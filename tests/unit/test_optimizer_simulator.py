@@ -458,8 +458,23 @@ def test_steady_window_spans_whole_cycles_of_the_second_half() -> None:
     assert steady_window(growing, margin=2, period=1) is None  # still a transient
 
 
-def test_several_stages_per_rank_are_not_simulated_yet() -> None:
-    stages = tuple(StagePlan(f"l{s}", f"l{s}", 1, (s % 2,)) for s in range(4))
-    plan = Plan("toy", "interleaved-1f1b", 1, 2, 2, stages)
-    with pytest.raises(PlanningError, match="several stages per rank.*nor does the simulator"):
-        simulate(plan, equal(4, 1.0, 2.0), FAST, num_minibatches=2)
+@pytest.mark.parametrize(
+    ("schedule", "placement", "m", "want"),
+    [
+        ("interleaved-1f1b", (0, 1, 0, 1), 4, (2 * 4 + 2 - 1) * 3.0),  # (v m + P - 1)(F + B)
+        ("interleaved-1f1b", (0, 1, 2, 0, 1, 2), 6, (2 * 6 + 3 - 1) * 3.0),
+        # 6 m F: a minibatch alone idles P - 1 units, but no rank waits for the others to
+        # finish one minibatch before it starts the next, and the V's fill hides its drain
+        ("zbv", (0, 1, 1, 0), 4, 6 * 4.0),
+        ("zbv", (0, 1, 2, 2, 1, 0), 6, 6 * 6.0),
+    ],
+)
+def test_several_stages_per_rank_take_their_formula(
+    schedule: str, placement: tuple[int, ...], m: int, want: float
+) -> None:
+    """F = 1, B = 2 (I = W = 1) per stage, free messages: a rank's own stages hand their
+    messages over at once, and a minibatch takes what the schedule's formula says."""
+    stages = tuple(StagePlan(f"l{s}", f"l{s}", 1, (r,)) for s, r in enumerate(placement))
+    plan = Plan("toy", schedule, 1, m, len(set(placement)), stages)
+    timeline = simulate(plan, equal(len(placement), 1.0, 2.0), FAST, num_minibatches=3)
+    assert timeline.time_per_minibatch_ms == pytest.approx(want)
