@@ -220,11 +220,8 @@ def format_report(timeline: Timeline, plan: Plan, drawn: str = "") -> str:
             f"plan's prediction ({plan.prediction.cost_model} cost model): {predicted:.3f} ms "
             f"(simulated / predicted = {ratio:.3f})"
         )
-    busy = [
-        f"{rank}: {100 * timeline.busy_fraction(rank):.0f}%"
-        for stage in plan.stages
-        for rank in stage.ranks
-    ]
+    ranks = dict.fromkeys(rank for stage in plan.stages for rank in stage.ranks)
+    busy = [f"{rank}: {100 * timeline.busy_fraction(rank):.0f}%" for rank in ranks]
     lines.append("busy share per rank (the rest is bubbles and waiting): " + ", ".join(busy))
     return "\n".join(lines)
 

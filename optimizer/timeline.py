@@ -60,7 +60,7 @@ def format_timeline(timeline: Timeline, plan: Plan, *, width: int = 64) -> str:
     for event in timeline.events:
         if event.end_ms > event.start_ms:
             by_rank.setdefault(event.rank, []).append(event)
-    stage_of = {rank: s for s, stage in enumerate(plan.stages) for rank in stage.ranks}
+    stage_of = _stages_of_ranks(plan)
     rows: dict[int, list[str]] = {}
     for rank in sorted(stage_of):
         events, cells, i = by_rank.get(rank, []), [], 0
@@ -98,9 +98,9 @@ def draw_timeline(timeline: Timeline, plan: Plan, path: str | os.PathLike[str]) 
             f"--png {path}: drawing needs matplotlib; install it with pip install -e '.[plot]' "
             "(or leave out --png for the text grid)"
         ) from None
-    ranks = [rank for stage in plan.stages for rank in stage.ranks]
+    ranks = list(dict.fromkeys(rank for stage in plan.stages for rank in stage.ranks))
     row = {rank: i for i, rank in enumerate(ranks)}
-    stage_of = {rank: s for s, stage in enumerate(plan.stages) for rank in stage.ranks}
+    stage_of = _stages_of_ranks(plan)
     figure, axes = plt.subplots(figsize=(12, 1.6 + 0.45 * len(ranks)))
     for kind, colour in COLOURS.items():
         events = [e for e in timeline.events if e.kind == kind and e.end_ms > e.start_ms]
@@ -145,7 +145,7 @@ def draw_timeline(timeline: Timeline, plan: Plan, path: str | os.PathLike[str]) 
         "R": "receives posted",
         "H": "waiting for sends",
     }
-    shown = {event.kind for event in timeline.events} | {"F", "B"}
+    shown = {event.kind for event in timeline.events}
     axes.legend(
         handles=[Patch(color=c, label=names[k]) for k, c in COLOURS.items() if k in shown],
         loc="upper center",
@@ -157,3 +157,10 @@ def draw_timeline(timeline: Timeline, plan: Plan, path: str | os.PathLike[str]) 
     figure.tight_layout()
     figure.savefig(os.fspath(path), dpi=110)
     plt.close(figure)
+
+
+def _stages_of_ranks(plan: Plan) -> dict[int, str]:
+    """Rank -> the stage it runs (``0``), or the stages (``0,3``) under interleaved and V
+    schedules."""
+    ranks = sorted({rank for stage in plan.stages for rank in stage.ranks})
+    return {rank: ",".join(str(s) for s in plan.stages_of_rank(rank)) for rank in ranks}

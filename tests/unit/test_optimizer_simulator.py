@@ -478,3 +478,6 @@ def test_several_stages_per_rank_take_their_formula(
     plan = Plan("toy", schedule, 1, m, len(set(placement)), stages)
     timeline = simulate(plan, equal(len(placement), 1.0, 2.0), FAST, num_minibatches=3)
     assert timeline.time_per_minibatch_ms == pytest.approx(want)
+    rows = format_timeline(timeline, plan).splitlines()[1:-1]
+    first = ",".join(str(s) for s, r in enumerate(placement) if r == 0)
+    assert len(rows) == len(set(placement)) and rows[0].lstrip().startswith(f"0 ({first}) |")
