@@ -1,9 +1,10 @@
 """Schedules as data, with no torch: everything pipedream knows about a pipeline schedule.
 
 A :class:`Schedule` record per schedule (``pipedream``, ``pipedream-vs``, ``2bw``, ``1f1b``,
-``gpipe``; :data:`SCHEDULES`) says its update rule and what the planner and the runtime need of
-it; :func:`build_tables` turns a :class:`PipelineSpec` (a plan's stages, replicas,
-microbatches, skip edges, tied parameters; :func:`spec_from_plan`) into one list of
+``gpipe``, ``interleaved-1f1b``, ``zb-h1``, ``zbv``; :data:`SCHEDULES`) says its update rule and
+what the planner and the runtime need of it; :func:`build_tables` turns a
+:class:`PipelineSpec` (a plan's stages, replicas, microbatches, skip edges, tied parameters;
+:func:`spec_from_plan`) into one list of
 :class:`Action` per rank, which the distributed executor, the single-process reference
 executor, the simulator and the profiler's overhead measurement all run;
 :func:`validate_tables` checks tables before anything runs; :func:`receives_posted_before` and

@@ -5,9 +5,11 @@ simulator need to know about a schedule: the order in which a stage replica runs
 and backwards (and where its minibatches close with an update), which weight version each
 forward uses (the update rule as data), whether the pipeline flushes, how many microbatches a
 minibatch may have, how many weight versions and microbatches' activations a stage keeps (the
-memory model). Each schedule is one module of this package that builds its record
-(``pipedream.py``, ``vertical_sync.py``, ``twobw.py``, ``onefoneb.py``, ``gpipe.py``) and the
-registry lists them; no code outside the package compares schedule names.
+memory model), and for schedules that order a rank's work as a whole, where its stages sit and
+whether backwards split. Each schedule is one module of this package that builds its record
+(``pipedream.py``, ``vertical_sync.py``, ``twobw.py``, ``onefoneb.py``, ``gpipe.py``,
+``interleaved_1f1b.py``, ``zero_bubble.py``) and the registry lists them; no code outside the
+package compares schedule names.
 """
 
 from __future__ import annotations
