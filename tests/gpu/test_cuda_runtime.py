@@ -99,7 +99,7 @@ def _rule(schedule: str, num_stages: int):
 
 @pytest.mark.parametrize(
     ("schedule", "num_stages", "m"),
-    [("pipedream", 3, 1), ("2bw", 2, 2), ("1f1b", 4, 3), ("gpipe", 2, 2)],
+    [("pipedream", 3, 1), ("2bw", 2, 2), ("1f1b", 4, 3), ("gpipe", 2, 2), ("zb-h1", 3, 4)],
 )
 def test_schedules_on_a_shared_gpu_equal_their_rules(
     tmp_path: Path, schedule: str, num_stages: int, m: int
