@@ -43,6 +43,7 @@ ARGS = {
     "seq": "256",
     "vocab": "256",
     "samples": "1024",
+    "lr": "1e-3",  # fixed here, so that the recorded losses stay comparable
 }
 MICROBATCH = 16
 

@@ -24,7 +24,12 @@ from collections.abc import Sequence
 
 from pipedream.schedules.actions import Op
 from pipedream.schedules.pipedream import latest_version
-from pipedream.schedules.schedule import CLOSE, RankEntry, Schedule, stage_order_of_rank_order
+from pipedream.schedules.schedule import (
+    RankEntry,
+    Schedule,
+    every_minibatch,
+    stage_order_of_rank_order,
+)
 from pipedream.schedules.spec import PipelineSpec
 
 __all__ = ["INTERLEAVED_1F1B", "looped_placement"]
@@ -62,23 +67,19 @@ def interleaved_rank_order(
     def microbatch(i: int) -> int:
         return (i // (ranks * chunks)) * ranks + i % ranks
 
-    order: list[RankEntry] = []
-    for k in minibatches:
+    def forward(i: int) -> tuple[Op, int, int]:
+        chunk = (i // ranks) % chunks
+        return (Op.FORWARD, chunk * ranks + rank, microbatch(i))
 
-        def forward(i: int, k: int = k) -> RankEntry:
-            chunk = (i // ranks) % chunks
-            return (Op.FORWARD, chunk * ranks + rank, k * m + microbatch(i))
+    def backward(i: int) -> tuple[Op, int, int]:
+        chunk = chunks - 1 - (i // ranks) % chunks
+        return (Op.BACKWARD, chunk * ranks + rank, microbatch(i))
 
-        def backward(i: int, k: int = k) -> RankEntry:
-            chunk = chunks - 1 - (i // ranks) % chunks
-            return (Op.BACKWARD, chunk * ranks + rank, k * m + microbatch(i))
-
-        order += [forward(i) for i in range(warmup)]
-        for i in range(total - warmup):
-            order += [forward(warmup + i), backward(i)]
-        order += [backward(i) for i in range(total - warmup, total)]
-        order += [(CLOSE, chunk * ranks + rank, k) for chunk in range(chunks)]
-    return order
+    one = [forward(i) for i in range(warmup)]
+    for i in range(total - warmup):
+        one += [forward(warmup + i), backward(i)]
+    one += [backward(i) for i in range(total - warmup, total)]
+    return every_minibatch(one, minibatches, m)
 
 
 INTERLEAVED_1F1B = Schedule(

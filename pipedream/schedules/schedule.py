@@ -27,6 +27,7 @@ __all__ = [
     "Schedule",
     "interleaved",
     "one_f_one_b",
+    "every_minibatch",
     "replica_minibatches",
     "stage_order_of_rank_order",
 ]
@@ -174,6 +175,19 @@ def interleaved(spec: PipelineSpec, minibatches: Sequence[int], warmup: int) -> 
         order.append((op, index))
         if op is Op.BACKWARD and index % m == m - 1:
             order.append((CLOSE, index // m))
+    return order
+
+
+def every_minibatch(
+    one: Sequence[tuple[Op, int, int]], minibatches: Sequence[int], microbatches: int
+) -> list[RankEntry]:
+    """A flushing rank order: ``one`` minibatch's ``(op, stage, microbatch)`` order repeated
+    for each of ``minibatches``, each closing every stage it ran at its end."""
+    stages = sorted({stage for _, stage, _ in one})
+    order: list[RankEntry] = []
+    for k in minibatches:
+        order += [(op, stage, k * microbatches + j) for op, stage, j in one]
+        order += [(CLOSE, stage, k) for stage in stages]
     return order
 
 

@@ -35,9 +35,9 @@ from pipedream.errors import ScheduleError
 from pipedream.schedules.actions import Op
 from pipedream.schedules.pipedream import latest_version
 from pipedream.schedules.schedule import (
-    CLOSE,
     RankEntry,
     Schedule,
+    every_minibatch,
     stage_order_of_rank_order,
 )
 from pipedream.schedules.spec import PipelineSpec
@@ -74,13 +74,8 @@ def zb_h1_stage_order(num_stages: int, stage: int, microbatches: int) -> list[tu
 
 def _zb_h1_order(spec: PipelineSpec, rank: int, minibatches: Sequence[int]) -> list[RankEntry]:
     (stage,) = spec.stages_of_rank(rank)
-    m = spec.microbatches
-    one = zb_h1_stage_order(spec.num_stages, stage, m)
-    order: list[RankEntry] = []
-    for k in minibatches:
-        order += [(op, stage, k * m + j) for op, j in one]
-        order.append((CLOSE, stage, k))
-    return order
+    one = zb_h1_stage_order(spec.num_stages, stage, spec.microbatches)
+    return every_minibatch([(op, stage, j) for op, j in one], minibatches, spec.microbatches)
 
 
 def zbv_rank_order(ranks: int, rank: int, microbatches: int) -> list[tuple[Op, int, int]]:
@@ -128,14 +123,8 @@ def zbv_rank_order(ranks: int, rank: int, microbatches: int) -> list[tuple[Op, i
 
 
 def _zbv_order(spec: PipelineSpec, rank: int, minibatches: Sequence[int]) -> list[RankEntry]:
-    m = spec.microbatches
-    one = zbv_rank_order(spec.world_size, rank, m)
-    stages = sorted({stage for _, stage, _ in one})
-    order: list[RankEntry] = []
-    for k in minibatches:
-        order += [(op, stage, k * m + j) for op, stage, j in one]
-        order += [(CLOSE, stage, k) for stage in stages]
-    return order
+    one = zbv_rank_order(spec.world_size, rank, spec.microbatches)
+    return every_minibatch(one, minibatches, spec.microbatches)
 
 
 def _zbv_problem(spec: PipelineSpec) -> str:

@@ -111,9 +111,10 @@ def test_bad_shapes_say_what_to_use() -> None:
         PipelineSpec("1f1b", ((0,), (1,), (0,), (1,)), 2, 1).validate()
 
 
-def test_only_one_stage_per_rank_schedules_reach_plans_and_the_planner() -> None:
+def test_the_planner_says_it_does_not_place_several_stages_per_rank() -> None:
     assert lookup("interleaved-1f1b").several_stages_per_rank
-    assert not lookup("1f1b").several_stages_per_rank
+    assert "several stages per rank" in lookup("interleaved-1f1b").not_planned
+    assert not lookup("1f1b").several_stages_per_rank and lookup("1f1b").not_planned == ""
 
 
 def _split(table: list[Action], index: int) -> list[Action]:
