@@ -90,6 +90,9 @@ class _Stashed:
 
     version: int
     inputs: list[Tensor]
+    live: bool = False
+    """The forward ran on the live parameters themselves (see :meth:`StageWorker._runs_live`):
+    its backward accumulates their gradients the way a plain ``loss.backward()`` does."""
     outputs: list[Tensor] = field(default_factory=list)
     params: dict[str, Tensor] = field(default_factory=dict)
     loss: Tensor | None = None
@@ -131,6 +134,8 @@ class StageWorker:
         """Per received input, whether its gradient goes back (None: every floating one)."""
         named = dict(self.module.named_parameters())
         self._copies = {name: named[name] for name in sorted(self.tied.copy_names)}
+        self._frozen = frozenset(name for name, p in named.items() if not p.requires_grad)
+        """Parameters the user froze (``requires_grad=False``): no gradient, no update."""
         trained = [p for name, p in named.items() if name not in self._copies]
         # a stage without parameters of its own (or only copies) has nothing to step
         self.optimizer = optimizer_factory(trained) if trained else None
@@ -138,7 +143,9 @@ class StageWorker:
         self._call = ParameterSwap(self.module)
         splits = any(a.op is Op.BACKWARD_INPUT and a.stage == config.stage for a in table)
         self._split = (
-            BackwardSplit(self.module, exclude=frozenset(self._copies)) if splits else None
+            BackwardSplit(self.module, exclude=frozenset(self._copies) | self._frozen)
+            if splits
+            else None
         )
         """Where the table splits backwards (I and W): which weights wait for W."""
         self.versions = WeightVersions(
@@ -166,9 +173,22 @@ class StageWorker:
         """Records the module outputs W starts from, where backwards are split."""
         return self._split.recording() if self._split is not None else contextlib.nullcontext()
 
-    def _run(self, params: dict[str, Tensor], inputs: list[Tensor]) -> list[Tensor]:
+    def _runs_live(self, version: int) -> bool:
+        """Whether a forward on ``version`` may run on the live parameters themselves.
+
+        It may when ``version`` aliases the live weights (no update comes before its last
+        use, so nothing modifies them under autograd), the stage holds no copies of tied
+        weights (their values are replaced between versions) and its backwards are not split.
+        That is every forward of the synchronous schedules and of a lone stage: they then
+        cost what a plain loop's do, with none of the per-parameter work of running on a
+        version (a detached alias per tensor, the swap, gradients added one by one).
+        """
+        return not self._copies and self._split is None and self.versions.aliases_live(version)
+
+    def _run(self, params: dict[str, Tensor] | None, inputs: list[Tensor]) -> list[Tensor]:
+        """The stage's outputs on ``params`` (None: on the live parameters)."""
         with self._autocast():
-            out = self._call(params, inputs)
+            out = self.module(*inputs) if params is None else self._call(params, inputs)
         outputs = list(out) if isinstance(out, (tuple, list)) else [out]
         # activations cross stages in fp32 so that receivers need not know the autocast policy
         return [o.float() if o.is_floating_point() else o for o in outputs]
@@ -179,7 +199,10 @@ class StageWorker:
         # a copy's value is replaced (never modified) by each new version: the detached alias
         # keeps the version this microbatch started with for its backward
         tensors = {**self.versions.get(version), **(self._copies if copies is None else copies)}
-        return {name: tensor.detach().requires_grad_(True) for name, tensor in tensors.items()}
+        return {
+            name: tensor.detach().requires_grad_(name not in self._frozen)
+            for name, tensor in tensors.items()
+        }
 
     def _inputs(self, microbatch: int, received: list[Tensor] | None) -> list[Tensor]:
         if self.config.is_first:
@@ -229,20 +252,23 @@ class StageWorker:
         """
         assert action.version is not None
         inputs = self._inputs(action.index, received)
-        stash = _Stashed(version=action.version, inputs=inputs)
+        live = self._runs_live(action.version)
+        stash = _Stashed(version=action.version, inputs=inputs, live=live)
         if self.config.recompute:
             # keep only the inputs; backward recomputes the forward on the same version
             stash.copies = {name: p.detach() for name, p in self._copies.items()}
+            params = None if live else {**self.versions.get(action.version), **stash.copies}
             with torch.no_grad():
-                outputs = self._run({**self.versions.get(action.version), **stash.copies}, inputs)
+                outputs = self._run(params, inputs)
                 if self.config.is_last:
                     loss = self._loss(action.index, outputs)
                     if action.index not in self.skipped:
                         self.losses[action.index] = loss
         else:
-            stash.params = self._leaf_params(action.version)
+            if not live:
+                stash.params = self._leaf_params(action.version)
             with self._recording() as record:
-                outputs = self._run(stash.params, inputs)
+                outputs = self._run(None if live else stash.params, inputs)
             stash.record = record
             stash.outputs = outputs
             if self.config.is_last:
@@ -263,9 +289,15 @@ class StageWorker:
         assert stash.version == action.version, (stash.version, action)
         roots, root_grads = self._roots(action.index, stash, grads)
         wrt_inputs = [t for t in stash.inputs if t.requires_grad]
-        wrt = wrt_inputs + list(stash.params.values())
+        if stash.live:
+            # autograd adds the weights' gradients to their .grad, the inputs' to theirs
+            if roots:
+                torch.autograd.backward(roots, root_grads)
+            return self._input_grads(stash.inputs, [t.grad for t in wrt_inputs])
+        trained = {n: t for n, t in stash.params.items() if n not in self._frozen}
+        wrt = wrt_inputs + list(trained.values())
         computed = self._grad(roots, wrt, root_grads, retain=False)
-        self._accumulate(dict(zip(stash.params, computed[len(wrt_inputs) :])))
+        self._accumulate(dict(zip(trained, computed[len(wrt_inputs) :])))
         return self._input_grads(stash.inputs, computed[: len(wrt_inputs)])
 
     def backward_input(self, action: Action, grads: Sequence[Tensor | None] | None) -> list[Tensor]:
@@ -279,7 +311,7 @@ class StageWorker:
         roots, root_grads = self._roots(action.index, stash, grads)
         outputs = self._split.deferred(stash.record or {})
         later = self._split.deferred_names(outputs)
-        now = [name for name in stash.params if name not in later]
+        now = [name for name in stash.params if name not in later and name not in self._frozen]
         wrt_inputs = [t for t in stash.inputs if t.requires_grad]
         flat_outputs = [t for tensors in outputs.values() for t in tensors]
         wrt = wrt_inputs + [stash.params[name] for name in now] + flat_outputs
@@ -307,9 +339,10 @@ class StageWorker:
         """What the backward of ``index`` starts from: the loss (last stage) or the outputs with
         their received gradients (recomputing the forward first, with ``--recompute``)."""
         if self.config.recompute:
-            stash.params = self._leaf_params(stash.version, stash.copies)
+            if not stash.live:
+                stash.params = self._leaf_params(stash.version, stash.copies)
             with self._recording() as record:
-                stash.outputs = self._run(stash.params, stash.inputs)
+                stash.outputs = self._run(None if stash.live else stash.params, stash.inputs)
             stash.record = record
             if self.config.is_last:
                 stash.loss = self._loss(index, stash.outputs)

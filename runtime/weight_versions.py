@@ -5,6 +5,8 @@ on them directly when an update could happen before its backward: it runs (throu
 :class:`~pipedream.runtime.parameter_swap.ParameterSwap`) on a *version*: a set of tensors that
 nothing modifies in place.
 The gradient with respect to those tensors is then added to the live parameters' ``.grad``.
+A forward whose version *is* the live weights (see below) may run on the live parameters
+themselves (:meth:`~pipedream.runtime.stage_worker.StageWorker._runs_live`), as a plain loop does.
 
 Which versions need a copy is known in advance from the action table: version ``v`` (the
 weights after ``v`` updates) can simply alias the live tensors if its last use comes before the
@@ -48,7 +50,7 @@ class WeightVersions:
         self.live_version = initial_version
         self._use = version_use(table, initial_version=initial_version, stage=stage)
         self._last_use = self._use.last_use
-        self._versions: dict[int, dict[str, Tensor]] = {}
+        self._versions: dict[int, dict[str, Tensor] | None] = {}  # None: an alias, made on use
         self._copied: set[int] = set()
         self._spare: list[dict[str, Tensor]] = []  # tensors of released copies, to reuse
         self.max_versions = 0
@@ -69,25 +71,38 @@ class WeightVersions:
                 self._versions[version] = {n: p.detach().clone() for n, p in self.params.items()}
             self._copied.add(version)
         else:
-            self._versions[version] = {n: p.detach() for n, p in self.params.items()}
+            self._versions[version] = None  # aliases the live tensors (see get)
         self.max_versions = max(self.max_versions, len(self._versions))
         self.max_copies = max(self.max_copies, len(self._copied))
+
+    def aliases_live(self, version: int) -> bool:
+        """Whether ``version`` is the live weights themselves (no copy), held until its last
+        use: nothing modifies them before then, so a forward may run on them directly."""
+        return (
+            version == self.live_version
+            and version in self._versions
+            and version not in self._copied
+        )
 
     def get(self, version: int) -> dict[str, Tensor]:
         """The tensors of ``version`` (read-only: never modify them in place)."""
         try:
-            return self._versions[version]
+            tensors = self._versions[version]
         except KeyError:
             raise AssertionError(
                 f"weight version {version} is not held (live {self.live_version}, held "
                 f"{sorted(self._versions)})"
             ) from None
+        if tensors is None:  # an alias: detached views of the live tensors, made once
+            tensors = self._versions[version] = {n: p.detach() for n, p in self.params.items()}
+        return tensors
 
     def release_before(self, position: int) -> None:
         """Drop versions whose last use is before ``position`` in the table."""
         for version in [v for v in self._versions if self._last_use[v] < position]:
             tensors = self._versions.pop(version)
             if version in self._copied:  # nothing refers to it any more: reuse its memory
+                assert tensors is not None
                 self._copied.discard(version)
                 self._spare.append(tensors)
 

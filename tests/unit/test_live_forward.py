@@ -1,0 +1,131 @@
+"""Forwards on the live parameters, and parameters the user froze.
+
+A forward whose weight version is the live weights themselves (nothing updates them before its
+backward) runs on the module's own parameters, as a plain loop does, and its backward lets
+autograd add the gradients to their ``.grad``. Forwards on a stashed version keep running on
+that version's tensors. Either way a parameter with ``requires_grad=False`` gets no gradient
+and never changes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from pipedream.data import MicrobatchStream
+from pipedream.runtime.reference_executor import run_reference
+from pipedream.runtime.routing import sequential_ios
+from pipedream.runtime.stage_worker import StageWorker, WorkerConfig
+from pipedream.schedules import PipelineSpec, build_tables
+
+LR = 0.1
+
+
+def _dataset() -> TensorDataset:
+    generator = torch.Generator().manual_seed(3)
+    return TensorDataset(
+        torch.randn(64, 4, generator=generator), torch.randn(64, 2, generator=generator)
+    )
+
+
+def _model(*, frozen_bias: bool = False) -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    if frozen_bias:
+        model[0].bias.requires_grad_(False)
+    return model
+
+
+def _workers(
+    model: nn.Sequential, schedule: str, stages: list[nn.Module], microbatches: int, steps: int
+) -> tuple[dict[int, StageWorker], list]:
+    spec = PipelineSpec(schedule, tuple((s,) for s in range(len(stages))), microbatches, steps)
+    tables = build_tables(spec)
+    workers = {
+        s: StageWorker(
+            WorkerConfig(stage=s, num_stages=len(stages), microbatches=microbatches),
+            module,
+            tables[s],
+            optimizer_factory=lambda params: torch.optim.SGD(params, lr=LR),
+            loss_fn=nn.functional.mse_loss,
+            data=MicrobatchStream(_dataset(), 4, 0),
+        )
+        for s, module in enumerate(stages)
+    }
+    return workers, tables
+
+
+def _forbid_swaps(worker: StageWorker) -> None:
+    def swap(*_: object) -> None:
+        raise AssertionError("this forward should run on the live parameters")
+
+    worker._call = swap  # type: ignore[assignment]
+
+
+def test_a_lone_stage_runs_on_its_live_parameters_and_equals_a_plain_loop() -> None:
+    model = _model()
+    want = _model()
+    workers, tables = _workers(model, "pipedream", [model], microbatches=1, steps=3)
+    _forbid_swaps(workers[0])
+    run_reference(tables, workers, sequential_ios(1))
+
+    data = MicrobatchStream(_dataset(), 4, 0)
+    optimizer = torch.optim.SGD(want.parameters(), lr=LR)
+    for step in range(3):
+        inputs, targets = data.microbatch(step)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(want(inputs), targets).backward()
+        optimizer.step()
+    for (name, got), expected in zip(model.state_dict().items(), want.state_dict().values()):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=name)
+
+
+def test_forwards_on_stashed_versions_run_on_the_stash() -> None:
+    """PipeDream over two stages: the first stage has two microbatches in flight, so every
+    backward of its comes after an update and every forward runs on a stashed version; the
+    last stage's backward follows its forward at once, so it runs on the live weights."""
+    model = _model()
+    workers, tables = _workers(model, "pipedream", [model[:2], model[2:]], 1, steps=4)
+    live: dict[int, list[bool]] = {0: [], 1: []}
+    for stage, worker in workers.items():
+        decide = worker._runs_live
+
+        def record(version: int, stage: int = stage, decide=decide) -> bool:
+            live[stage].append(decide(version))
+            return live[stage][-1]
+
+        worker._runs_live = record  # type: ignore[method-assign]
+    _forbid_swaps(workers[1])
+    run_reference(tables, workers, sequential_ios(2))
+    assert live == {0: [False] * 4, 1: [True] * 4}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "pipedream"])
+def test_a_frozen_parameter_gets_no_gradient_and_never_changes(schedule: str) -> None:
+    model = _model(frozen_bias=True)
+    frozen = model[0].bias.detach().clone()
+    before = model[0].weight.detach().clone()
+    workers, tables = _workers(model, schedule, [model[:2], model[2:]], 1, steps=4)
+    run_reference(tables, workers, sequential_ios(2))
+    assert torch.equal(model[0].bias, frozen)
+    assert model[0].bias.grad is None
+    assert not torch.equal(model[0].weight, before)  # the rest of the stage trained
+
+
+def test_a_frozen_parameter_under_the_synchronous_rule_equals_a_plain_loop() -> None:
+    model, want = _model(frozen_bias=True), _model(frozen_bias=True)
+    workers, tables = _workers(model, "1f1b", [model[:2], model[2:]], 2, steps=3)
+    run_reference(tables, workers, sequential_ios(2))
+
+    data = MicrobatchStream(_dataset(), 4, 0)
+    optimizer = torch.optim.SGD([p for p in want.parameters() if p.requires_grad], lr=LR)
+    for step in range(3):
+        optimizer.zero_grad()
+        for index in (2 * step, 2 * step + 1):
+            inputs, targets = data.microbatch(index)
+            (nn.functional.mse_loss(want(inputs), targets) / 2).backward()
+        optimizer.step()
+    for (name, got), expected in zip(model.state_dict().items(), want.state_dict().values()):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7, msg=name)
