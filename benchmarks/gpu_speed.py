@@ -12,7 +12,12 @@ table with the ratio of the two, each side's loss after the last step and how fa
 their losses were at any step (the curves go to ``--out``'s ``.json`` beside it). No
 assertions: speed is measured, not tested.
 
-    python benchmarks/gpu_speed.py [--steps 40] [--warmup 10] [--out FILE.md]
+A bf16 step of this model is bound by the host's kernel launches, so its time depends on where
+the host threads run: unpinned on a 16-core host the same loop took anywhere from 24 to 39 ms
+per step from one process to the next. Both sides therefore run on the same ``--cpus`` cores
+(default: one), this process pinned to them and the torchrun processes inheriting it.
+
+    python benchmarks/gpu_speed.py [--steps 40] [--warmup 10] [--cpus 1] [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -125,14 +130,27 @@ def one_stage(
     return per_step, [line["loss"] for line in lines], summary["ranks"][0]["busy_fraction"]
 
 
+def pin_to(count: int) -> str:
+    """Pin this process (and what it starts) to the first ``count`` cores it may use."""
+    available = sorted(os.sched_getaffinity(0))
+    if not 1 <= count <= len(available):
+        raise SystemExit(f"gpu_speed.py: --cpus {count}: this process may use {len(available)}")
+    chosen = available[:count]
+    os.sched_setaffinity(0, chosen)
+    torch.set_num_threads(count)
+    return ",".join(map(str, chosen))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--cpus", type=int, default=1, help="cores both sides run on")
     parser.add_argument("--out", type=Path, default=None, help="also write the table here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("gpu_speed.py: no CUDA GPU here")
+    cpus = pin_to(args.cpus)
     rows = []
     curves: dict[str, dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory() as folder:
@@ -151,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         [
             f"gpt 12x768, seq 256, vocab 256, microbatch {MICROBATCH}, Adam; {args.warmup} "
             f"warm-up + {args.steps} timed steps on {torch.cuda.get_device_name()} "
-            f"(torch {torch.__version__})",
+            f"(torch {torch.__version__}); both sides on cores {cpus}",
             "",
             "| precision | plain loop ms/step | one stage ms/step | stage / plain "
             "| plain loss | stage loss | largest loss gap | stage busy |",
