@@ -12,24 +12,10 @@ at a time::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from pipedream.schedules.pipedream import latest_version
-from pipedream.schedules.schedule import CLOSE, OrderEntry, Schedule, one_f_one_b
-from pipedream.schedules.spec import PipelineSpec
+from pipedream.schedules.schedule import Schedule, flushed_one_f_one_b
 
 __all__ = ["ONE_F_ONE_B"]
-
-
-def flushed_one_f_one_b(
-    spec: PipelineSpec, stage: int, minibatches: Sequence[int]
-) -> list[OrderEntry]:
-    m = spec.microbatches
-    order: list[OrderEntry] = []
-    for k in minibatches:
-        order.extend(one_f_one_b([k * m + j for j in range(m)], spec.num_stages - 1 - stage))
-        order.append((CLOSE, k))
-    return order
 
 
 ONE_F_ONE_B = Schedule(

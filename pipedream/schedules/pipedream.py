@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from fractions import Fraction
 
-from pipedream.schedules.schedule import OrderEntry, Schedule, interleaved
+from pipedream.schedules.schedule import OrderEntry, Schedule, flushed_one_f_one_b, interleaved
 from pipedream.schedules.spec import PipelineSpec, warmup_depth
 
 __all__ = ["PIPEDREAM", "asynchronous_order"]
@@ -26,8 +26,16 @@ def asynchronous_order(
     spec: PipelineSpec, stage: int, minibatches: Sequence[int]
 ) -> list[OrderEntry]:
     """1F1B across minibatches with PipeDream's warm-up (``S - 1 - s`` forwards when a
-    minibatch has several microbatches)."""
+    minibatch has several microbatches).
+
+    A replicated stage with several microbatches per minibatch finishes each of its
+    minibatches before it starts the next: a replica gets every ``r``-th minibatch, and the
+    stage before it feeds the minibatches in between first, which it can only do once this
+    replica's backwards of the current minibatch have come back to it (carrying the warm-up
+    over the boundary would wait for a forward that waits for it: a deadlock)."""
     m = spec.microbatches
+    if m > 1 and spec.replicas(stage) > 1:
+        return flushed_one_f_one_b(spec, stage, minibatches)
     warmup = warmup_depth(spec, stage) if m == 1 else spec.num_stages - 1 - stage
     return interleaved(spec, minibatches, warmup)
 

@@ -28,6 +28,7 @@ __all__ = [
     "interleaved",
     "one_f_one_b",
     "every_minibatch",
+    "flushed_one_f_one_b",
     "replica_minibatches",
     "stage_order_of_rank_order",
 ]
@@ -106,13 +107,6 @@ class Schedule:
         """Whether stages may have replicas (schedules that order whole ranks do not, yet)."""
         return self.rank_order is None
 
-    @property
-    def not_planned(self) -> str:
-        """What the planner cannot do yet for this schedule ("" if nothing)."""
-        if self.several_stages_per_rank:
-            return "runs several stages per rank, which the planner does not place yet"
-        return ""
-
     def drain_slots(self, num_stages: int) -> float:
         """Idle slots per minibatch in the planner's formula (the fill and drain bubble)."""
         if self.bubble_slots is not None:
@@ -162,6 +156,19 @@ def one_f_one_b(items: Sequence[int], warmup: int) -> list[OrderEntry]:
         order.append((Op.BACKWARD, items[i - warmup]))
     for i in range(max(len(items) - warmup, 0), len(items)):
         order.append((Op.BACKWARD, items[i]))
+    return order
+
+
+def flushed_one_f_one_b(
+    spec: PipelineSpec, stage: int, minibatches: Sequence[int]
+) -> list[OrderEntry]:
+    """1F1B within each minibatch (``S - 1 - s`` forwards of warm-up), drained before the
+    next one starts."""
+    m = spec.microbatches
+    order: list[OrderEntry] = []
+    for k in minibatches:
+        order.extend(one_f_one_b([k * m + j for j in range(m)], spec.num_stages - 1 - stage))
+        order.append((CLOSE, k))
     return order
 
 

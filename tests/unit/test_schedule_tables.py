@@ -104,6 +104,19 @@ def test_replicated_tables_valid(shape: tuple[int, ...], schedule: str) -> None:
         validate_tables(spec, build_tables(spec))
 
 
+@pytest.mark.parametrize("shape", [(1, 2, 1), (1, 3, 2), (2, 1), (1, 2), (2, 2), (3, 1)])
+def test_2bw_replicated_tables_run(shape: tuple[int, ...]) -> None:
+    """A replica drains each of its minibatches: carried over, its warm-up waited for a forward
+    the stage before sends only after this replica's backwards (a deadlock for 1, 2, 1)."""
+    ranks, first = [], 0
+    for count in shape:
+        ranks.append(tuple(range(first, first + count)))
+        first += count
+    for m in (len(shape), 8):
+        spec = PipelineSpec("2bw", tuple(ranks), m, 12)
+        validate_tables(spec, build_tables(spec))
+
+
 def test_action_string_round_trip() -> None:
     for text in ("1F3", "0B12", "2U0", "1RF3", "1SB4", "3A7"):
         assert str(parse_action(text)) == text
