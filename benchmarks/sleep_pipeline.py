@@ -131,7 +131,7 @@ def cases(stages: list[int], sizes: list[str]) -> list[Case]:
     for size in sizes:
         for s in stages:
             for name, schedule in SCHEDULES.items():
-                if schedule.not_planned or schedule.splits_backward:  # zero_bubble.py's
+                if schedule.several_stages_per_rank or schedule.splits_backward:  # zero_bubble.py's
                     continue
                 counts = (1,) if schedule.one_microbatch else (8, 16)
                 out += [Case(size, s, name, m) for m in counts]

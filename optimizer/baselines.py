@@ -20,9 +20,15 @@ from dataclasses import dataclass
 
 from pipedream.optimizer.cost_model import minibatch_ms
 from pipedream.optimizer.memory import MemoryModel
-from pipedream.optimizer.planner import data_parallel_tree
 from pipedream.optimizer.search import Request, solve_schedule
-from pipedream.optimizer.tree import Cluster, Node, Tree, TreeEvaluation, evaluate_tree
+from pipedream.optimizer.tree import (
+    Cluster,
+    Node,
+    Tree,
+    TreeEvaluation,
+    data_parallel_tree,
+    evaluate_tree,
+)
 from pipedream.schedules import lookup
 
 __all__ = [

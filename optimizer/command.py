@@ -90,6 +90,7 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
         memory=memory,
         cost_model=args.cost_model,
         use_fewer_workers=bool(getattr(args, "fewer_workers", False)),
+        virtual_stages=getattr(args, "virtual_stages", None),
     )
 
 
@@ -117,11 +118,18 @@ def run(args: argparse.Namespace) -> int:
     _note_fewer(result, profile, topology, options)
     if args.compare:
         request = Request(LayerCosts.from_profile(profile), topology, options.cost_model)
-        found = baselines(request, cluster=result.cluster, schedule=plan.schedule)
+        # the baselines give every stage its own workers: a placed schedule's are 1f1b's
+        placed = lookup(plan.schedule).several_stages_per_rank
+        under = "1f1b" if placed else plan.schedule
+        found = baselines(request, cluster=result.cluster, schedule=under)
         print()
         print(
             format_comparison(
-                result, found, microbatch_size=profile.microbatch_size, memory_limit=limit
+                result,
+                found,
+                microbatch_size=profile.microbatch_size,
+                memory_limit=limit,
+                baseline_schedule=under if placed else None,
             )
         )
     print(f"wrote {args.output}")

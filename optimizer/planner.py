@@ -24,6 +24,7 @@ replicas stay inside the innermost unit when the tree puts them there), and the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from pipedream.errors import PlanningError
@@ -37,16 +38,26 @@ from pipedream.optimizer.cost_model import (
     minibatch_ms,
 )
 from pipedream.optimizer.memory import MemoryModel
+from pipedream.optimizer.placed import PLACED, placed_candidates, plan_placed
 from pipedream.optimizer.search import (
+    AUTO_MICROBATCHES,
     Outcome,
     Request,
     rank_outcomes,
     solve_auto,
     solve_schedule,
 )
-from pipedream.optimizer.tree import Cluster, Node, Tree, TreeEvaluation, evaluate_tree, leaf_ranks
+from pipedream.optimizer.table_memory import worker_memory
+from pipedream.optimizer.tree import (
+    Cluster,
+    Tree,
+    TreeEvaluation,
+    data_parallel_tree,
+    evaluate_tree,
+    leaf_ranks,
+)
 from pipedream.optimizer.verify import needs_simulation, simulated_ms
-from pipedream.schedules import PLANNED, SCHEDULES, lookup
+from pipedream.schedules import SCHEDULES, lookup
 
 __all__ = [
     "AUTO",
@@ -79,6 +90,9 @@ class PlanOptions:
     use_fewer_workers: bool = False
     """Allow a plan with fewer workers than the cluster has when it is no slower (the
     original's ``--use_fewer_machines``); off, every worker is used, as in the original."""
+    virtual_stages: int | None = None
+    """Stages per worker for ``interleaved-1f1b`` (None: the fastest of
+    :data:`~pipedream.optimizer.placed.VIRTUAL_STAGES_TRIED`; ``auto`` tries 2)."""
 
 
 @dataclass(frozen=True)
@@ -98,13 +112,19 @@ class PlanResult:
 
 
 def _check_options(options: PlanOptions) -> None:
-    if options.schedule not in (*PLANNED, AUTO):
-        what = (
-            f"schedule {options.schedule!r} {SCHEDULES[options.schedule].not_planned}"
-            if options.schedule in SCHEDULES
-            else f"unknown schedule {options.schedule!r}"
+    if options.schedule not in (*SCHEDULES, AUTO):
+        raise PlanningError(
+            f"unknown schedule {options.schedule!r}; use one of {', '.join(SCHEDULES)} or auto"
         )
-        raise PlanningError(f"{what}; use one of {', '.join(PLANNED)} or auto")
+    if options.virtual_stages is not None and options.schedule not in (
+        "interleaved-1f1b",
+        "zbv",
+        AUTO,
+    ):
+        raise PlanningError(
+            f"--virtual-stages {options.virtual_stages} with schedule {options.schedule!r}: "
+            "only interleaved-1f1b (and zbv, always 2) run several stages per worker"
+        )
     if options.cost_model not in COST_MODELS:
         raise PlanningError(
             f"unknown cost model {options.cost_model!r}; use one of {', '.join(COST_MODELS)}"
@@ -136,12 +156,31 @@ def plan_profile(profile: Profile, *, topology: Topology, options: PlanOptions) 
     )
     candidates: tuple[Outcome, ...] = ()
     simulated_auto = False
+    if options.schedule in PLACED:
+        placed = plan_placed(
+            profile,
+            topology,
+            schedule=options.schedule,
+            microbatches=options.microbatches,
+            virtual_stages=options.virtual_stages,
+            memory_limit=request.memory_limit,
+            cost_model=options.cost_model,
+        )
+        return PlanResult(placed.plan, placed.tree, placed.cluster, placed.evaluation)
     if options.schedule == AUTO:
         found = solve_auto(request, microbatches=options.microbatches)
-        checked = _simulated_outcomes(found, profile, topology)
+        placed_found = _placed_outcomes(profile, topology, options, request.memory_limit)
+        checked = _simulated_outcomes(found, profile, topology, force=bool(placed_found))
         simulated_auto = checked is not found
-        candidates = tuple(rank_outcomes(checked))
+        if not simulated_auto:  # too big to simulate: the closed forms alone compare
+            placed_found = []
+        candidates = tuple(rank_outcomes(checked + placed_found))
         outcome = candidates[0]
+        if outcome.placed is not None:
+            chosen = outcome.placed
+            return PlanResult(
+                chosen.plan, chosen.tree, chosen.cluster, chosen.evaluation, candidates
+            )
     else:
         outcome = solve_schedule(
             request, schedule=options.schedule, microbatches=options.microbatches
@@ -175,12 +214,49 @@ def plan_profile(profile: Profile, *, topology: Topology, options: PlanOptions) 
     return PlanResult(plan, tree, outcome.cluster, evaluation, candidates)
 
 
+def _placed_outcomes(
+    profile: Profile, topology: Topology, options: PlanOptions, memory_limit: float | None
+) -> list[Outcome]:
+    """``--schedule auto``'s candidates among the schedules that run several stages per
+    worker: each for every number of microbatches tried (interleaved-1f1b with 2 stages per
+    worker unless ``--virtual-stages`` says otherwise), simulated."""
+    workers = topology.num_workers
+    out = []
+    for schedule in PLACED:
+        for m in (options.microbatches,) if options.microbatches else AUTO_MICROBATCHES:
+            if schedule == "interleaved-1f1b" and m % workers:
+                continue  # it needs a multiple of the workers
+            per_worker = options.virtual_stages or 2
+            try:
+                found, problem = placed_candidates(
+                    profile,
+                    topology,
+                    schedule=schedule,
+                    microbatches=m,
+                    virtual_stages=per_worker if schedule == "interleaved-1f1b" else None,
+                    memory_limit=memory_limit,
+                    cost_model=options.cost_model,
+                )
+            except PlanningError as error:
+                found, problem = [], str(error)
+            cluster = Cluster.from_topology(topology, cost_model=options.cost_model, microbatches=m)
+            if not found:
+                out.append(Outcome(schedule, m, cluster, None, math.inf, problem))
+                continue
+            best = found[0]
+            assert best.plan.prediction is not None
+            time_ms = best.plan.prediction.time_per_minibatch_ms
+            out.append(Outcome(schedule, m, best.cluster, best.tree, time_ms, placed=best))
+    return out
+
+
 def _simulated_outcomes(
-    outcomes: list[Outcome], profile: Profile, topology: Topology
+    outcomes: list[Outcome], profile: Profile, topology: Topology, *, force: bool = False
 ) -> list[Outcome]:
     """``--schedule auto``'s candidates, all with simulated times when one of them needs
-    simulation (so that every candidate is charged the same costs: updates, the runtime's cost
-    per action, weight copies), else as they are; also as they are when one is too big."""
+    simulation (or ``force``: the placed schedules' candidates are simulated) so that every
+    candidate is charged the same costs (updates, the runtime's cost per action, weight
+    copies), else as they are; also as they are when one is too big."""
     plans = {
         id(outcome): build_plan(
             profile, tree=outcome.tree, cluster=outcome.cluster, schedule=outcome.schedule
@@ -188,7 +264,7 @@ def _simulated_outcomes(
         for outcome in outcomes
         if outcome.tree is not None
     }
-    if not any(needs_simulation(plan) for plan in plans.values()):
+    if not force and not any(needs_simulation(plan) for plan in plans.values()):
         return outcomes
     out = []
     for outcome in outcomes:
@@ -255,16 +331,6 @@ def make_plan(profile: Profile, *, topology: Topology, options: PlanOptions) -> 
     return plan_profile(profile, topology=topology, options=options).plan
 
 
-def data_parallel_tree(cluster: Cluster, num_layers: int) -> Tree:
-    """Every worker runs the whole model: one stage on every level, all units."""
-    node: Node | None = None
-    for level in range(cluster.num_levels):
-        inner = () if node is None else (node,)
-        node = Node(0, num_layers - 1, cluster.workers[level], inner)
-    assert node is not None
-    return (node,)
-
-
 def build_plan(
     profile: Profile, *, tree: Tree, cluster: Cluster, schedule: str
 ) -> tuple[Plan, TreeEvaluation]:
@@ -311,4 +377,11 @@ def build_plan(
         layers=tuple(names),
         prediction=prediction,
     )
+    if lookup(schedule).splits_backward:  # the tables say what the closed form bounds
+        memory_of = worker_memory(plan, costs, [(leaf.first, leaf.last) for leaf in leaves])
+        exact = tuple(memory_of[stage.ranks[0]] for stage in stages)
+        evaluation = TreeEvaluation(
+            tuple(replace(leaf, memory_bytes=b) for leaf, b in zip(leaves, exact))
+        )
+        plan = replace(plan, prediction=replace(prediction, memory_bytes=exact))
     return plan, evaluation

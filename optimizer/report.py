@@ -87,12 +87,7 @@ def format_summary(
         f"-> {prediction.throughput_samples_per_s:.1f} samples/s "
         f"(bottleneck: stage {prediction.bottleneck}"
         + (
-            (
-                "; simulated: the formula does not know how the backward splits)"
-                if lookup(plan.schedule).splits_backward
-                else "; simulated: the formula is not exact for replicated stages with several "
-                "microbatches per minibatch)"
-            )
+            f"; simulated: {_why_simulated(plan.schedule)})"
             if prediction.method == "simulated"
             else ")"
         ),
@@ -108,6 +103,16 @@ def format_summary(
             "flight)"
         )
     return "\n".join(lines)
+
+
+def _why_simulated(schedule: str) -> str:
+    """Why the plan's time is simulated rather than the formula's."""
+    record = lookup(schedule)
+    if record.several_stages_per_rank:
+        return "each worker runs several stages, in the order the schedule interleaves them"
+    if record.splits_backward:
+        return "the formula does not know how the backward splits"
+    return "the formula is not exact for replicated stages with several microbatches per minibatch"
 
 
 def _tied_lines(result: PlanResult, profile: Profile) -> list[str]:
@@ -167,8 +172,10 @@ def format_comparison(
     *,
     microbatch_size: int,
     memory_limit: float | None,
+    baseline_schedule: str | None = None,
 ) -> str:
-    """The plan next to the baselines (same schedule, microbatches and cost model)."""
+    """The plan next to the baselines (same microbatches and cost model; same schedule unless
+    ``baseline_schedule`` names the one the baselines ran under)."""
     plan = result.plan
     assert plan.prediction is not None
     mine = plan.prediction.time_per_minibatch_ms
@@ -180,6 +187,7 @@ def format_comparison(
             rows.append([entry.name, "-", "-", "-", "-", "-", f"n/a: {entry.note[:50]}"])
             continue
         leaves = entry.evaluation.leaves
+        workers = plan.world_size if entry is own else sum(leaf.replicas for leaf in leaves)
         shape = "-".join(str(leaf.replicas) for leaf in leaves)
         if len(shape) > 24:
             shape = shape[:21] + "..."
@@ -188,7 +196,7 @@ def format_comparison(
         rows.append(
             [
                 entry.name,
-                str(sum(leaf.replicas for leaf in leaves)),
+                str(workers),
                 f"{len(leaves)} ({shape})",
                 f"{entry.time_per_minibatch_ms:.3f}",
                 f"{samples * 1e3 / entry.time_per_minibatch_ms:.1f}",
@@ -205,8 +213,13 @@ def format_comparison(
         "max memory/worker",
         "time vs optimizer",
     ]
+    under = (
+        f"baselines under {baseline_schedule}, the same update rule with one stage per worker"
+        if baseline_schedule
+        else f"schedule {plan.schedule}"
+    )
     title = (
-        f"comparison (schedule {plan.schedule}, {plan.microbatches} microbatches, cost model "
+        f"comparison ({under}, {plan.microbatches} microbatches, cost model "
         f"{plan.prediction.cost_model}; baselines ignore the memory limit):"
     )
     return "\n".join([title, *table(header, rows)])

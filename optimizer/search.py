@@ -14,8 +14,9 @@ Default ``m`` (no ``--microbatches``) for 2bw, 1f1b and gpipe is ``max(4, S)``: 
 and if the answer has more stages, solve again with ``m = S`` (a larger ``m`` only shares the
 allreduce more), keeping ``m >= S`` in the end.
 
-``auto`` solves pipedream, pipedream-vs (``m = 1``) and 2bw, 1f1b, gpipe for every ``m`` in
-``--microbatches`` if given, else :data:`AUTO_MICROBATCHES`, and keeps the highest predicted
+``auto`` solves pipedream, pipedream-vs (``m = 1``) and 2bw, 1f1b, gpipe, zb-h1 for every ``m``
+in ``--microbatches`` if given, else :data:`AUTO_MICROBATCHES` (the planner adds
+interleaved-1f1b and zbv, :mod:`~pipedream.optimizer.placed`), and keeps the highest predicted
 throughput (samples per second) that fits; ties go to the schedules' ``auto_rank``
 (:data:`AUTO_ORDER`: synchronous semantics first), then to fewer microbatches. Larger
 minibatches amortise the flush and the allreduce, so ``auto`` tends to the largest ``m`` that
@@ -27,14 +28,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pipedream.errors import PlanningError
+from pipedream.errors import PlanningError, ScheduleError
 from pipedream.formats.topology import Topology
 from pipedream.formats.units import format_bytes
 from pipedream.optimizer.cost_model import LayerCosts, minibatch_ms
 from pipedream.optimizer.hierarchy import Solution, solve_cluster
 from pipedream.optimizer.memory import MemoryModel
-from pipedream.optimizer.tree import Cluster, Tree, evaluate_tree
-from pipedream.schedules import PLANNED, SCHEDULES, lookup
+from pipedream.optimizer.placed import PlacedPlan
+from pipedream.optimizer.tree import Cluster, Tree, evaluate_tree, leaf_ranks
+from pipedream.schedules import (
+    SCHEDULES,
+    VALIDATION_MINIBATCHES,
+    PipelineSpec,
+    build_tables,
+    lookup,
+    validate_tables,
+)
 
 __all__ = [
     "AUTO_MICROBATCHES",
@@ -45,13 +54,14 @@ __all__ = [
     "rank_outcomes",
     "solve_auto",
     "solve_schedule",
+    "tables_run",
 ]
 
 DEFAULT_SYNC_MICROBATCHES = 4
 """Smallest default number of microbatches for 2bw, 1f1b and gpipe."""
 AUTO_MICROBATCHES = (2, 4, 8, 16, 32)
 """Microbatches per minibatch that ``--schedule auto`` tries for 2bw, 1f1b and gpipe."""
-AUTO_ORDER = tuple(sorted(PLANNED, key=lambda name: SCHEDULES[name].auto_rank))
+AUTO_ORDER = tuple(sorted(SCHEDULES, key=lambda name: SCHEDULES[name].auto_rank))
 """Preference among equally fast schedules: exact (synchronous) semantics first."""
 
 
@@ -89,6 +99,9 @@ class Outcome:
     """Predicted time per minibatch (``inf`` when infeasible)."""
     problem: str = ""
     """Why nothing is feasible (a sentence with the fix)."""
+    placed: PlacedPlan | None = None
+    """A schedule that runs several stages per rank: its finished plan
+    (:mod:`~pipedream.optimizer.placed`; the dynamic program does not plan these)."""
 
     @property
     def microbatches_per_ms(self) -> float:
@@ -96,8 +109,12 @@ class Outcome:
         return self.microbatches / self.time_per_minibatch_ms
 
 
+def _cluster(request: Request, m: int) -> Cluster:
+    return Cluster.from_topology(request.topology, cost_model=request.cost_model, microbatches=m)
+
+
 def _solve(request: Request, schedule: str, m: int, counted: bool) -> dict[int, Solution]:
-    cluster = Cluster.from_topology(request.topology, cost_model=request.cost_model, microbatches=m)
+    cluster = _cluster(request, m)
     return solve_cluster(
         request.costs,
         cluster,
@@ -109,10 +126,40 @@ def _solve(request: Request, schedule: str, m: int, counted: bool) -> dict[int, 
     )
 
 
-def _pick(schedule: str, m: int, found: dict[int, Solution]) -> Solution | None:
-    """The best solution for ``schedule`` among per-count (or overall) solutions."""
+def tables_run(schedule: str, m: int, tree: Tree, cluster: Cluster) -> bool:
+    """Whether the action tables of ``tree`` under ``schedule`` run to the end.
+
+    Only an asynchronous schedule with several microbatches per minibatch (``2bw``) and
+    replicated stages can fail: a stage that carries its 1F1B warm-up across minibatches may
+    wait for a forward that a replica's allreduce holds back (say replicas 2, 1, 3, 1). The
+    planner does not offer such a plan; the others need no check.
+    """
+    ranks = leaf_ranks(tree, cluster=cluster)
+    record = lookup(schedule)
+    if not record.asynchronous or m == 1 or all(len(r) == 1 for r in ranks):
+        return True
+    multiple = math.lcm(*(len(r) for r in ranks))
+    count = multiple * math.ceil(max(VALIDATION_MINIBATCHES, 4 * cluster.num_workers) / multiple)
+    spec = PipelineSpec(schedule, ranks, m, count)
+    try:
+        validate_tables(spec, build_tables(spec))
+    except ScheduleError:
+        return False
+    return True
+
+
+def _pick(
+    schedule: str, m: int, found: dict[int, Solution], cluster: Cluster, *, check: bool = True
+) -> Solution | None:
+    """The best solution for ``schedule`` among per-count (or overall) solutions whose tables
+    run (:func:`tables_run`; ``check`` False: whether they run or not)."""
     capped = lookup(schedule).microbatches_at_least_stages
-    options = [s for count, s in found.items() if not (capped and count and count > m)]
+    options = [
+        s
+        for count, s in found.items()
+        if not (capped and count and count > m)
+        and (not check or tables_run(schedule, m, s.tree, cluster))
+    ]
     if not options:
         return None
     return min(
@@ -129,18 +176,36 @@ def solve_schedule(request: Request, *, schedule: str, microbatches: int | None)
     record = lookup(schedule)
     counted = record.flushes or (record.microbatches_at_least_stages and microbatches is not None)
     m = microbatches or (1 if record.one_microbatch else DEFAULT_SYNC_MICROBATCHES)
-    best = _pick(schedule, m, _solve(request, schedule, m, counted))
+
+    def pick(m: int) -> Solution | None:
+        best = _pick(schedule, m, _solve(request, schedule, m, counted), _cluster(request, m))
+        if best is None and not counted:  # the best overall may not run: per stage count
+            best = _pick(schedule, m, _solve(request, schedule, m, True), _cluster(request, m))
+        return best
+
+    best = pick(m)
     if microbatches is None and not record.one_microbatch:
         for _ in range(3):
             if best is None or best.num_stages <= m:
                 break
             m = best.num_stages
-            best = _pick(schedule, m, _solve(request, schedule, m, counted))
+            best = pick(m)
         if best is not None and best.num_stages > m:  # did not settle: keep it, raise m
             m = best.num_stages
+            if not tables_run(schedule, m, best.tree, _cluster(request, m)):
+                best = pick(m)
     cluster = Cluster.from_topology(request.topology, cost_model=request.cost_model, microbatches=m)
     if best is None:
-        return Outcome(schedule, m, cluster, None, math.inf, _why_infeasible(request, schedule, m))
+        found = _solve(request, schedule, m, True)
+        if _pick(schedule, m, found, cluster, check=False) is not None:
+            problem = (
+                f"schedule {schedule} with {m} microbatches: every plan found replicates stages "
+                "in a way its tables cannot run (a replica's allreduce holds back a forward that "
+                "another stage waits for); use --straight, or another schedule"
+            )
+        else:
+            problem = _why_infeasible(request, schedule, m)
+        return Outcome(schedule, m, cluster, None, math.inf, problem)
     # the tree's value under the final m (raising m only shares the allreduce more)
     evaluation = evaluate_tree(request.costs, best.tree, cluster=cluster)
     time_ms = minibatch_ms(
@@ -183,17 +248,19 @@ def _why_infeasible(request: Request, schedule: str, m: int) -> str:
 
 
 def solve_auto(request: Request, *, microbatches: int | None) -> list[Outcome]:
-    """Every candidate of ``--schedule auto``, best first (infeasible ones last)."""
+    """Every candidate of ``--schedule auto`` the dynamic program plans (unsorted:
+    :func:`rank_outcomes` orders them)."""
     outcomes = []
     for schedule in AUTO_ORDER:
+        if lookup(schedule).several_stages_per_rank:
+            continue  # planned apart (placed_outcomes)
         if lookup(schedule).one_microbatch:
             if microbatches in (None, 1):
                 outcomes.append(solve_schedule(request, schedule=schedule, microbatches=1))
             continue
         for m in (microbatches,) if microbatches else AUTO_MICROBATCHES:
             outcomes.append(solve_schedule(request, schedule=schedule, microbatches=m))
-
-    return rank_outcomes(outcomes)
+    return outcomes
 
 
 def rank_outcomes(outcomes: list[Outcome]) -> list[Outcome]:

@@ -28,7 +28,16 @@ from pipedream.optimizer.cost_model import (
 )
 from pipedream.optimizer.memory import ROOT, Context, MemoryModel
 
-__all__ = ["Cluster", "Leaf", "Node", "Tree", "TreeEvaluation", "evaluate_tree", "leaf_ranks"]
+__all__ = [
+    "Cluster",
+    "Leaf",
+    "Node",
+    "Tree",
+    "TreeEvaluation",
+    "data_parallel_tree",
+    "evaluate_tree",
+    "leaf_ranks",
+]
 
 
 @dataclass(frozen=True)
@@ -260,3 +269,13 @@ def leaf_ranks(tree: Tree, *, cluster: Cluster) -> tuple[tuple[int, ...], ...]:
     walk(cluster.num_levels - 1, tree, [0])
     dense = {rank: index for index, rank in enumerate(sorted(r for ranks in found for r in ranks))}
     return tuple(tuple(dense[rank] for rank in ranks) for ranks in found)
+
+
+def data_parallel_tree(cluster: Cluster, num_layers: int) -> Tree:
+    """Every worker runs the whole model: one stage on every level, all units."""
+    node: Node | None = None
+    for level in range(cluster.num_levels):
+        inner = () if node is None else (node,)
+        node = Node(0, num_layers - 1, cluster.workers[level], inner)
+    assert node is not None
+    return (node,)

@@ -105,15 +105,23 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--schedule",
         default="pipedream",
-        help="pipedream, pipedream-vs, 2bw, 1f1b, gpipe, or auto: the fastest that fits, with "
-        "its number of microbatches (default pipedream)",
+        help="pipedream, pipedream-vs, 2bw, 1f1b, gpipe, interleaved-1f1b, zb-h1, zbv, or auto: "
+        "the fastest that fits, with its number of microbatches (default pipedream)",
     )
     plan.add_argument(
         "--microbatches",
         type=int,
         default=None,
         metavar="M",
-        help="microbatches per minibatch (2bw, 1f1b, gpipe; default max(4, stages))",
+        help="microbatches per minibatch (the schedules but pipedream(-vs); default "
+        "max(4, stages), for interleaved-1f1b and zbv about 2 per worker)",
+    )
+    plan.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=None,
+        metavar="V",
+        help="stages per worker for interleaved-1f1b (default: the fastest of 2, 3, 4)",
     )
     plan.add_argument("--straight", action="store_true", help="one replica per stage")
     plan.add_argument(

@@ -28,7 +28,7 @@ from pipedream.schedules.plan_spec import (
     validation_bound,
 )
 from pipedream.schedules.posting import MAX_SENDS_IN_FLIGHT, RECEIVE_WINDOW, receives_posted_before
-from pipedream.schedules.registry import PLANNED, SCHEDULES, lookup
+from pipedream.schedules.registry import SCHEDULES, lookup
 from pipedream.schedules.schedule import Schedule
 from pipedream.schedules.spec import PipelineSpec, warmup_depth
 from pipedream.schedules.tables import build_tables, compute_order, forward_versions
@@ -39,7 +39,6 @@ __all__ = [
     "MATCHING_RECEIVE",
     "MAX_SENDS_IN_FLIGHT",
     "MESSAGE_KIND",
-    "PLANNED",
     "RECEIVES",
     "RECEIVE_WINDOW",
     "SCHEDULES",

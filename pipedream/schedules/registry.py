@@ -13,17 +13,13 @@ from pipedream.schedules.twobw import TWO_BW
 from pipedream.schedules.vertical_sync import PIPEDREAM_VS
 from pipedream.schedules.zero_bubble import ZB_H1, ZBV
 
-__all__ = ["PLANNED", "SCHEDULES", "lookup"]
+__all__ = ["SCHEDULES", "lookup"]
 
 SCHEDULES: dict[str, Schedule] = {
     s.name: s
     for s in (PIPEDREAM, PIPEDREAM_VS, TWO_BW, ONE_F_ONE_B, GPIPE, INTERLEAVED_1F1B, ZB_H1, ZBV)
 }
 """The schedules by name, in the order the docs list them."""
-
-PLANNED = tuple(name for name, s in SCHEDULES.items() if not s.not_planned)
-"""The schedules the planner places stages for today; the others
-(:attr:`Schedule.not_planned` says why) run from hand-written plans."""
 
 
 def lookup(name: str) -> Schedule:

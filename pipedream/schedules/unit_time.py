@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pipedream.schedules.actions import Action, Op
 from pipedream.schedules.validate import message_of
 
-__all__ = ["peak_in_flight", "unit_time_makespan"]
+__all__ = ["peak_held_bytes", "peak_in_flight", "unit_time_makespan"]
 
 
 def unit_time_makespan(
@@ -51,4 +51,29 @@ def peak_in_flight(table: Sequence[Action]) -> int:
             peak = max(peak, held)
         elif action.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT):
             held -= 1
+    return peak
+
+
+def peak_held_bytes(
+    table: Sequence[Action], held: Mapping[int, float], deferred: Mapping[int, float]
+) -> float:
+    """Most bytes a rank's microbatches hold at once, walking its table in order.
+
+    A forward of stage ``s`` takes ``held[s]`` (the activations its backward needs) until its
+    backward ``B`` ends, or, split, until its ``W``; between ``I`` and ``W`` it also holds
+    ``deferred[s]`` (what ``I`` leaves for ``W``: the gradients of the outputs of the modules
+    whose weights wait)."""
+    now = peak = 0.0
+    for action in table:
+        stage = action.stage
+        if action.op is Op.FORWARD:
+            now += held[stage]
+            peak = max(peak, now)
+        elif action.op is Op.BACKWARD_INPUT:
+            now += deferred[stage]
+            peak = max(peak, now)
+        elif action.op is Op.BACKWARD:
+            now -= held[stage]
+        elif action.op is Op.BACKWARD_WEIGHT:
+            now -= held[stage] + deferred[stage]
     return peak

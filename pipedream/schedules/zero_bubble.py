@@ -142,7 +142,9 @@ ZB_H1 = Schedule(
     asynchronous=False,
     order=stage_order_of_rank_order(_zb_h1_order),
     version=latest_version,
-    in_flight=lambda m, stages_from, depth: m,  # at most S; an upper bound without S
+    # held from F to W: at most min(S, m), plus W's buffers for up to s < S of them (counted
+    # as activations once more, optimizer/table_memory.py); without S, bounded through m
+    in_flight=lambda m, stages_from, depth: 2 * m - 1,
     memory_key=lambda after, mult, m: m,
     versions_kept=1,
     auto_rank=6,

@@ -1,0 +1,324 @@
+"""Plans for the schedules that run several stages on every rank: ``interleaved-1f1b``, ``zbv``.
+
+The dynamic program gives every stage its own workers. These schedules instead cut the model
+into ``S = v P`` stages for ``P`` workers and put ``v`` of them on every worker: interleaved
+1F1B loops (stage ``s`` on rank ``s mod P``, ``v`` chosen), the V of zero-bubble V goes down
+the ranks and back (``v = 2``). A plan for them is found in four steps:
+
+1. every worker of the cluster runs ``v`` stages, none replicated (the runtime does not
+   replicate them yet);
+2. the layers are cut into ``S`` contiguous stages so that the slowest stage (its forward +
+   backward, or its transfers where they take longer, as the cost model counts a stage) is as
+   fast as it can be (:func:`balanced_spans`);
+3. the schedule's placement puts each stage on its rank, and the time per minibatch is the
+   simulation of the very tables the runtime runs (profiled costs, the topology's bandwidths,
+   the runtime's cost per action): the formulas' bubbles assume equal stages and free
+   messages, and the V's and the interleaving's messages are not free;
+4. memory per worker comes from those tables too (:mod:`~pipedream.optimizer.table_memory`).
+
+Microbatches per minibatch: given, or by default the smallest multiple of ``P`` that is at
+least ``max(4, 2 P)`` (interleaved needs a multiple of ``P``; both need about ``2 P`` to fill
+the pipeline). ``interleaved-1f1b`` without ``--virtual-stages`` tries 2, 3 and 4 stages per
+worker (as many as the layers allow) and keeps the fastest that fits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from pipedream.errors import PlanningError
+from pipedream.formats.plan import Plan, Prediction, StagePlan
+from pipedream.formats.profile import Profile
+from pipedream.formats.topology import Topology
+from pipedream.formats.units import format_bytes
+from pipedream.optimizer.cost_model import LayerCosts
+from pipedream.optimizer.minmax import FloatArray
+from pipedream.optimizer.table_memory import worker_memory
+from pipedream.optimizer.tree import (
+    Cluster,
+    Leaf,
+    Node,
+    Tree,
+    TreeEvaluation,
+    data_parallel_tree,
+    evaluate_tree,
+)
+from pipedream.optimizer.verify import simulated_ms
+from pipedream.schedules import SCHEDULES, lookup
+
+__all__ = [
+    "PLACED",
+    "VIRTUAL_STAGES_TRIED",
+    "PlacedPlan",
+    "balanced_spans",
+    "candidate_cuts",
+    "default_placed_microbatches",
+    "plan_placed",
+    "stage_times",
+    "stages_per_worker_options",
+]
+
+PLACED = tuple(name for name, record in SCHEDULES.items() if record.several_stages_per_rank)
+"""The schedules this module plans."""
+VIRTUAL_STAGES_TRIED = (2, 3, 4)
+"""Stages per worker ``interleaved-1f1b`` tries when ``--virtual-stages`` is not given."""
+
+
+@dataclass(frozen=True)
+class PlacedPlan:
+    """A plan for a placed schedule, with what the summary shows of it."""
+
+    plan: Plan
+    """The plan, its prediction simulated."""
+    tree: Tree
+    """Its stages as one level of unreplicated nodes (the form the report reads)."""
+    evaluation: TreeEvaluation
+    """Per stage: its cost on the innermost level, its time, its worker's memory."""
+    cluster: Cluster
+    """The levels it was planned on."""
+
+
+def balanced_spans(span_ms: FloatArray, num_stages: int) -> list[tuple[int, int]]:
+    """Cut layers into ``num_stages`` contiguous, non-empty ``(first, last)`` spans whose
+    slowest span is as fast as it can be; ``span_ms[i, j]`` is the time of layers ``i..j`` as
+    one stage. Exact (a dynamic program over the cuts); ties go to the earliest cuts."""
+    n = span_ms.shape[0]
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"cannot cut {n} layers into {num_stages} non-empty stages")
+    upper = np.triu(span_ms) + np.tril(np.full((n, n), np.inf), -1)  # only i <= j exist
+    # best[j]: the slowest span of the best cut of layers 0..j into k spans; first[k][j]: the
+    # first layer of that cut's last span
+    best = upper[0].copy()
+    first = [np.zeros(n, dtype=np.int64)]
+    for _ in range(1, num_stages):
+        shifted = np.concatenate(([np.inf], best[:-1]))  # the cut before layer i ends at i-1
+        options = np.maximum(shifted[:, None], upper)  # [i, j]: last span i..j
+        starts = np.argmin(options, axis=0)
+        best = options[starts, np.arange(n)]
+        first.append(starts)
+    spans = []
+    last = n - 1
+    for k in range(num_stages - 1, -1, -1):
+        start = int(first[k][last])
+        spans.append((start, last))
+        last = start - 1
+    assert last == -1, spans
+    return spans[::-1]
+
+
+def candidate_cuts(
+    costs: LayerCosts, cluster: Cluster, num_stages: int
+) -> list[list[tuple[int, int]]]:
+    """The cuts worth simulating: the one whose slowest stage is fastest counting transfers
+    (:func:`stage_times`), and the one that balances compute alone. Neither sees that a
+    worker runs several stages (its time is theirs together) or which messages stay on a
+    worker; the simulation of both does, and the faster is kept."""
+    n = costs.num_layers
+    prefix = np.concatenate(([0.0], np.cumsum(costs.compute_ms)))
+    compute = prefix[None, 1:] - prefix[:-1, None]  # [i, j]: layers i..j
+    cuts = [balanced_spans(stage_times(costs, cluster), num_stages)]
+    balanced = balanced_spans(np.where(np.tri(n, dtype=bool).T, compute, np.inf), num_stages)
+    return cuts if balanced in cuts else [*cuts, balanced]
+
+
+def stage_times(costs: LayerCosts, cluster: Cluster) -> FloatArray:
+    """``[i, j]``: layers ``i..j`` as one unreplicated stage on the innermost level (compute
+    and transfers overlap, the larger counts), ``inf`` below the diagonal."""
+    n = costs.num_layers
+    model = cluster.model(0)
+    out = np.full((n, n), np.inf)
+    for i in range(n):
+        for j in range(i, n):
+            out[i, j] = model.stage_cost(costs, first=i, last=j, replicas=1).total_ms
+    return out
+
+
+def default_placed_microbatches(workers: int) -> int:
+    """Smallest multiple of ``workers`` that is at least ``max(4, 2 workers)``."""
+    return workers * math.ceil(max(4, 2 * workers) / workers)
+
+
+def stages_per_worker_options(
+    schedule: str, *, workers: int, layers: int, virtual_stages: int | None
+) -> list[int]:
+    """The ``v`` to try (each cut into ``v * workers`` stages of at least one layer)."""
+    if schedule == "zbv":
+        if virtual_stages not in (None, 2):
+            raise PlanningError(
+                f"--virtual-stages {virtual_stages} with schedule 'zbv': its V places exactly "
+                "2 stages on every worker; leave --virtual-stages out"
+            )
+        wanted: Sequence[int] = (2,)
+    elif virtual_stages is not None:
+        if virtual_stages < 2:
+            raise PlanningError(
+                f"--virtual-stages {virtual_stages}: interleaving needs at least 2 stages per "
+                "worker (use --schedule 1f1b for one)"
+            )
+        wanted = (virtual_stages,)
+    else:
+        wanted = VIRTUAL_STAGES_TRIED
+    options = [v for v in wanted if v * workers <= layers]
+    if not options:
+        raise PlanningError(
+            f"schedule {schedule!r} on {workers} workers needs at least {wanted[0] * workers} "
+            f"layers ({wanted[0]} stages per worker), the profile has {layers}; use fewer "
+            "workers or --schedule 1f1b"
+        )
+    return options
+
+
+def _candidate(
+    profile: Profile,
+    topology: Topology,
+    cluster: Cluster,
+    *,
+    schedule: str,
+    microbatches: int,
+    spans: Sequence[tuple[int, int]],
+) -> PlacedPlan | None:
+    """The plan of stages ``spans``, placed and simulated (None: too big to simulate)."""
+    costs = LayerCosts.from_profile(profile)
+    workers = cluster.num_workers
+    num_stages = len(spans)
+    placement = lookup(schedule).placement
+    assert placement is not None
+    ranks = placement(num_stages, workers)
+    names = profile.layer_names
+    model = cluster.model(0)
+    stage_costs = [
+        model.stage_cost(costs, first=first, last=last, replicas=1) for first, last in spans
+    ]
+    stage_ms = tuple(cost.total_ms for cost in stage_costs)
+    plan = Plan(
+        workload=profile.workload,
+        schedule=schedule,
+        microbatch_size=profile.microbatch_size,
+        microbatches=microbatches,
+        world_size=workers,
+        stages=tuple(
+            StagePlan(names[first], names[last], 1, (rank,))
+            for (first, last), rank in zip(spans, ranks)
+        ),
+        workload_args=dict(profile.workload_args),
+        layers=tuple(names),
+    )
+    memory = worker_memory(plan, costs, spans)
+    stage_memory = tuple(memory[rank] for rank in ranks)
+    time_ms = simulated_ms(plan, profile, topology)
+    if time_ms is None:
+        return None
+    bottleneck = stage_ms.index(max(stage_ms))
+    plan = replace(
+        plan,
+        prediction=Prediction(
+            time_per_minibatch_ms=time_ms,
+            throughput_samples_per_s=profile.microbatch_size * microbatches * 1e3 / time_ms,
+            bottleneck=bottleneck,
+            stage_ms=stage_ms,
+            memory_bytes=stage_memory,
+            data_parallel_time_per_minibatch_ms=_data_parallel_ms(costs, cluster),
+            cost_model=cluster.cost_model,
+            method="simulated",
+        ),
+    )
+    leaves = tuple(
+        Leaf(first, last, 1, cost, ms, mem)
+        for (first, last), cost, ms, mem in zip(spans, stage_costs, stage_ms, stage_memory)
+    )
+    tree = tuple(Node(first, last, 1) for first, last in spans)
+    return PlacedPlan(plan, tree, TreeEvaluation(leaves), cluster)
+
+
+def _data_parallel_ms(costs: LayerCosts, cluster: Cluster) -> float:
+    tree = data_parallel_tree(cluster, costs.num_layers)
+    return evaluate_tree(costs, tree, cluster=cluster).microbatch_ms * cluster.microbatches
+
+
+def _time_ms(plan: Plan) -> float:
+    assert plan.prediction is not None
+    return plan.prediction.time_per_minibatch_ms
+
+
+def plan_placed(
+    profile: Profile,
+    topology: Topology,
+    *,
+    schedule: str,
+    microbatches: int | None,
+    virtual_stages: int | None,
+    memory_limit: float | None,
+    cost_model: str,
+) -> PlacedPlan:
+    """The fastest plan for ``schedule`` that fits ``memory_limit`` (see the module
+    docstring); :class:`PlanningError` with the reason when none does."""
+    found, problem = placed_candidates(
+        profile,
+        topology,
+        schedule=schedule,
+        microbatches=microbatches,
+        virtual_stages=virtual_stages,
+        memory_limit=memory_limit,
+        cost_model=cost_model,
+    )
+    if not found:
+        raise PlanningError(problem)
+    return found[0]
+
+
+def placed_candidates(
+    profile: Profile,
+    topology: Topology,
+    *,
+    schedule: str,
+    microbatches: int | None,
+    virtual_stages: int | None,
+    memory_limit: float | None,
+    cost_model: str,
+) -> tuple[list[PlacedPlan], str]:
+    """Every fitting candidate, fastest first, and why there is none when there is none."""
+    probe = Cluster.from_topology(topology, cost_model=cost_model)
+    workers = probe.num_workers
+    m = microbatches or default_placed_microbatches(workers)
+    if schedule == "interleaved-1f1b" and m % workers:
+        return [], (
+            f"--microbatches {m} with schedule 'interleaved-1f1b' on {workers} workers: it "
+            f"runs microbatches in groups of the workers; use a multiple of {workers}"
+        )
+    cluster = Cluster.from_topology(topology, cost_model=cost_model, microbatches=m)
+    found: list[PlacedPlan] = []
+    smallest: float | None = None
+    for per_worker in stages_per_worker_options(
+        schedule, workers=workers, layers=len(profile.layers), virtual_stages=virtual_stages
+    ):
+        costs = LayerCosts.from_profile(profile)
+        for spans in candidate_cuts(costs, cluster, per_worker * workers):
+            candidate = _candidate(
+                profile, topology, cluster, schedule=schedule, microbatches=m, spans=spans
+            )
+            if candidate is None:
+                continue
+            assert candidate.plan.prediction is not None
+            peak = max(candidate.plan.prediction.memory_bytes)
+            if memory_limit is not None and peak > memory_limit:
+                smallest = peak if smallest is None else min(smallest, peak)
+                continue
+            found.append(candidate)
+    found.sort(key=lambda c: (_time_ms(c.plan), len(c.plan.stages)))
+    if found:
+        return found, ""
+    if smallest is not None:
+        assert memory_limit is not None
+        return [], (
+            f"schedule {schedule!r} does not fit: its leanest plan needs {format_bytes(smallest)} "
+            f"on one worker, the limit is {format_bytes(memory_limit)}; use fewer microbatches, "
+            "more memory, or another schedule"
+        )
+    return [], (
+        f"schedule {schedule!r} on {workers} workers with {m} microbatches is too big to "
+        "simulate; use fewer microbatches"
+    )

@@ -1,0 +1,123 @@
+"""The planner for schedules that run several stages per worker (interleaved-1f1b, zbv), and
+memory read off the action tables (those two and zb-h1).
+
+A toy of 8 layers of 10 ms (forward 5, backward 5), no parameters, nothing sent, 100 B saved per
+layer, on 2 workers. With stages of equal time ``t`` the simulated times are the schedules'
+formulas: 1F1B ``(m + S - 1) t``, interleaved ``(v m + P - 1) t`` on stages of ``t = 80 / (v P)``
+ms, ZB-H1 ``m (F + B) + (S - 1)(F + I - W)`` with I = W = B / 2.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_optimizer_schedules import profile_of
+
+from pipedream.errors import PlanningError
+from pipedream.formats import Topology
+from pipedream.optimizer.placed import balanced_spans, default_placed_microbatches
+from pipedream.optimizer.planner import PlanOptions, plan_profile
+from pipedream.optimizer.report import format_summary
+
+EIGHT = profile_of([10] * 8, [0] * 8, [0] * 8, acts=[100] * 8)
+TWO_WORKERS = Topology.single_level(2, 1e9)
+
+
+def _plan(schedule: str, m: int, **options):
+    return plan_profile(
+        EIGHT,
+        topology=TWO_WORKERS,
+        options=PlanOptions(schedule=schedule, microbatches=m, **options),
+    )
+
+
+def _compute(values: list[float]) -> np.ndarray:
+    prefix = np.concatenate(([0.0], np.cumsum(values)))
+    spans = prefix[None, 1:] - prefix[:-1, None]
+    return np.where(np.tri(len(values), dtype=bool).T, spans, np.inf)
+
+
+def test_balanced_spans_minimise_the_slowest_stage() -> None:
+    costs = _compute([1, 1, 1, 1, 4, 1, 1])
+    assert balanced_spans(costs, 3) == [(0, 3), (4, 4), (5, 6)]  # 4, 4, 2
+    assert balanced_spans(costs, 2) == [(0, 3), (4, 6)]  # 4, 6
+    assert balanced_spans(costs, 7) == [(i, i) for i in range(7)]
+    with pytest.raises(ValueError, match="cannot cut 7 layers into 8"):
+        balanced_spans(costs, 8)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "m", "virtual", "ranks", "time_ms", "memory"),
+    [
+        # (2 m + 1) x 20 ms; rank 0 holds at most 5 (m = 4) stage-microbatches of 200 B
+        ("interleaved-1f1b", 2, 2, [0, 1, 0, 1], 100.0, [800, 600, 800, 600]),
+        ("interleaved-1f1b", 4, 2, [0, 1, 0, 1], 180.0, [1000, 600, 1000, 600]),
+        ("interleaved-1f1b", 4, 4, [0, 1] * 4, 170.0, [900, 700] * 4),  # (16 + 1) x 10
+        ("zbv", 4, None, [0, 1, 1, 0], 170.0, [1000, 1200, 1200, 1000]),
+        ("zbv", 8, None, [0, 1, 1, 0], 330.0, [1000, 1200, 1200, 1000]),
+    ],
+)
+def test_placed_plans_balance_stages_place_them_and_simulate(
+    schedule, m, virtual, ranks, time_ms, memory
+) -> None:
+    result = _plan(schedule, m, virtual_stages=virtual)
+    plan = result.plan
+    per_stage = 8 // len(ranks)
+    assert [(s.first_layer, s.last_layer) for s in plan.stages] == [
+        (f"l{i * per_stage}", f"l{i * per_stage + per_stage - 1}") for i in range(len(ranks))
+    ]
+    assert [s.ranks[0] for s in plan.stages] == ranks and plan.world_size == 2
+    assert plan.prediction is not None and plan.prediction.method == "simulated"
+    assert plan.prediction.time_per_minibatch_ms == pytest.approx(time_ms)
+    assert plan.prediction.memory_bytes == pytest.approx(memory)
+    summary = format_summary(result, profile=EIGHT, topology=TWO_WORKERS, memory_limit=None)
+    assert "each worker runs several stages" in summary
+
+
+def test_interleaving_without_virtual_stages_keeps_the_fastest() -> None:
+    # 2 stages per worker: (2 x 4 + 1) x 20 = 180 ms; 4 per worker: (4 x 4 + 1) x 10 = 170 ms
+    plan = _plan("interleaved-1f1b", 4).plan
+    assert plan.num_stages == 8
+    assert plan.prediction is not None
+    assert plan.prediction.time_per_minibatch_ms == pytest.approx(170.0)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "m", "time_ms", "memory"),
+    [
+        ("1f1b", 4, 200.0, [800, 400]),  # (4 + 1) x 40; 2 and 1 microbatches of 400 B
+        # (4 x 40 + 20); F to W: 2 microbatches, and W's buffers for 1 (stage 0) or 2
+        ("zb-h1", 4, 180.0, [1200, 1600]),
+    ],
+)
+def test_split_backwards_hold_activations_until_w(schedule, m, time_ms, memory) -> None:
+    plan = _plan(schedule, m, straight=True).plan
+    assert plan.num_stages == 2 and plan.prediction is not None
+    assert plan.prediction.time_per_minibatch_ms == pytest.approx(time_ms)
+    assert plan.prediction.memory_bytes == pytest.approx(memory)
+
+
+def test_default_microbatches_fill_the_pipeline() -> None:
+    assert [default_placed_microbatches(p) for p in (1, 2, 3, 4, 8)] == [4, 4, 6, 8, 16]
+    assert _plan("zbv", None).plan.microbatches == 4
+
+
+def test_a_placed_plan_that_does_not_fit_is_refused() -> None:
+    with pytest.raises(
+        PlanningError, match=r"leanest plan needs 1.2 KiB on one worker, the limit is 900 B"
+    ):
+        _plan("zbv", 4, memory=900.0)
+    assert _plan("zbv", 4, memory=1200.0).plan.num_stages == 4
+
+
+def test_auto_weighs_the_placed_schedules_with_the_others() -> None:
+    result = plan_profile(EIGHT, topology=TWO_WORKERS, options=PlanOptions(schedule="auto"))
+    times = {
+        (o.schedule, o.microbatches): o.time_per_minibatch_ms
+        for o in result.candidates
+        if o.tree is not None
+    }
+    assert times[("interleaved-1f1b", 4)] == pytest.approx(180.0)  # 2 stages per worker
+    assert times[("zbv", 4)] == pytest.approx(170.0)
+    best = max(times, key=lambda key: key[1] / times[key])
+    assert (result.plan.schedule, result.plan.microbatches) == best
