@@ -294,7 +294,7 @@ def _fastest_simulated(
     if straight.tree is not None and straight.microbatches == outcome.microbatches:
         trees.append(straight.tree)
     data_parallel = None
-    if lookup(outcome.schedule).replicates:
+    if lookup(outcome.schedule).replicates and not request.straight:
         data_parallel = data_parallel_tree(outcome.cluster, len(profile.layers))
         trees.append(data_parallel)
     found: list[tuple[float, Plan, TreeEvaluation, Tree]] = []

@@ -21,6 +21,7 @@ So a worker holds, over the stages it runs::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from pipedream.formats.plan import Plan
@@ -31,8 +32,8 @@ from pipedream.schedules.unit_time import peak_held_bytes
 __all__ = ["TABLE_MINIBATCHES", "worker_memory"]
 
 TABLE_MINIBATCHES = 2
-"""Minibatches of the tables walked: the second starts as the first drains, where a schedule
-that overlaps minibatches peaks."""
+"""Minibatches per replica of the tables walked: the second starts as the first drains, where
+a schedule that overlaps minibatches peaks."""
 
 
 def worker_memory(
@@ -50,7 +51,8 @@ def worker_memory(
         static[stage] = weights + sum(costs.optimizer_state_bytes[span])
         held[stage] = sum(costs.activation_bytes[span])
     deferred = held if split else dict.fromkeys(held, 0.0)
-    tables = build_tables(spec_from_plan(plan, 0, TABLE_MINIBATCHES))
+    every = math.lcm(*(stage.replicas for stage in plan.stages))  # each replica gets its turns
+    tables = build_tables(spec_from_plan(plan, 0, TABLE_MINIBATCHES * every))
     out = {}
     for rank, table in tables.items():
         stages = sorted({action.stage for action in table})

@@ -5,7 +5,8 @@ gradients, which only the update needs) and fill 1F1B's bubbles with the ``W`` s
 after every minibatch, so the rule is ``1f1b``'s: ``W^(k+1) = W^(k) - eta * mean_i grad
 f_i(W^(k))``, exact synchronous SGD. Every minibatch has the same order.
 
-- ``zb-h1``: one stage per rank. Stage ``s`` runs 1F1B's ``S - 1 - s`` warm-up forwards, then
+- ``zb-h1``: one stage per rank (or its replicas, each running its minibatches one after the
+  other, as ``1f1b``'s do). Stage ``s`` runs 1F1B's ``S - 1 - s`` warm-up forwards, then
   forwards and input gradients alternately, each ``W`` running ``s`` backwards after its ``I``
   (the last stage's ``W`` s come latest, where the earlier stages still wait for gradients),
   then the remaining ``I`` s and ``W`` s. Every stage holds at most ``S`` microbatches'
@@ -35,6 +36,8 @@ from pipedream.errors import ScheduleError
 from pipedream.schedules.actions import Op
 from pipedream.schedules.pipedream import latest_version
 from pipedream.schedules.schedule import (
+    CLOSE,
+    OrderEntry,
     RankEntry,
     Schedule,
     every_minibatch,
@@ -72,10 +75,16 @@ def zb_h1_stage_order(num_stages: int, stage: int, microbatches: int) -> list[tu
     return order
 
 
-def _zb_h1_order(spec: PipelineSpec, rank: int, minibatches: Sequence[int]) -> list[RankEntry]:
-    (stage,) = spec.stages_of_rank(rank)
-    one = zb_h1_stage_order(spec.num_stages, stage, spec.microbatches)
-    return every_minibatch([(op, stage, j) for op, j in one], minibatches, spec.microbatches)
+def _zb_h1_order(spec: PipelineSpec, stage: int, minibatches: Sequence[int]) -> list[OrderEntry]:
+    """A stage replica's minibatches one after the other, each closing at its end (each
+    flushes, so a replica's order does not depend on the other replicas')."""
+    m = spec.microbatches
+    one = zb_h1_stage_order(spec.num_stages, stage, m)
+    order: list[OrderEntry] = []
+    for k in minibatches:
+        order += [(op, k * m + j) for op, j in one]
+        order.append((CLOSE, k))
+    return order
 
 
 def zbv_rank_order(ranks: int, rank: int, microbatches: int) -> list[tuple[Op, int, int]]:
@@ -140,7 +149,7 @@ ZB_H1 = Schedule(
     name="zb-h1",
     summary="zero bubble H1: split backwards, W in 1F1B's bubbles, 1F1B's peak memory; sync SGD",
     asynchronous=False,
-    order=stage_order_of_rank_order(_zb_h1_order),
+    order=_zb_h1_order,
     version=latest_version,
     # held from F to W: at most min(S, m), plus W's buffers for up to s < S of them (counted
     # as activations once more, optimizer/table_memory.py); without S, bounded through m
@@ -148,7 +157,6 @@ ZB_H1 = Schedule(
     memory_key=lambda after, mult, m: m,
     versions_kept=1,
     auto_rank=6,
-    rank_order=_zb_h1_order,
     splits_backward=True,
     bubble_slots=lambda stages: (stages - 1) / 3,  # (S - 1)(F + I - W) with F = I = W
 )

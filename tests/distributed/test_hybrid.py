@@ -26,8 +26,11 @@ THREE = [["0"], ["1"], ["2", "3"]]
         (TWO, [2, 1], "pipedream-vs", 1),
         (THREE, [2, 1, 1], "2bw", 3),
         (TWO, [1, 2], "1f1b", 2),
+        # a replicated middle stage drains each of its minibatches (its tables deadlocked)
+        (THREE, [1, 2, 1], "2bw", 4),
+        (TWO, [1, 2], "zb-h1", 2),  # split backwards on a replicated stage
     ],
-    ids=["2-1-1", "2-1-vs", "2-1-1-2bw", "1-2-1f1b"],
+    ids=["2-1-1", "2-1-vs", "2-1-1-2bw", "1-2-1f1b", "1-2-1-2bw", "1-2-zb-h1"],
 )
 def test_hybrid_equals_reference_executor(
     tmp_path: Path, stages: list[list[str]], replicas: list[int], schedule: str, m: int

@@ -121,3 +121,11 @@ def test_auto_weighs_the_placed_schedules_with_the_others() -> None:
     assert times[("zbv", 4)] == pytest.approx(170.0)
     best = max(times, key=lambda key: key[1] / times[key])
     assert (result.plan.schedule, result.plan.microbatches) == best
+
+
+def test_zb_h1_replicates_stages_when_that_is_faster() -> None:
+    # no parameters: data parallelism is 4 x 80 / 2 = 160 ms against the pipeline's 180
+    plan = _plan("zb-h1", 4).plan
+    assert [(s.replicas, s.ranks) for s in plan.stages] == [(2, (0, 1))]
+    assert plan.prediction is not None
+    assert plan.prediction.time_per_minibatch_ms == pytest.approx(160.0)

@@ -99,7 +99,14 @@ def test_schedule_equals_its_rule(
 
 @pytest.mark.parametrize(
     ("replicas", "schedule", "m"),
-    [([2], "pipedream", 1), ([3], "1f1b", 2), ([2, 1], "gpipe", 2), ([1, 2, 2], "1f1b", 2)],
+    [
+        ([2], "pipedream", 1),
+        ([3], "1f1b", 2),
+        ([2, 1], "gpipe", 2),
+        ([1, 2, 2], "1f1b", 2),
+        ([1, 2], "zb-h1", 3),
+        ([2, 1, 3], "zb-h1", 2),
+    ],
 )
 def test_replicated_flush_schedules_equal_their_rule(
     replicas: list[int], schedule: str, m: int

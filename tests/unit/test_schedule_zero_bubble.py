@@ -101,5 +101,6 @@ def test_bad_shapes_and_what_runs_today() -> None:
     with pytest.raises(ScheduleError, match=r"as \[0, 1, 1, 0\]; got \[0, 1, 0, 1\]"):
         PipelineSpec("zbv", ((0,), (1,), (0,), (1,)), 2, 1).validate()
     with pytest.raises(ScheduleError, match="does not replicate stages"):
-        PipelineSpec("zb-h1", ((0, 1), (2,)), 2, 2).validate()
+        PipelineSpec("zbv", ((0, 1), (2,), (2,), (0, 1)), 2, 2).validate()
+    PipelineSpec("zb-h1", ((0, 1), (2,)), 2, 2).validate()  # replicas as 1f1b's
     assert lookup("zbv").several_stages_per_rank and not lookup("zb-h1").several_stages_per_rank
