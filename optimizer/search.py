@@ -28,21 +28,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pipedream.errors import PlanningError, ScheduleError
+from pipedream.errors import PlanningError
 from pipedream.formats.topology import Topology
 from pipedream.formats.units import format_bytes
 from pipedream.optimizer.cost_model import LayerCosts, minibatch_ms
 from pipedream.optimizer.hierarchy import Solution, solve_cluster
 from pipedream.optimizer.memory import MemoryModel
 from pipedream.optimizer.placed import PlacedPlan
-from pipedream.optimizer.tree import Cluster, Tree, evaluate_tree, leaf_ranks
+from pipedream.optimizer.tree import Cluster, Tree, evaluate_tree
 from pipedream.schedules import (
     SCHEDULES,
-    VALIDATION_MINIBATCHES,
-    PipelineSpec,
-    build_tables,
     lookup,
-    validate_tables,
 )
 
 __all__ = [
@@ -54,7 +50,6 @@ __all__ = [
     "rank_outcomes",
     "solve_auto",
     "solve_schedule",
-    "tables_run",
 ]
 
 DEFAULT_SYNC_MICROBATCHES = 4
@@ -109,12 +104,8 @@ class Outcome:
         return self.microbatches / self.time_per_minibatch_ms
 
 
-def _cluster(request: Request, m: int) -> Cluster:
-    return Cluster.from_topology(request.topology, cost_model=request.cost_model, microbatches=m)
-
-
 def _solve(request: Request, schedule: str, m: int, counted: bool) -> dict[int, Solution]:
-    cluster = _cluster(request, m)
+    cluster = Cluster.from_topology(request.topology, cost_model=request.cost_model, microbatches=m)
     return solve_cluster(
         request.costs,
         cluster,
@@ -126,40 +117,10 @@ def _solve(request: Request, schedule: str, m: int, counted: bool) -> dict[int, 
     )
 
 
-def tables_run(schedule: str, m: int, tree: Tree, cluster: Cluster) -> bool:
-    """Whether the action tables of ``tree`` under ``schedule`` run to the end.
-
-    Only an asynchronous schedule with several microbatches per minibatch (``2bw``) and
-    replicated stages can fail: a stage that carries its 1F1B warm-up across minibatches may
-    wait for a forward that a replica's allreduce holds back (say replicas 2, 1, 3, 1). The
-    planner does not offer such a plan; the others need no check.
-    """
-    ranks = leaf_ranks(tree, cluster=cluster)
-    record = lookup(schedule)
-    if not record.asynchronous or m == 1 or all(len(r) == 1 for r in ranks):
-        return True
-    multiple = math.lcm(*(len(r) for r in ranks))
-    count = multiple * math.ceil(max(VALIDATION_MINIBATCHES, 4 * cluster.num_workers) / multiple)
-    spec = PipelineSpec(schedule, ranks, m, count)
-    try:
-        validate_tables(spec, build_tables(spec))
-    except ScheduleError:
-        return False
-    return True
-
-
-def _pick(
-    schedule: str, m: int, found: dict[int, Solution], cluster: Cluster, *, check: bool = True
-) -> Solution | None:
-    """The best solution for ``schedule`` among per-count (or overall) solutions whose tables
-    run (:func:`tables_run`; ``check`` False: whether they run or not)."""
+def _pick(schedule: str, m: int, found: dict[int, Solution]) -> Solution | None:
+    """The best solution for ``schedule`` among per-count (or overall) solutions."""
     capped = lookup(schedule).microbatches_at_least_stages
-    options = [
-        s
-        for count, s in found.items()
-        if not (capped and count and count > m)
-        and (not check or tables_run(schedule, m, s.tree, cluster))
-    ]
+    options = [s for count, s in found.items() if not (capped and count and count > m)]
     if not options:
         return None
     return min(
@@ -177,35 +138,18 @@ def solve_schedule(request: Request, *, schedule: str, microbatches: int | None)
     counted = record.flushes or (record.microbatches_at_least_stages and microbatches is not None)
     m = microbatches or (1 if record.one_microbatch else DEFAULT_SYNC_MICROBATCHES)
 
-    def pick(m: int) -> Solution | None:
-        best = _pick(schedule, m, _solve(request, schedule, m, counted), _cluster(request, m))
-        if best is None and not counted:  # the best overall may not run: per stage count
-            best = _pick(schedule, m, _solve(request, schedule, m, True), _cluster(request, m))
-        return best
-
-    best = pick(m)
+    best = _pick(schedule, m, _solve(request, schedule, m, counted))
     if microbatches is None and not record.one_microbatch:
         for _ in range(3):
             if best is None or best.num_stages <= m:
                 break
             m = best.num_stages
-            best = pick(m)
+            best = _pick(schedule, m, _solve(request, schedule, m, counted))
         if best is not None and best.num_stages > m:  # did not settle: keep it, raise m
             m = best.num_stages
-            if not tables_run(schedule, m, best.tree, _cluster(request, m)):
-                best = pick(m)
     cluster = Cluster.from_topology(request.topology, cost_model=request.cost_model, microbatches=m)
     if best is None:
-        found = _solve(request, schedule, m, True)
-        if _pick(schedule, m, found, cluster, check=False) is not None:
-            problem = (
-                f"schedule {schedule} with {m} microbatches: every plan found replicates stages "
-                "in a way its tables cannot run (a replica's allreduce holds back a forward that "
-                "another stage waits for); use --straight, or another schedule"
-            )
-        else:
-            problem = _why_infeasible(request, schedule, m)
-        return Outcome(schedule, m, cluster, None, math.inf, problem)
+        return Outcome(schedule, m, cluster, None, math.inf, _why_infeasible(request, schedule, m))
     # the tree's value under the final m (raising m only shares the allreduce more)
     evaluation = evaluate_tree(request.costs, best.tree, cluster=cluster)
     time_ms = minibatch_ms(

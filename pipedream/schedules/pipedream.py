@@ -28,13 +28,14 @@ def asynchronous_order(
     """1F1B across minibatches with PipeDream's warm-up (``S - 1 - s`` forwards when a
     minibatch has several microbatches).
 
-    A replicated stage with several microbatches per minibatch finishes each of its
-    minibatches before it starts the next: a replica gets every ``r``-th minibatch, and the
-    stage before it feeds the minibatches in between first, which it can only do once this
-    replica's backwards of the current minibatch have come back to it (carrying the warm-up
-    over the boundary would wait for a forward that waits for it: a deadlock)."""
+    With several microbatches per minibatch and a replicated stage anywhere, every stage
+    finishes each minibatch before it starts the next (1F1B within the minibatch): a warm-up
+    carried over a minibatch boundary waits for forwards of a minibatch that a replica starts
+    only after its allreduce, which waits in turn for backwards behind that warm-up (across
+    every layout of up to 8 ranks, some 40% of such tables deadlocked). The update rule is
+    unchanged; only the overlap of consecutive minibatches is lost."""
     m = spec.microbatches
-    if m > 1 and spec.replicas(stage) > 1:
+    if m > 1 and any(len(ranks) > 1 for ranks in spec.stage_ranks):
         return flushed_one_f_one_b(spec, stage, minibatches)
     warmup = warmup_depth(spec, stage) if m == 1 else spec.num_stages - 1 - stage
     return interleaved(spec, minibatches, warmup)
