@@ -352,8 +352,13 @@ def save_timeline(result: dict[str, Any], path: Path) -> None:
     if not matplotlib_available():
         return
     origin = min(e.start for t in traces for e in t.events)
-    last = max(traces, key=lambda t: t.stage)
-    ends = [(e.end - origin) * 1000 for e in last.events if e.op.value == "U"]
+    last = max(e.stage for t in traces for e in t.events)  # a rank may run several stages
+    ends = sorted(
+        (e.end - origin) * 1000
+        for t in traces
+        for e in t.events
+        if e.op.value == "U" and e.stage == last
+    )
     period = result["period_ms"]
     low = ends[-3] - 0.2 * period if len(ends) >= 3 else 0.0
     high = ends[-1] + 0.05 * period if len(ends) >= 3 else ends[-1]

@@ -17,7 +17,8 @@ updates after the first minibatch. The references:
   Schedule1F1B, ScheduleInterleavedZeroBubble (one stage per rank: ZB1P),
   ScheduleInterleaved1F1B, ScheduleZBVZeroBubble.
 
-Refreshes the ``zero-bubble`` section of ``benchmarks/RESULTS.md``.
+Refreshes the ``zero-bubble`` section of ``benchmarks/RESULTS.md`` and draws the timelines of
+the first rank count and microbatch count (``benchmarks/timelines/zb-*.png``).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from common import machine_lines, write_section
-from sleep_pipeline import MICROBATCH_SIZE, SIZES, Case, run_ours, run_torch
+from common import REPO, machine_lines, write_section
+from sleep_pipeline import MICROBATCH_SIZE, SIZES, Case, run_ours, run_torch, save_timeline
 
 from pipedream.schedules import Op, PipelineSpec, build_tables
 from pipedream.schedules.interleaved_1f1b import looped_placement
@@ -94,8 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--microbatches", default="8,16")
     args = parser.parse_args(argv)
     counts = [int(m) for m in args.microbatches.split(",")]
-    rows, commands = [], []
-    for ranks in (int(r) for r in args.ranks.split(",")):
+    rank_counts = [int(r) for r in args.ranks.split(",")]
+    timelines = REPO / "benchmarks" / "timelines"
+    for stale in timelines.glob("zb-*.png"):
+        stale.unlink()
+    rows, commands, drawn = [], [], []
+    for ranks in rank_counts:
         groups = [
             [ZeroBubbleCase("small", ranks, s, m) for m in counts for s in ("1f1b", "zb-h1")],
             [
@@ -110,6 +115,12 @@ def main(argv: list[str] | None = None) -> int:
             commands += [line for result in ours.values() for line in result["commands"]]
             commands.append(torch_command.shell())
             rows += [_row(case, ours[case.name], torch_ms.get(case.name)) for case in group]
+            for case in group:  # the smallest shape of every schedule, drawn
+                if ranks == rank_counts[0] and case.microbatches == counts[0]:
+                    if "period_ms" in ours[case.name]:
+                        path = timelines / f"{case.name}.png"
+                        save_timeline(ours[case.name], path)
+                        drawn.append(path.relative_to(REPO / "benchmarks"))
     body = "\n".join(
         [
             "## Today's schedules on the sleep workload (benchmarks/zero_bubble.py)",
@@ -130,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
             "(F + I - W) bubble; interleaved-1f1b (2m + P - 1)(F + B), its bubble halved; zbv "
             "6m F, no bubble. PyTorch: Schedule1F1B, ScheduleInterleavedZeroBubble with one "
             "stage per rank (ZB1P), ScheduleInterleaved1F1B, ScheduleZBVZeroBubble.",
+            "",
+            "Timelines (two steady minibatches): "
+            + ", ".join(f"[{path.stem}]({path})" for path in drawn)
+            + ".",
             "",
             "Commands run:",
             "",

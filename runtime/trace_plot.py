@@ -104,7 +104,7 @@ def plot_timeline(
             axes.broken_barh(spans, (row - 0.4, 0.8), color=COLOURS[category], linewidth=0)
             used.add(category)
     axes.set_yticks(range(len(traces)))
-    axes.set_yticklabels([f"rank {t.rank} (stage {t.stage})" for t in traces])
+    axes.set_yticklabels([_label(t) for t in traces])
     axes.set_ylim(len(traces) - 0.5, -0.5)  # rank 0 on top
     axes.set_xlim(low, high)
     axes.set_xlabel("time since the first action (ms)")
@@ -120,3 +120,11 @@ def plot_timeline(
     figure.savefig(target)
     plt.close(figure)
     return target
+
+
+def _label(trace: RankTrace) -> str:
+    """``rank 0 (stage 2)``, or ``rank 0 (stages 0, 7)`` for a rank that runs several."""
+    stages = sorted({event.stage for event in trace.events} or {trace.stage})
+    if len(stages) == 1:
+        return f"rank {trace.rank} (stage {stages[0]})"
+    return f"rank {trace.rank} (stages {', '.join(map(str, stages))})"
