@@ -23,6 +23,7 @@ from pipedream.formats.trace import TracedAction
 from pipedream.graph.layers import StageIO
 from pipedream.runtime.comm import P2P, PeerTimeoutError, channel_kind
 from pipedream.runtime.compute_clock import ComputeClock
+from pipedream.runtime.grad_buckets import GradientBuckets
 from pipedream.runtime.routing import (
     gather_inputs,
     gather_output_grads,
@@ -32,7 +33,7 @@ from pipedream.runtime.routing import (
 from pipedream.runtime.stage_worker import StageWorker
 from pipedream.schedules import MESSAGE_KIND, RECEIVE_WINDOW, Action, Op, receives_posted_before
 
-__all__ = ["SKIP_TAG", "Executor", "LocalStage"]
+__all__ = ["SKIP_TAG", "Executor", "LocalStage", "wait_collective"]
 
 _RECVS = {Op.RECV_ACT: "act", Op.RECV_GRAD: "grad"}
 _SENDS = {Op.SEND_ACT: "act", Op.SEND_GRAD: "grad"}
@@ -51,6 +52,20 @@ class LocalStage:
     replica_group: Any = None
     """The process group of the stage's replicas (None: not replicated)."""
     num_replicas: int = 1
+    buckets: GradientBuckets | None = None
+    """The replicas' allreduce in buckets, started during the backward (None: in one piece
+    at the allreduce action)."""
+
+
+def wait_collective(work: Any, what: str, *, rank: int, nccl: bool, timeout: float) -> None:
+    """Wait for an asynchronous collective: on NCCL a stream wait (a host wait with a timeout
+    would block until the GPU is done), on gloo a host wait of at most ``timeout`` seconds."""
+    try:
+        finished = work.wait() if nccl else work.wait(timeout=timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        raise PeerTimeoutError(f"rank {rank}: {what} failed: {exc}") from None
+    if finished is False:
+        raise PeerTimeoutError(f"rank {rank}: timed out waiting for {what}")
 
 
 class Executor:
@@ -237,6 +252,9 @@ class Executor:
                 worker.set_copies(peer_stage, tensors)
 
     def _allreduce(self, local: LocalStage, what: str) -> None:
+        if local.buckets is not None:
+            local.buckets.finish(what)
+            return
         grads = local.worker.gradients()
         flat = (
             torch.cat([g.reshape(-1) for g in grads])
@@ -244,14 +262,7 @@ class Executor:
             else torch.zeros(0, device=local.worker.config.device)
         )
         work = dist.all_reduce(flat, group=local.replica_group, async_op=True)
-        try:  # on NCCL a stream wait (a timeout would block the host until the GPU is done)
-            finished = (
-                work.wait() if self.p2p.nccl else work.wait(timeout=timedelta(seconds=self.timeout))
-            )
-        except RuntimeError as exc:
-            raise PeerTimeoutError(f"rank {self.rank}: {what} failed: {exc}") from None
-        if finished is False:
-            raise PeerTimeoutError(f"rank {self.rank}: timed out waiting for {what}")
+        wait_collective(work, what, rank=self.rank, nccl=self.p2p.nccl, timeout=self.timeout)
         flat /= local.num_replicas
         offset = 0
         with torch.no_grad():

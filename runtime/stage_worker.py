@@ -156,6 +156,8 @@ class StageWorker:
             stage=self.config.stage,
         )
         self._stash: dict[int, _Stashed] = {}
+        self._grad_listener: Callable[[nn.Parameter], None] | None = None
+        self._zero_in_place = False
         self.max_in_flight = 0
         self.skipped: set[int] = set()
         """Microbatches whose non-finite loss was skipped (``skip_nonfinite``)."""
@@ -367,6 +369,36 @@ class StageWorker:
         copy_grads = {name: param_grads.pop(name) for name in self._copies if name in param_grads}
         self.versions.accumulate(param_grads)
         accumulate_grads(self._copies, copy_grads)
+        if self._grad_listener is not None:
+            for name, grad in param_grads.items():
+                if grad is not None:
+                    self._grad_listener(self.versions.params[name])
+
+    def watch_gradients(self, listener: Callable[[nn.Parameter], None]) -> None:
+        """Have ``listener(param)`` called each time a microbatch's gradient (or a tied copy
+        stage's) is added to a trained live parameter's ``.grad``: by autograd's post-accumulate
+        hooks where the backward accumulates itself, by the worker where it adds them. From
+        then on updates zero the gradients in place, so that buffers the listener gave them
+        (:mod:`~pipedream.runtime.grad_buckets`) stay theirs."""
+        assert self._grad_listener is None, "one listener per worker"
+        self._grad_listener = listener
+        self._zero_in_place = True  # the listener may hold the gradients' buffers
+        for param in self.versions.params.values():
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(listener)
+
+    def accumulations(self) -> list[tuple[nn.Parameter, int]]:
+        """The trained live parameters (in :meth:`gradients`' order), each with the times its
+        ``.grad`` is added to per minibatch: once per microbatch, once per tied copy stage."""
+        copies_of = {name: 0 for name in self.versions.params}
+        for names in self.tied.owned.values():
+            for name in names:
+                copies_of[name] += 1
+        return [
+            (param, self.config.microbatches + copies_of[name])
+            for name, param in self.versions.params.items()
+            if param.requires_grad
+        ]
 
     def _input_grads(
         self, inputs: Sequence[Tensor], computed: Sequence[Tensor | None]
@@ -395,6 +427,8 @@ class StageWorker:
         stages' tied parameters are not among them (their gradients go to the owner)."""
         out = []
         for param in self.versions.params.values():
+            if not param.requires_grad:
+                continue  # frozen: no gradient, no update
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             out.append(param.grad)
@@ -405,7 +439,7 @@ class StageWorker:
         self.versions.release_before(position)
         if self.optimizer is not None:
             self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=not self._zero_in_place)
         self.versions.updated()
 
     # -- tied parameters -------------------------------------------------------------------
@@ -430,6 +464,9 @@ class StageWorker:
         names = self.tied.owned[copy_stage]
         assert len(grads) == len(names), (names, len(grads))
         accumulate_grads(self.versions.params, {n: g.clone() for n, g in zip(names, grads)})
+        if self._grad_listener is not None:
+            for name in names:
+                self._grad_listener(self.versions.params[name])
 
     def owned_tensors(self, copy_stage: int) -> list[Tensor]:
         """The current values of the tensors ``copy_stage`` holds copies of (fresh tensors:

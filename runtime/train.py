@@ -36,8 +36,9 @@ from pipedream.runtime.environment import (
     device_and_backend,
     read_launch_env,
 )
-from pipedream.runtime.executor import Executor, LocalStage
+from pipedream.runtime.executor import Executor, LocalStage, wait_collective
 from pipedream.runtime.gc_freeze import frozen_heap
+from pipedream.runtime.grad_buckets import GradientBuckets
 from pipedream.runtime.loss_log import LossLog
 from pipedream.runtime.metrics import MetricsLogger
 from pipedream.runtime.routing import input_needs_grad
@@ -217,6 +218,8 @@ class _RankJob:
         self.backend = placement.backend
         self.rank = env.rank
         self.groups: dict[int, Any] = {}
+        self.buckets: dict[int, GradientBuckets] = {}
+        """Per replicated stage of this rank: its allreduce in buckets (set up by run)."""
         for index, stage in enumerate(plan.stages):  # every rank creates every group, in order
             if stage.replicas > 1:
                 self.groups[index] = dist.new_group(list(stage.ranks))
@@ -263,6 +266,22 @@ class _RankJob:
             tied=self.layout.tied_links(stage, module),
             input_grads=input_needs_grad(self.layout.ios[stage]),
         )
+
+    def _buckets(self, stage: int, worker: StageWorker) -> GradientBuckets:
+        """The stage's replica allreduce in buckets, fed by the worker's backwards."""
+
+        def wait(work: Any, what: str) -> None:
+            nccl, timeout = self.backend == "nccl", self.options.timeout
+            wait_collective(work, what, rank=self.rank, nccl=nccl, timeout=timeout)
+
+        buckets = GradientBuckets(
+            worker.accumulations(),
+            self.groups[stage],
+            num_replicas=self.plan.stages[stage].replicas,
+            wait=wait,
+        )
+        worker.watch_gradients(buckets.accumulated)
+        return buckets
 
     def _logger(self) -> MetricsLogger | None:
         """The first replica of the last stage computes the loss and reports it."""
@@ -359,6 +378,11 @@ class _RankJob:
                     worker.versions.table, initial_version=worker.versions.live_version
                 )
             self.last_checkpoint = resume_from
+        self.buckets = {
+            stage: self._buckets(stage, worker)
+            for stage, worker in workers.items()
+            if stage in self.groups
+        }
         logger = self._logger()
         trace: list[TracedAction] | None = [] if self.options.trace else None
         peaks = {"max_versions": 0, "max_copies": 0, "max_in_flight": 0}
@@ -430,6 +454,7 @@ class _RankJob:
                 self.layout.ios[stage],
                 replica_group=self.groups.get(stage),
                 num_replicas=self.plan.stages[stage].replicas,
+                buckets=self.buckets.get(stage),
             )
             for stage, worker in workers.items()
         }
