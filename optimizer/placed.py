@@ -57,7 +57,7 @@ __all__ = [
     "balanced_spans",
     "candidate_cuts",
     "default_placed_microbatches",
-    "plan_placed",
+    "placed_candidates",
     "stage_times",
     "stages_per_worker_options",
 ]
@@ -244,32 +244,6 @@ def _time_ms(plan: Plan) -> float:
     return plan.prediction.time_per_minibatch_ms
 
 
-def plan_placed(
-    profile: Profile,
-    topology: Topology,
-    *,
-    schedule: str,
-    microbatches: int | None,
-    virtual_stages: int | None,
-    memory_limit: float | None,
-    cost_model: str,
-) -> PlacedPlan:
-    """The fastest plan for ``schedule`` that fits ``memory_limit`` (see the module
-    docstring); :class:`PlanningError` with the reason when none does."""
-    found, problem = placed_candidates(
-        profile,
-        topology,
-        schedule=schedule,
-        microbatches=microbatches,
-        virtual_stages=virtual_stages,
-        memory_limit=memory_limit,
-        cost_model=cost_model,
-    )
-    if not found:
-        raise PlanningError(problem)
-    return found[0]
-
-
 def placed_candidates(
     profile: Profile,
     topology: Topology,
@@ -280,7 +254,8 @@ def placed_candidates(
     memory_limit: float | None,
     cost_model: str,
 ) -> tuple[list[PlacedPlan], str]:
-    """Every fitting candidate, fastest first, and why there is none when there is none."""
+    """Every plan for ``schedule`` that fits ``memory_limit``, fastest first (see the module
+    docstring), and why there is none when there is none."""
     probe = Cluster.from_topology(topology, cost_model=cost_model)
     workers = probe.num_workers
     m = microbatches or default_placed_microbatches(workers)

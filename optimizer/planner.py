@@ -38,7 +38,7 @@ from pipedream.optimizer.cost_model import (
     minibatch_ms,
 )
 from pipedream.optimizer.memory import MemoryModel
-from pipedream.optimizer.placed import PLACED, placed_candidates, plan_placed
+from pipedream.optimizer.placed import PLACED, placed_candidates
 from pipedream.optimizer.search import (
     AUTO_MICROBATCHES,
     Outcome,
@@ -157,7 +157,7 @@ def plan_profile(profile: Profile, *, topology: Topology, options: PlanOptions) 
     candidates: tuple[Outcome, ...] = ()
     simulated_auto = False
     if options.schedule in PLACED:
-        placed = plan_placed(
+        found_placed, problem = placed_candidates(
             profile,
             topology,
             schedule=options.schedule,
@@ -166,6 +166,9 @@ def plan_profile(profile: Profile, *, topology: Topology, options: PlanOptions) 
             memory_limit=request.memory_limit,
             cost_model=options.cost_model,
         )
+        if not found_placed:
+            raise PlanningError(problem)
+        placed = found_placed[0]
         return PlanResult(placed.plan, placed.tree, placed.cluster, placed.evaluation)
     if options.schedule == AUTO:
         found = solve_auto(request, microbatches=options.microbatches)
