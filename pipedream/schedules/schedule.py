@@ -104,7 +104,8 @@ class Schedule:
 
     @property
     def replicates(self) -> bool:
-        """Whether stages may have replicas (schedules that order whole ranks do not, yet)."""
+        """Whether the planner may replicate a stage alone (schedules that order whole ranks
+        replicate only whole copies of the pipeline, every stage as often)."""
         return self.rank_order is None
 
     def drain_slots(self, num_stages: int) -> float:
@@ -202,10 +203,16 @@ def stage_order_of_rank_order(
     rank_order: Callable[[PipelineSpec, int, Sequence[int]], list[RankEntry]],
 ) -> Callable[[PipelineSpec, int, Sequence[int]], list[OrderEntry]]:
     """A several-stages-per-rank schedule's :attr:`Schedule.order`: the stage's entries of its
-    rank's order (the stage runs on one rank: such schedules do not replicate stages)."""
+    rank's order (for a replica: its rank's order in its copy of the pipeline)."""
 
     def order(spec: PipelineSpec, stage: int, minibatches: Sequence[int]) -> list[OrderEntry]:
-        (rank,) = spec.stage_ranks[stage]
-        return [(op, index) for op, s, index in rank_order(spec, rank, minibatches) if s == stage]
+        copies = spec.replicas(stage)
+        if copies == 1:
+            view, rank = spec, spec.stage_ranks[stage][0]
+        else:  # a replica of a whole-pipeline copy: its rank's order in that copy
+            copy = minibatches[0] % copies if minibatches else 0
+            view, global_of = spec.pipeline_copy(copy)
+            rank = global_of.index(spec.stage_ranks[stage][copy])
+        return [(op, index) for op, s, index in rank_order(view, rank, minibatches) if s == stage]
 
     return order

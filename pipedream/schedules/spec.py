@@ -66,6 +66,31 @@ class PipelineSpec:
     def replicas(self, stage: int) -> int:
         return len(self.stage_ranks[stage])
 
+    def pipeline_copy(self, copy: int) -> tuple[PipelineSpec, list[int]]:
+        """Under a schedule that orders whole ranks with every stage on ``r`` ranks (``r``
+        copies of the pipeline, minibatch ``t`` on copy ``t mod r``): copy ``copy`` as an
+        unreplicated spec, its ranks renumbered ``0..P-1`` in the order its stages first use
+        them, and those local ranks' global ranks."""
+        flat = [ranks[copy] for ranks in self.stage_ranks]
+        global_of = list(dict.fromkeys(flat))
+        local = {rank: i for i, rank in enumerate(global_of)}
+        view = PipelineSpec(
+            self.schedule,
+            tuple((local[rank],) for rank in flat),
+            self.microbatches,
+            self.num_minibatches // len(self.stage_ranks[0]),
+            edges=self.edges,
+            tied=self.tied,
+        )
+        return view, global_of
+
+    def copy_of_rank(self, rank: int) -> int:
+        """Which copy of the pipeline ``rank`` belongs to (its replica index)."""
+        for ranks in self.stage_ranks:
+            if rank in ranks:
+                return ranks.index(rank)
+        raise ValueError(f"rank {rank} runs no stage")
+
     def rank_of(self, stage: int, minibatch: int) -> int:
         """The rank whose replica of ``stage`` runs ``minibatch``."""
         ranks = self.stage_ranks[stage]
@@ -98,16 +123,22 @@ class PipelineSpec:
                     f"edge ({producer}, {consumer}) must go forward between existing stages"
                 )
         flat = [rank for ranks in self.stage_ranks for rank in ranks]
-        if schedule.rank_order is not None and any(len(r) != 1 for r in self.stage_ranks):
+        if schedule.rank_order is not None and len({len(r) for r in self.stage_ranks}) > 1:
             raise ScheduleError(
-                f"schedule {self.schedule!r} does not replicate stages yet; give each stage one "
-                "rank (replicate the whole pipeline with another run)"
+                f"schedule {self.schedule!r} replicates whole pipelines: give every stage the "
+                f"same number of replicas; got {[len(r) for r in self.stage_ranks]}"
             )
-        problem = schedule.spec_problem(self) if schedule.spec_problem else ""
+        copies = len(self.stage_ranks[0]) if schedule.rank_order is not None else 1
+        views = [self.pipeline_copy(j) for j in range(copies)] if copies > 1 else []
+        first = views[0][0] if views else self
+        problem = schedule.spec_problem(first) if schedule.spec_problem else ""
         if problem:
             raise ScheduleError(problem)
+        if copies > 1:
+            self._check_copies(views)
         if schedule.placement is not None:
-            self._check_placement(schedule.placement, flat)
+            for view in [v for v, _ in views] or [self]:
+                view._check_placement(schedule.placement, [r for (r,) in view.stage_ranks])
         elif sorted(flat) != list(range(len(flat))):
             raise ScheduleError(f"ranks must be 0..{len(flat) - 1}, each once; got {flat}")
         if self.tied and schedule.placement is not None:
@@ -120,6 +151,16 @@ class PipelineSpec:
                 raise ScheduleError(
                     f"tied pair ({owner}, {copy}) must name an owner stage before a copy stage"
                 )
+
+    def _check_copies(self, views: list[tuple[PipelineSpec, list[int]]]) -> None:
+        """The copies of a whole-pipeline-replicated spec: disjoint, together ranks 0..W-1."""
+        ranks = [rank for _, global_of in views for rank in global_of]
+        if sorted(ranks) != list(range(len(ranks))):
+            raise ScheduleError(
+                f"schedule {self.schedule!r}: replica j of every stage forms copy j of the "
+                f"pipeline, and the copies must share no rank and use ranks 0..W-1; got "
+                f"copies {[global_of for _, global_of in views]}"
+            )
 
     def _check_placement(self, placement: Callable[[int, int], list[int]], flat: list[int]) -> None:
         """Stages on ranks as a several-stages-per-rank schedule places them, unreplicated."""

@@ -185,17 +185,30 @@ def _with_messages(
 
 
 def _rank_table(spec: PipelineSpec, rank: int) -> list[Action]:
-    """The table of a rank under a schedule that orders each rank's work (over all its stages,
-    one replica each): that order, each computation with its messages, each close an update.
-    Forwards use the stage's weights as the schedule's rule says, backwards their forward's."""
+    """The table of a rank under a schedule that orders each rank's work (over all its stages):
+    that order, each computation with its messages, each close an allreduce among the copies of
+    the pipeline (when it is replicated) and an update. Forwards use the stage's weights as the
+    schedule's rule says, backwards their forward's. A replicated pipeline's copy ``j`` runs
+    minibatches ``j, j + r, ...`` in the order the unreplicated schedule gives its ranks."""
     schedule = lookup(spec.schedule)
     assert schedule.rank_order is not None
-    minibatches = range(spec.first_minibatch, spec.first_minibatch + spec.num_minibatches)
-    updates_done = {stage: spec.first_minibatch for stage in spec.stages_of_rank(rank)}
+    copies = spec.replicas(0)
+    all_minibatches = range(spec.first_minibatch, spec.first_minibatch + spec.num_minibatches)
+    if copies > 1:
+        copy = spec.copy_of_rank(rank)
+        view, global_of = spec.pipeline_copy(copy)
+        local = global_of.index(rank)
+        minibatches = [t for t in all_minibatches if t % copies == copy]
+    else:
+        view, local, minibatches = spec, rank, list(all_minibatches)
+    first_update = spec.first_minibatch // copies
+    updates_done = {stage: first_update for stage in spec.stages_of_rank(rank)}
     versions: dict[tuple[int, int], int] = {}
     table: list[Action] = []
-    for op, stage, index in schedule.rank_order(spec, rank, minibatches):
+    for op, stage, index in schedule.rank_order(view, local, minibatches):
         if op is CLOSE:
+            if copies > 1:
+                table.append(Action(Op.ALLREDUCE, stage, updates_done[stage]))
             table.append(Action(Op.UPDATE, stage, updates_done[stage]))
             updates_done[stage] += 1
             continue

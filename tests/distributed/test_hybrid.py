@@ -8,8 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from reference_run import reference_weights
+from pipedream.runtime.checkpoint import load_full_state_dict
+
+from launching import straight_plan, write_plan
+from reference_run import reference_layout_weights, reference_weights
 from runs import max_rel_diff, train_and_load
+from workers import run_plan
 
 pytestmark = pytest.mark.slow  # launches processes: not in the fast lane (-m "not slow")
 
@@ -79,3 +83,30 @@ def test_replicas_resume_bit_exact_with_their_bucketed_allreduce(tmp_path: Path)
         TWO, [2, 1], schedule="1f1b", microbatches=2, steps=steps, workload_args=ADAM
     )
     assert max_rel_diff(whole, want) < 1e-5
+
+
+@pytest.mark.parametrize(("schedule", "placement"), [("interleaved-1f1b", [0, 1, 0, 1])])
+def test_two_copies_of_a_pipeline_of_several_stages_per_rank(
+    tmp_path: Path, schedule: str, placement: list[int]
+) -> None:
+    """4 processes: copy j of an interleaved pipeline on ranks 2j, 2j + 1, each stage's two
+    replicas averaging their gradients (in buckets), against the reference executor."""
+    stages = [["0"], ["1"], ["2"], ["3"]]
+    plan = straight_plan(
+        "mlp", stages, schedule=schedule, microbatch_size=8, microbatches=2, workload_args=ARGS
+    )
+    for stage, rank in zip(plan["stages"], placement):
+        stage["ranks"], stage["replicas"] = [rank, rank + 2], 2
+    plan["world_size"] = 4
+    path = write_plan(plan, tmp_path / "plan.yaml")
+    result = run_plan(
+        path, "--steps", "4", "--run-dir", str(tmp_path / "run"), "--timeout", "60",
+        "--no-progress",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    got = load_full_state_dict(tmp_path / "run" / "checkpoints" / "step-000004")
+    want = reference_layout_weights(
+        "mlp", ARGS, stages, schedule=schedule, microbatches=2, steps=4, microbatch_size=8,
+        placement=placement, replicas=[2] * 4,
+    )  # fmt: skip
+    assert max_rel_diff(got, want) < 1e-5

@@ -74,15 +74,20 @@ def reference_layout_weights(
     executor ran ``steps`` minibatches of the plan, its stages cut as ``pipedream train`` cuts
     them (:func:`~pipedream.runtime.stage_layout.stage_layout`: traced models, tied parameters).
     ``placement``: the rank of every stage, where ranks run several stages (one model per rank,
-    as one process has)."""
+    as one process has); with ``replicas`` (the same for every stage) copy ``j`` of the
+    pipeline runs on ranks ``j P .. j P + P - 1``."""
     replicas = replicas or [1] * len(stages)
     plan_stages, rank = [], 0
+    copy_ranks = len(set(placement)) if placement else 0  # a pipeline copy's ranks
     for index, (group, count) in enumerate(zip(stages, replicas)):
-        ranks = (placement[index],) if placement else tuple(range(rank, rank + count))
+        if placement:  # copy j of the pipeline on ranks j P .. j P + P - 1
+            ranks = tuple(placement[index] + j * copy_ranks for j in range(count))
+        else:
+            ranks = tuple(range(rank, rank + count))
         plan_stages.append(StagePlan(group[0], group[-1], count, ranks))
         rank += count
     if placement:
-        rank = len(set(placement))
+        rank = copy_ranks * replicas[0]
     plan = Plan(
         workload=workload,
         workload_args=dict(workload_args),

@@ -623,7 +623,8 @@ CASES: list[tuple[str, str, Edit, str, str, str]] = [
      "use one of pipedream, pipedream-vs, 2bw, 1f1b, gpipe, interleaved-"
      "1f1b, zb-h1, zbv"),
     ("plan-several-stages-misplaced", "plan", _set("schedule", value="interleaved-1f1b"),
-     "stages", "schedule 'interleaved-1f1b' does not replicate stages yet",
+     "stages", "schedule 'interleaved-1f1b' replicates whole pipelines: give every stage the "
+     "same number of replicas; got [2, 1]",
      "place the stages as the schedule does"),
     ("plan-microbatches-pipedream", "plan", _set("microbatches", value=4), "microbatches",
      "must be 1 for schedule 'pipedream', got 4", "use schedule '2bw'"),

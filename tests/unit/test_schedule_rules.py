@@ -180,3 +180,32 @@ def _plain(args: dict[str, str], m: int, steps: int) -> dict[str, torch.Tensor]:
         loss_fn=workload.loss_fn,
         optimizer=workload.optimizer,
     )
+
+
+@pytest.mark.parametrize(
+    ("schedule", "placement", "m", "args"),
+    [
+        ("interleaved-1f1b", [0, 1, 0, 1], 2, SGD),
+        ("zbv", [0, 1, 1, 0], 3, {"layers": "4", "width": "16", "optimizer": "adam", "lr": "0.01"}),
+    ],
+)
+def test_replicated_pipelines_of_several_stages_per_rank_equal_their_rule(
+    schedule: str, placement: list[int], m: int, args: dict[str, str]
+) -> None:
+    """Two copies of an interleaved or V pipeline (4 ranks): copy j runs minibatches j, j + 2,
+    ...; every stage's replicas average their gradients, so each update is the mean over two
+    minibatches (the replicated synchronous rule)."""
+    steps, replicas = 4, [2] * len(placement)
+    stages = even_groups(_names(args), len(placement))
+    got = reference_layout_weights(
+        "mlp", args, stages, schedule=schedule, microbatches=m, steps=steps,
+        microbatch_size=B, placement=placement, replicas=replicas,
+    )  # fmt: skip
+    workload = load_workload("mlp", args)
+    data = MicrobatchStream(workload.dataset, B, 0)
+    want = replicated_oracle(
+        workload.model, stages, replicas, num_minibatches=steps,
+        minibatch=lambda t: [data.microbatch(t * m + j) for j in range(m)],
+        loss_fn=workload.loss_fn, optimizer=workload.optimizer,
+    )  # fmt: skip
+    assert max_rel_diff(got, want) < 1e-5

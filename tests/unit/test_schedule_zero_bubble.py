@@ -100,7 +100,10 @@ def test_bad_shapes_and_what_runs_today() -> None:
         PipelineSpec("zbv", ((0,), (1,), (0,)), 2, 1).validate()
     with pytest.raises(ScheduleError, match=r"as \[0, 1, 1, 0\]; got \[0, 1, 0, 1\]"):
         PipelineSpec("zbv", ((0,), (1,), (0,), (1,)), 2, 1).validate()
-    with pytest.raises(ScheduleError, match="does not replicate stages"):
+    with pytest.raises(ScheduleError, match="same number of replicas"):
         PipelineSpec("zbv", ((0, 1), (2,), (2,), (0, 1)), 2, 2).validate()
+    with pytest.raises(ScheduleError, match=r"as \[0, 1, 1, 0\]; got \[0, 1, 0, 1\]"):
+        PipelineSpec("zbv", ((0, 2), (1, 3), (0, 2), (1, 3)), 2, 2).validate()
+    PipelineSpec("zbv", ((0, 2), (1, 3), (1, 3), (0, 2)), 2, 2).validate()  # two Vs
     PipelineSpec("zb-h1", ((0, 1), (2,)), 2, 2).validate()  # replicas as 1f1b's
     assert lookup("zbv").several_stages_per_rank and not lookup("zb-h1").several_stages_per_rank
