@@ -5,8 +5,10 @@ into ``S = v P`` stages for ``P`` workers and put ``v`` of them on every worker:
 1F1B loops (stage ``s`` on rank ``s mod P``, ``v`` chosen), the V of zero-bubble V goes down
 the ranks and back (``v = 2``). A plan for them is found in four steps:
 
-1. every worker of the cluster runs ``v`` stages, none replicated (the runtime does not
-   replicate them yet);
+1. the cluster runs ``r`` copies of the pipeline (every ``r`` that leaves at least 2 workers
+   per copy is tried; copy ``j`` on workers ``j P .. j P + P - 1``, minibatch ``t`` on copy
+   ``t mod r``, the copies averaging their gradients before every update), and every worker of
+   a copy runs ``v`` stages;
 2. the layers are cut into ``S`` contiguous stages so that the slowest stage (its forward +
    backward, or its transfers where they take longer, as the cost model counts a stage) is as
    fast as it can be (:func:`balanced_spans`);
@@ -16,10 +18,10 @@ the ranks and back (``v = 2``). A plan for them is found in four steps:
    messages, and the V's and the interleaving's messages are not free;
 4. memory per worker comes from those tables too (:mod:`~pipedream.optimizer.table_memory`).
 
-Microbatches per minibatch: given, or by default the smallest multiple of ``P`` that is at
-least ``max(4, 2 P)`` (interleaved needs a multiple of ``P``; both need about ``2 P`` to fill
-the pipeline). ``interleaved-1f1b`` without ``--virtual-stages`` tries 2, 3 and 4 stages per
-worker (as many as the layers allow) and keeps the fastest that fits.
+The fastest per microbatch is kept. Microbatches per minibatch: given, or by default the
+smallest multiple of ``P`` that is at least ``max(4, 2 P)`` (interleaved needs a multiple of
+``P``; both need about ``2 P`` to fill the pipeline). ``interleaved-1f1b`` without
+``--virtual-stages`` tries 2, 3 and 4 stages per worker (as many as the layers allow).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ __all__ = [
     "PlacedPlan",
     "balanced_spans",
     "candidate_cuts",
+    "copy_counts",
     "default_placed_microbatches",
     "placed_candidates",
     "stage_times",
@@ -180,18 +183,21 @@ def _candidate(
     schedule: str,
     microbatches: int,
     spans: Sequence[tuple[int, int]],
+    copies: int,
 ) -> PlacedPlan | None:
-    """The plan of stages ``spans``, placed and simulated (None: too big to simulate)."""
+    """The plan of stages ``spans`` on ``copies`` copies of the pipeline (copy ``j`` on ranks
+    ``j P .. j P + P - 1``), placed and simulated (None: too big to simulate)."""
     costs = LayerCosts.from_profile(profile)
     workers = cluster.num_workers
+    per_copy = workers // copies
     num_stages = len(spans)
     placement = lookup(schedule).placement
     assert placement is not None
-    ranks = placement(num_stages, workers)
+    ranks = placement(num_stages, per_copy)
     names = profile.layer_names
     model = cluster.model(0)
     stage_costs = [
-        model.stage_cost(costs, first=first, last=last, replicas=1) for first, last in spans
+        model.stage_cost(costs, first=first, last=last, replicas=copies) for first, last in spans
     ]
     stage_ms = tuple(cost.total_ms for cost in stage_costs)
     plan = Plan(
@@ -201,7 +207,9 @@ def _candidate(
         microbatches=microbatches,
         world_size=workers,
         stages=tuple(
-            StagePlan(names[first], names[last], 1, (rank,))
+            StagePlan(
+                names[first], names[last], copies, tuple(rank + j * per_copy for j in range(copies))
+            )
             for (first, last), rank in zip(spans, ranks)
         ),
         workload_args=dict(profile.workload_args),
@@ -227,10 +235,10 @@ def _candidate(
         ),
     )
     leaves = tuple(
-        Leaf(first, last, 1, cost, ms, mem)
+        Leaf(first, last, copies, cost, ms, mem)
         for (first, last), cost, ms, mem in zip(spans, stage_costs, stage_ms, stage_memory)
     )
-    tree = tuple(Node(first, last, 1) for first, last in spans)
+    tree = tuple(Node(first, last, copies) for first, last in spans)
     return PlacedPlan(plan, tree, TreeEvaluation(leaves), cluster)
 
 
@@ -256,24 +264,42 @@ def placed_candidates(
 ) -> tuple[list[PlacedPlan], str]:
     """Every plan for ``schedule`` that fits ``memory_limit``, fastest first (see the module
     docstring), and why there is none when there is none."""
-    probe = Cluster.from_topology(topology, cost_model=cost_model)
-    workers = probe.num_workers
-    m = microbatches or default_placed_microbatches(workers)
-    if schedule == "interleaved-1f1b" and m % workers:
-        return [], (
-            f"--microbatches {m} with schedule 'interleaved-1f1b' on {workers} workers: it "
-            f"runs microbatches in groups of the workers; use a multiple of {workers}"
-        )
-    cluster = Cluster.from_topology(topology, cost_model=cost_model, microbatches=m)
+    workers = Cluster.from_topology(topology, cost_model=cost_model).num_workers
+    costs = LayerCosts.from_profile(profile)
     found: list[PlacedPlan] = []
     smallest: float | None = None
-    for per_worker in stages_per_worker_options(
-        schedule, workers=workers, layers=len(profile.layers), virtual_stages=virtual_stages
-    ):
-        costs = LayerCosts.from_profile(profile)
-        for spans in candidate_cuts(costs, cluster, per_worker * workers):
+    problems = []
+    for copies in copy_counts(workers):
+        per_copy = workers // copies
+        m = microbatches or default_placed_microbatches(per_copy)
+        if schedule == "interleaved-1f1b" and m % per_copy:
+            problems.append(
+                f"--microbatches {m} with schedule 'interleaved-1f1b' on {per_copy} workers per "
+                f"copy of the pipeline: it runs microbatches in groups of the workers; use a "
+                f"multiple of {per_copy}"
+            )
+            continue
+        cluster = Cluster.from_topology(topology, cost_model=cost_model, microbatches=m)
+        try:
+            options = stages_per_worker_options(
+                schedule,
+                workers=per_copy,
+                layers=len(profile.layers),
+                virtual_stages=virtual_stages,
+            )
+        except PlanningError as error:
+            problems.append(str(error))
+            continue
+        cuts = [cut for v in options for cut in candidate_cuts(costs, cluster, v * per_copy)]
+        for spans in cuts:
             candidate = _candidate(
-                profile, topology, cluster, schedule=schedule, microbatches=m, spans=spans
+                profile,
+                topology,
+                cluster,
+                schedule=schedule,
+                microbatches=m,
+                spans=spans,
+                copies=copies,
             )
             if candidate is None:
                 continue
@@ -283,9 +309,12 @@ def placed_candidates(
                 smallest = peak if smallest is None else min(smallest, peak)
                 continue
             found.append(candidate)
-    found.sort(key=lambda c: (_time_ms(c.plan), len(c.plan.stages)))
+    # fastest per microbatch (the copies' default microbatches differ), then fewest copies
+    found.sort(key=lambda c: (_time_ms(c.plan) / c.plan.microbatches, c.plan.stages[0].replicas))
     if found:
         return found, ""
+    if problems and smallest is None:
+        return [], problems[0]
     if smallest is not None:
         assert memory_limit is not None
         return [], (
@@ -294,6 +323,11 @@ def placed_candidates(
             "more memory, or another schedule"
         )
     return [], (
-        f"schedule {schedule!r} on {workers} workers with {m} microbatches is too big to "
-        "simulate; use fewer microbatches"
+        f"schedule {schedule!r} on {workers} workers is too big to simulate; use fewer microbatches"
     )
+
+
+def copy_counts(workers: int) -> list[int]:
+    """How many copies of the pipeline to try: every divisor of ``workers`` that leaves at
+    least 2 workers per copy (1 copy when there is only one worker)."""
+    return [r for r in range(1, workers + 1) if workers % r == 0 and workers // r >= 2] or [1]

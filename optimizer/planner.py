@@ -38,7 +38,7 @@ from pipedream.optimizer.cost_model import (
     minibatch_ms,
 )
 from pipedream.optimizer.memory import MemoryModel
-from pipedream.optimizer.placed import PLACED, placed_candidates
+from pipedream.optimizer.placed import PLACED, copy_counts, placed_candidates
 from pipedream.optimizer.search import (
     AUTO_MICROBATCHES,
     Outcome,
@@ -227,8 +227,9 @@ def _placed_outcomes(
     out = []
     for schedule in PLACED:
         for m in (options.microbatches,) if options.microbatches else AUTO_MICROBATCHES:
-            if schedule == "interleaved-1f1b" and m % workers:
-                continue  # it needs a multiple of the workers
+            per_copy = [workers // copies for copies in copy_counts(workers)]
+            if schedule == "interleaved-1f1b" and all(m % p for p in per_copy):
+                continue  # it needs a multiple of a copy's workers
             per_worker = options.virtual_stages or 2
             try:
                 found, problem = placed_candidates(

@@ -15,7 +15,7 @@ from test_optimizer_schedules import profile_of
 
 from pipedream.errors import PlanningError
 from pipedream.formats import Topology
-from pipedream.optimizer.placed import balanced_spans, default_placed_microbatches
+from pipedream.optimizer.placed import balanced_spans, copy_counts, default_placed_microbatches
 from pipedream.optimizer.planner import PlanOptions, plan_profile
 from pipedream.optimizer.report import format_summary
 
@@ -129,3 +129,21 @@ def test_zb_h1_replicates_stages_when_that_is_faster() -> None:
     assert [(s.replicas, s.ranks) for s in plan.stages] == [(2, (0, 1))]
     assert plan.prediction is not None
     assert plan.prediction.time_per_minibatch_ms == pytest.approx(160.0)
+
+
+def test_copies_of_the_pipeline_when_the_allreduce_is_cheap() -> None:
+    """8 layers of 10 ms with 4000 B of parameters each on 4 workers: at 1 GB/s two copies of
+    a 2-worker V (their allreduce costs little) beat one V over all 4; at 100 kB/s one V."""
+    assert [copy_counts(w) for w in (1, 2, 4, 6)] == [[1], [1], [1, 2], [1, 2, 3]]
+    profile = profile_of([10] * 8, [4000] * 8, [0] * 8, acts=[100] * 8)
+    fast = Topology.single_level(4, 1e9)
+    plan = plan_profile(profile, topology=fast, options=PlanOptions("zbv", 4)).plan
+    assert [(s.replicas, s.ranks) for s in plan.stages] == [
+        (2, (0, 2)),
+        (2, (1, 3)),
+        (2, (1, 3)),
+        (2, (0, 2)),
+    ]
+    slow = Topology.single_level(4, 1e5)
+    plan = plan_profile(profile, topology=slow, options=PlanOptions("zbv", 4)).plan
+    assert [s.ranks for s in plan.stages] == [(r,) for r in (0, 1, 2, 3, 3, 2, 1, 0)]

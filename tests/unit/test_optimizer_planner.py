@@ -136,7 +136,7 @@ def test_flush_schedule_picks_the_stage_count_with_its_bubble() -> None:
         ({"schedule": "1f1b", "virtual_stages": 2}, 2, "--virtual-stages 2 with schedule '1f1b'"),
         ({"schedule": "zbv", "virtual_stages": 3}, 2, "exactly 2 stages on every worker"),
         ({"schedule": "interleaved-1f1b", "virtual_stages": 1}, 2, "at least 2 stages per"),
-        ({"schedule": "zbv"}, 4, "needs at least 8 layers"),
+        ({"schedule": "zbv"}, 3, "needs at least 6 layers"),
         ({"cost_model": "alpa"}, 2, "unknown cost model 'alpa'"),
         ({"microbatches": 4}, 2, "--microbatches 4 with schedule 'pipedream'"),
         ({"microbatches": 2, "schedule": "pipedream-vs"}, 2, "must be 1"),
