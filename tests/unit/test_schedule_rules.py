@@ -97,29 +97,39 @@ def test_schedule_equals_its_rule(
         assert max_rel_diff(got, sync) > 1e-4
 
 
+ADAM4 = {"layers": "4", "width": "16", "optimizer": "adam", "lr": "0.01"}
+
+
 @pytest.mark.parametrize(
-    ("replicas", "schedule", "m"),
+    ("replicas", "schedule", "m", "placement", "args"),
     [
-        ([2], "pipedream", 1),
-        ([3], "1f1b", 2),
-        ([2, 1], "gpipe", 2),
-        ([1, 2, 2], "1f1b", 2),
-        ([1, 2], "zb-h1", 3),
-        ([2, 1, 3], "zb-h1", 2),
+        ([2], "pipedream", 1, None, SGD),
+        ([3], "1f1b", 2, None, SGD),
+        ([2, 1], "gpipe", 2, None, SGD),
+        ([1, 2, 2], "1f1b", 2, None, SGD),
+        ([1, 2], "zb-h1", 3, None, SGD),
+        ([2, 1, 3], "zb-h1", 2, None, SGD),
+        # two copies of an interleaved or V pipeline (4 ranks), copy j on minibatches j, j + 2..
+        ([2] * 4, "interleaved-1f1b", 2, [0, 1, 0, 1], SGD),
+        ([2] * 4, "zbv", 3, [0, 1, 1, 0], ADAM4),
     ],
 )
-def test_replicated_flush_schedules_equal_their_rule(
-    replicas: list[int], schedule: str, m: int
+def test_replicated_stages_equal_their_rule(
+    replicas: list[int],
+    schedule: str,
+    m: int,
+    placement: list[int] | None,
+    args: dict[str, str],
 ) -> None:
     """One stage of r replicas is data parallelism on r x the minibatch; replicated stages of a
-    flushing schedule update once per r minibatches with the mean of their gradients."""
-    stages = even_groups(_names(SGD), len(replicas))
+    synchronous schedule update once per r minibatches with the mean of their gradients."""
+    stages = even_groups(_names(args), len(replicas))
     steps = 6
     got = reference_layout_weights(
-        "mlp", SGD, stages, schedule=schedule, microbatches=m, steps=steps, microbatch_size=B,
-        replicas=replicas,
+        "mlp", args, stages, schedule=schedule, microbatches=m, steps=steps, microbatch_size=B,
+        replicas=replicas, placement=placement,
     )  # fmt: skip
-    workload = load_workload("mlp", SGD)
+    workload = load_workload("mlp", args)
     data = MicrobatchStream(workload.dataset, B, 0)
     want = replicated_oracle(
         workload.model, stages, replicas, num_minibatches=steps,
@@ -180,32 +190,3 @@ def _plain(args: dict[str, str], m: int, steps: int) -> dict[str, torch.Tensor]:
         loss_fn=workload.loss_fn,
         optimizer=workload.optimizer,
     )
-
-
-@pytest.mark.parametrize(
-    ("schedule", "placement", "m", "args"),
-    [
-        ("interleaved-1f1b", [0, 1, 0, 1], 2, SGD),
-        ("zbv", [0, 1, 1, 0], 3, {"layers": "4", "width": "16", "optimizer": "adam", "lr": "0.01"}),
-    ],
-)
-def test_replicated_pipelines_of_several_stages_per_rank_equal_their_rule(
-    schedule: str, placement: list[int], m: int, args: dict[str, str]
-) -> None:
-    """Two copies of an interleaved or V pipeline (4 ranks): copy j runs minibatches j, j + 2,
-    ...; every stage's replicas average their gradients, so each update is the mean over two
-    minibatches (the replicated synchronous rule)."""
-    steps, replicas = 4, [2] * len(placement)
-    stages = even_groups(_names(args), len(placement))
-    got = reference_layout_weights(
-        "mlp", args, stages, schedule=schedule, microbatches=m, steps=steps,
-        microbatch_size=B, placement=placement, replicas=replicas,
-    )  # fmt: skip
-    workload = load_workload("mlp", args)
-    data = MicrobatchStream(workload.dataset, B, 0)
-    want = replicated_oracle(
-        workload.model, stages, replicas, num_minibatches=steps,
-        minibatch=lambda t: [data.microbatch(t * m + j) for j in range(m)],
-        loss_fn=workload.loss_fn, optimizer=workload.optimizer,
-    )  # fmt: skip
-    assert max_rel_diff(got, want) < 1e-5
