@@ -21,7 +21,8 @@ backward (``B``, or the ``I`` or ``W`` half that computes it) adds it once. The 
 every accumulation (:meth:`accumulated`): autograd's post-accumulate hooks where a forward ran
 on the live parameters, the worker itself where it adds a stashed version's gradients. What
 never becomes final (a parameter no loss reaches, a microbatch skipped for a non-finite loss)
-goes in :meth:`finish`. Buckets start strictly in order, so every replica issues the same
+goes in :meth:`finish`. A bucket holds one dtype on one device (a change of either starts a
+new one). Buckets start strictly in order, so every replica issues the same
 collectives in the same order whatever its timing.
 """
 
@@ -83,6 +84,10 @@ class GradientBuckets:
         current: list[nn.Parameter] = []
         size = 0
         for param, _ in reversed(list(params)):  # the backward's order, roughly
+            kind = (param.dtype, param.device)
+            if current and (current[0].dtype, current[0].device) != kind:  # one dtype a bucket
+                self._buckets.append(self._bucket(current))
+                current, size = [], 0
             current.append(param)
             size += param.numel() * param.element_size()
             if size >= (first_bucket_bytes if not self._buckets else bucket_bytes):

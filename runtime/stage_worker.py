@@ -463,9 +463,10 @@ class StageWorker:
         """Add a copy stage's gradients to those of the tensors this stage owns."""
         names = self.tied.owned[copy_stage]
         assert len(grads) == len(names), (names, len(grads))
-        accumulate_grads(self.versions.params, {n: g.clone() for n, g in zip(names, grads)})
+        trained = {n: g.clone() for n, g in zip(names, grads) if n not in self._frozen}
+        accumulate_grads(self.versions.params, trained)
         if self._grad_listener is not None:
-            for name in names:
+            for name in trained:
                 self._grad_listener(self.versions.params[name])
 
     def owned_tensors(self, copy_stage: int) -> list[Tensor]:

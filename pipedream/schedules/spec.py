@@ -137,8 +137,12 @@ class PipelineSpec:
         if copies > 1:
             self._check_copies(views)
         if schedule.placement is not None:
-            for view in [v for v, _ in views] or [self]:
-                view._check_placement(schedule.placement, [r for (r,) in view.stage_ranks])
+            if not views:
+                self._check_placement(schedule.placement, flat)
+            for copy, (view, global_of) in enumerate(views):
+                local = [r for (r,) in view.stage_ranks]
+                where = f"copy {copy} of the pipeline (ranks {[global_of[r] for r in local]}): "
+                view._check_placement(schedule.placement, local, where)
         elif sorted(flat) != list(range(len(flat))):
             raise ScheduleError(f"ranks must be 0..{len(flat) - 1}, each once; got {flat}")
         if self.tied and schedule.placement is not None:
@@ -162,19 +166,22 @@ class PipelineSpec:
                 f"copies {[global_of for _, global_of in views]}"
             )
 
-    def _check_placement(self, placement: Callable[[int, int], list[int]], flat: list[int]) -> None:
-        """Stages on ranks as a several-stages-per-rank schedule places them, unreplicated."""
+    def _check_placement(
+        self, placement: Callable[[int, int], list[int]], flat: list[int], where: str = ""
+    ) -> None:
+        """Stages on ranks as a several-stages-per-rank schedule places them (``flat``: the
+        rank of every stage; ``where``: which copy of the pipeline, for the message)."""
         ranks = len(set(flat))
         if sorted(set(flat)) != list(range(ranks)):
-            raise ScheduleError(f"ranks must be 0..{ranks - 1}; got {flat}")
+            raise ScheduleError(f"{where}ranks must be 0..{ranks - 1}; got {flat}")
         wanted = placement(self.num_stages, ranks) if self.num_stages % ranks == 0 else None
         if flat != wanted:
             raise ScheduleError(
-                f"schedule {self.schedule!r} places {self.num_stages} stages on {ranks} ranks "
-                f"as {wanted}; got {flat}"
+                f"{where}schedule {self.schedule!r} places {self.num_stages} stages on {ranks} "
+                f"ranks as {wanted}; got {flat}"
                 if wanted is not None
-                else f"schedule {self.schedule!r} needs the same number of stages on every rank; "
-                f"got {self.num_stages} stages on {ranks} ranks"
+                else f"{where}schedule {self.schedule!r} needs the same number of stages on "
+                f"every rank; got {self.num_stages} stages on {ranks} ranks"
             )
 
 

@@ -152,3 +152,19 @@ def test_the_first_bucket_is_small_so_that_it_starts_early() -> None:
         first_bucket_bytes=50,
     )
     assert kept.num_buckets == 2  # [2.bias, 2.weight] (72 B), then the rest (160 B)
+
+
+def test_a_bucket_holds_one_dtype() -> None:
+    """Parameters of two dtypes (fp32 norms beside bf16 weights) go to separate buckets: a
+    gradient view must have its parameter's dtype."""
+    fp32 = nn.Parameter(torch.zeros(3))
+    bf16 = nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    buckets = GradientBuckets(
+        [(fp32, 1), (bf16, 1), (nn.Parameter(torch.zeros(2, dtype=torch.bfloat16)), 1)],
+        None,
+        num_replicas=1,
+        wait=Recorder().wait,
+    )
+    assert buckets.num_buckets == 2
+    assert fp32.grad is not None and fp32.grad.dtype == torch.float32
+    assert bf16.grad is not None and bf16.grad.dtype == torch.bfloat16

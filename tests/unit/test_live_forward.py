@@ -17,7 +17,7 @@ from torch.utils.data import TensorDataset
 from pipedream.data import MicrobatchStream
 from pipedream.runtime.reference_executor import run_reference
 from pipedream.runtime.routing import sequential_ios
-from pipedream.runtime.stage_worker import StageWorker, WorkerConfig
+from pipedream.runtime.stage_worker import StageWorker, TiedLinks, WorkerConfig
 from pipedream.schedules import PipelineSpec, build_tables
 
 LR = 0.1
@@ -129,3 +129,14 @@ def test_a_frozen_parameter_under_the_synchronous_rule_equals_a_plain_loop() -> 
         optimizer.step()
     for (name, got), expected in zip(model.state_dict().items(), want.state_dict().values()):
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_a_frozen_tied_parameter_takes_no_gradient_from_its_copies() -> None:
+    """The owner of a tied tensor adds the copy stages' gradients to it, unless it is frozen."""
+    model = _model(frozen_bias=True)
+    workers, _ = _workers(model, "1f1b", [model[:2], model[2:]], 1, steps=1)
+    owner = workers[0]
+    owner.tied = TiedLinks(owned={1: ("0.weight", "0.bias")})
+    owner.add_copy_gradients(1, [torch.ones(8, 4), torch.ones(8)])
+    assert model[0].bias.grad is None
+    assert torch.equal(model[0].weight.grad, torch.ones(8, 4))

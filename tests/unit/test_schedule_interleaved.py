@@ -105,6 +105,9 @@ def test_bad_shapes_say_what_to_use() -> None:
         PipelineSpec("interleaved-1f1b", ((0,), (1,), (1,), (0,)), 2, 1).validate()
     with pytest.raises(ScheduleError, match=r"same number of replicas; got \[2, 1, 2, 1\]"):
         PipelineSpec("interleaved-1f1b", ((0, 2), (1,), (0, 2), (1,)), 2, 2).validate()
+    wrong_copy = r"copy 1 of the pipeline \(ranks \[2, 3, 3, 2\]\): .* got \[0, 1, 1, 0\]"
+    with pytest.raises(ScheduleError, match=wrong_copy):
+        PipelineSpec("interleaved-1f1b", ((0, 2), (1, 3), (0, 3), (1, 2)), 2, 2).validate()
     with pytest.raises(ScheduleError, match="share no rank"):
         PipelineSpec("interleaved-1f1b", ((0, 1), (1, 0), (0, 1), (1, 0)), 2, 2).validate()
     # two copies of the pipeline, on ranks 0, 1 and 2, 3
