@@ -2,9 +2,10 @@
 
 It walks the table in order: receives and sends go through :class:`~pipedream.runtime.comm.P2P`
 (receives posted ahead, :mod:`~pipedream.schedules.posting`), compute goes to the
-:class:`~pipedream.runtime.stage_worker.StageWorker`, allreduces average the gradients of a stage's
-replicas in the stage's own process group. Any wait that outlasts the timeout raises an error
-naming the rank, the stage and the action that was waiting.
+:class:`~pipedream.runtime.stage_worker.StageWorker`, an allreduce waits for the bucketed
+averaging of a stage's replicas' gradients (:mod:`~pipedream.runtime.grad_buckets`). Any wait
+that outlasts the timeout raises an error naming the rank, the stage and the action that was
+waiting.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from pipedream.formats.trace import TracedAction
@@ -49,12 +48,10 @@ class LocalStage:
 
     worker: StageWorker
     io: StageIO
-    replica_group: Any = None
-    """The process group of the stage's replicas (None: not replicated)."""
     num_replicas: int = 1
     buckets: GradientBuckets | None = None
-    """The replicas' allreduce in buckets, started during the backward (None: in one piece
-    at the allreduce action)."""
+    """The replicas' allreduce in buckets, started during the backward and finished at the
+    allreduce action (None: not replicated)."""
 
 
 def wait_collective(work: Any, what: str, *, rank: int, nccl: bool, timeout: float) -> None:
@@ -252,20 +249,5 @@ class Executor:
                 worker.set_copies(peer_stage, tensors)
 
     def _allreduce(self, local: LocalStage, what: str) -> None:
-        if local.buckets is not None:
-            local.buckets.finish(what)
-            return
-        grads = local.worker.gradients()
-        flat = (
-            torch.cat([g.reshape(-1) for g in grads])
-            if grads
-            else torch.zeros(0, device=local.worker.config.device)
-        )
-        work = dist.all_reduce(flat, group=local.replica_group, async_op=True)
-        wait_collective(work, what, rank=self.rank, nccl=self.p2p.nccl, timeout=self.timeout)
-        flat /= local.num_replicas
-        offset = 0
-        with torch.no_grad():
-            for grad in grads:
-                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-                offset += grad.numel()
+        assert local.buckets is not None, "an allreduce action of an unreplicated stage"
+        local.buckets.finish(what)

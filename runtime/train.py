@@ -452,7 +452,6 @@ class _RankJob:
             stage: LocalStage(
                 worker,
                 self.layout.ios[stage],
-                replica_group=self.groups.get(stage),
                 num_replicas=self.plan.stages[stage].replicas,
                 buckets=self.buckets.get(stage),
             )
