@@ -45,10 +45,13 @@ from pipedream.schedules.validate import Message, message_of
 __all__ = [
     "MeasuredRun",
     "MeasuredStage",
+    "check_matches",
+    "completions",
     "default_skip",
     "measure_run",
     "measured_work",
     "message_times",
+    "tables_of_run",
 ]
 
 _SENDS = (Op.SEND_ACT, Op.SEND_GRAD, Op.SEND_TIED_GRAD, Op.SEND_WEIGHTS)
@@ -110,7 +113,7 @@ def default_skip(num_minibatches: int) -> int:
     return max(0, min(max(1, num_minibatches // 3), num_minibatches - 2))
 
 
-def _check_matches(traces: Sequence[RankTrace], plan: Plan) -> None:
+def check_matches(traces: Sequence[RankTrace], plan: Plan) -> None:
     if not traces:
         raise TraceError("the run has no traces; run the training with --trace")
     # a rank's trace names its first stage (interleaved and V schedules run several)
@@ -130,7 +133,7 @@ def _check_matches(traces: Sequence[RankTrace], plan: Plan) -> None:
         )
 
 
-def _completions(traces: Sequence[RankTrace], last_stage: int, unit: str) -> list[float]:
+def completions(traces: Sequence[RankTrace], last_stage: int, unit: str) -> list[float]:
     """When each minibatch (``unit``: each update of a replicated last stage) completed: the
     end of its last update on the last stage."""
     ends: dict[int, float] = {}
@@ -148,7 +151,7 @@ def _completions(traces: Sequence[RankTrace], last_stage: int, unit: str) -> lis
     return [ends[index] for index in range(complete)]
 
 
-def _tables_of_run(traces: Sequence[RankTrace], plan: Plan) -> dict[int, list[Action]] | None:
+def tables_of_run(traces: Sequence[RankTrace], plan: Plan) -> dict[int, list[Action]] | None:
     """The plan's tables for as many minibatches as the run trained, if every rank's trace
     ran exactly its table (None otherwise: then no peers are known)."""
     m = plan.microbatches
@@ -175,7 +178,7 @@ def _tables_of_run(traces: Sequence[RankTrace], plan: Plan) -> dict[int, list[Ac
 
 def message_times(traces: Sequence[RankTrace], plan: Plan) -> list[MessageTime]:
     """Every message of the run whose send and receive both ran, in milliseconds."""
-    tables = _tables_of_run(traces, plan)
+    tables = tables_of_run(traces, plan)
     if tables is None:
         return []
     sent: dict[Message, float] = {}
@@ -206,21 +209,21 @@ def _mean(values: list[float]) -> float | None:
 def measure_run(traces: Sequence[RankTrace], plan: Plan, *, skip: int | None = None) -> MeasuredRun:
     """The steady-state time per minibatch of ``plan``'s run and each stage's mean action
     times, leaving out the first ``skip`` minibatches (default: :func:`default_skip`)."""
-    _check_matches(traces, plan)
+    check_matches(traces, plan)
     per_update = plan.stages[-1].replicas
     unit = "minibatches" if per_update == 1 else "updates"  # what skip counts
-    completions = _completions(traces, len(plan.stages) - 1, unit)
+    ends = completions(traces, len(plan.stages) - 1, unit)
     if skip is None:
-        skip = default_skip(len(completions))
+        skip = default_skip(len(ends))
     if skip < 0:
         raise TraceError(f"cannot leave out {skip} {unit}; give 0 or more")
-    if len(completions) - skip < 2:
+    if len(ends) - skip < 2:
         raise TraceError(
-            f"the run completed {len(completions)} {unit}; leaving out the first {skip} "
+            f"the run completed {len(ends)} {unit}; leaving out the first {skip} "
             "leaves fewer than 2 to measure between: train longer, or leave out fewer"
         )
-    first, last = skip, len(completions) - 1
-    start, end = completions[first], completions[last]
+    first, last = skip, len(ends) - 1
+    start, end = ends[first], ends[last]
     stages = []
     for number in range(len(plan.stages)):
         durations: dict[str, list[float]] = {k: [] for k in ("F", "B", "I", "W", "U", "S")}

@@ -338,6 +338,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="Gantt chart (default RUN_DIR/timeline.png when matplotlib is installed)",
     )
+    trace.add_argument(
+        "--plan",
+        default=None,
+        metavar="PLAN",
+        help="the plan the run trained: also print where its time per minibatch went (the "
+        "critical path through all ranks, in milliseconds per minibatch by category)",
+    )
+    trace.add_argument(
+        "--skip",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --plan: minibatches at the start left out (default: the first third, at "
+        "least one, leaving two to measure between)",
+    )
     return parser
 
 

@@ -4,8 +4,9 @@ The ranks' trace files (:mod:`pipedream.formats.trace`) become one Chrome trace 
 Perfetto (https://ui.perfetto.dev) and ``chrome://tracing`` open: one process per rank, named
 ``rank R (stage S)``, one complete event (``"ph": "X"``, microseconds) per action, in the
 categories of :data:`CATEGORIES`. Idle time is what lies between events. ``trace_plot.py`` draws
-the same data as a PNG Gantt chart. Pure Python: no torch import, so ``pipedream trace`` starts
-fast.
+the same data as a PNG Gantt chart. With ``--plan`` the command also prints the run's
+critical-path accounting (:mod:`~pipedream.runtime.trace_account`). Pure Python: no torch
+import (except to read a ``sleep`` plan's ideal times), so ``pipedream trace`` starts fast.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pipedream.errors import TraceError
 from pipedream.formats.trace import CATEGORIES, TRACE_FORMAT, RankTrace, load_traces
 from pipedream.schedules import Op
 
@@ -110,4 +112,13 @@ def run_command(args: argparse.Namespace) -> int:
             "(pip install matplotlib, or pip install -e '.[plot]')",
             file=sys.stderr,
         )
+    if args.plan is not None:
+        from pipedream.formats.plan import load_plan
+        from pipedream.optimizer.critical_path import format_accounting
+        from pipedream.runtime.trace_account import account_run
+
+        plan = load_plan(args.plan)
+        print(format_accounting(account_run(traces, plan, source=args.plan, skip=args.skip)))
+    elif args.skip is not None:
+        raise TraceError("--skip applies to the accounting: give the run's plan with --plan")
     return 0
