@@ -9,12 +9,14 @@ layers' gradients first), and a bucket's allreduce starts, asynchronously, as so
 gradient in it is final, while the backward goes on with the earlier layers. The update's
 allreduce action then only waits.
 
-The gradients live in the buckets' buffers (each ``.grad`` is a view of its bucket, as with
-DDP's ``gradient_as_bucket_view``): backwards accumulate into them in place, the allreduce sums
-in place, and nothing is copied in or out, as long as the gradients are zeroed in place
-between updates (:meth:`~pipedream.runtime.stage_worker.StageWorker.watch_gradients` has the
-worker do so). A ``.grad`` replaced or set to None anyway is copied back in before its bucket
-starts.
+Each bucket's gradients are one buffer, summed in place by the allreduce; at the update each
+``.grad`` is a view of its bucket. The updates set the gradients to None, so the first
+microbatch of the next minibatch leaves autograd's own tensor in ``.grad`` (no add) and the
+later ones add to it; a bucket copies its gradients in when it starts, and makes them views
+again. That one copy costs less than keeping the views, which needs the gradients zeroed in
+place after every update and the first microbatch's gradients added to the zeros: two passes
+over the gradients' memory where the copy is one (about 1.4 ms a minibatch on the 34 MB of
+``benchmarks/replicas_vs_ddp.py``'s model).
 
 A gradient is final once it has been accumulated once per microbatch of the minibatch: each
 backward (``B``, or the ``I`` or ``W`` half that computes it) adds it once. The worker reports
@@ -145,10 +147,10 @@ class GradientBuckets:
     def _start(self, bucket: _Bucket) -> None:
         with torch.no_grad():
             for param, view in zip(bucket.params, _views(bucket)):
-                if param.grad is None:  # set to None since (say, by zero_grad): no gradient
+                if param.grad is None:  # no microbatch gave it a gradient
                     view.zero_()
                     param.grad = view
-                elif param.grad.data_ptr() != view.data_ptr():  # replaced since: back in
+                elif param.grad.data_ptr() != view.data_ptr():  # autograd's own tensor: in
                     view.copy_(param.grad)
                     param.grad = view
         bucket.work = self._allreduce(bucket.flat, self.group)

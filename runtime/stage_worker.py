@@ -157,7 +157,6 @@ class StageWorker:
         )
         self._stash: dict[int, _Stashed] = {}
         self._grad_listener: Callable[[nn.Parameter], None] | None = None
-        self._zero_in_place = False
         self.max_in_flight = 0
         self.skipped: set[int] = set()
         """Microbatches whose non-finite loss was skipped (``skip_nonfinite``)."""
@@ -377,12 +376,9 @@ class StageWorker:
     def watch_gradients(self, listener: Callable[[nn.Parameter], None]) -> None:
         """Have ``listener(param)`` called each time a microbatch's gradient (or a tied copy
         stage's) is added to a trained live parameter's ``.grad``: by autograd's post-accumulate
-        hooks where the backward accumulates itself, by the worker where it adds them. From
-        then on updates zero the gradients in place, so that buffers the listener gave them
-        (:mod:`~pipedream.runtime.grad_buckets`) stay theirs."""
+        hooks where the backward accumulates itself, by the worker where it adds them."""
         assert self._grad_listener is None, "one listener per worker"
         self._grad_listener = listener
-        self._zero_in_place = True  # the listener may hold the gradients' buffers
         for param in self.versions.params.values():
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(listener)
@@ -439,7 +435,7 @@ class StageWorker:
         self.versions.release_before(position)
         if self.optimizer is not None:
             self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=not self._zero_in_place)
+            self.optimizer.zero_grad(set_to_none=True)
         self.versions.updated()
 
     # -- tied parameters -------------------------------------------------------------------

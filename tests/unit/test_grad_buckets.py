@@ -84,6 +84,41 @@ def test_buckets_start_when_their_gradients_are_final_and_leave_the_mean() -> No
         torch.testing.assert_close(param.grad, grad / 2, rtol=0, atol=0)
 
 
+def test_updates_drop_the_gradients_and_buckets_copy_the_next_ones_in() -> None:
+    """Between updates the gradients are None (no zeroing in place, no adding to zeros): the
+    next minibatch's first backward leaves autograd's tensor, which its bucket copies in."""
+    model = _model()
+    worker, _ = _worker(model, "1f1b", microbatches=1)
+    table = build_tables(PipelineSpec("1f1b", ((0,),), 1, 2))[0]  # F0 B0 U0 F1 B1 U1
+    worker.start_segment(table, initial_version=0)
+    recorder = Recorder()
+    buckets = GradientBuckets(
+        worker.accumulations(),
+        None,
+        num_replicas=2,
+        wait=recorder.wait,
+        first_bucket_bytes=1 << 20,
+        allreduce=recorder.allreduce,
+    )
+    worker.watch_gradients(buckets.accumulated)
+    flat = buckets._buckets[0].flat
+    for position, action in enumerate(table):
+        if action.op is Op.FORWARD:
+            worker.forward(action, None)
+        elif action.op is Op.BACKWARD:
+            worker.backward(action, None)
+            # the bucket started: every gradient is a view of its buffer again
+            assert all(p.grad._base is flat for p in model.parameters())
+            local = [p.grad.clone() for p in model.parameters()]
+            buckets.finish("the test's allreduce")
+            for param, grad in zip(model.parameters(), local):
+                torch.testing.assert_close(param.grad, grad / 2, rtol=0, atol=0)
+        else:
+            worker.update(position)
+            assert all(p.grad is None for p in model.parameters())
+    assert recorder.started == [58, 58]
+
+
 def test_buckets_start_in_order_and_finish_what_never_became_final() -> None:
     model = _model()
     params = list(model.parameters())  # 0.weight, 0.bias, 2.weight, 2.bias
