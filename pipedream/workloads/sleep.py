@@ -23,6 +23,10 @@ The math is exact and trivial, chosen so that no step touches a large tensor:
 
 Each layer has one scalar weight ``w`` (exact gradient 0) so that the runtime has parameters to
 version, stash, average and update like in any other model.
+
+A sleep lasts its nominal time as exactly as the host allows (:func:`precise_sleep`): the
+kernel wakes a plain ``time.sleep`` some 0.1-0.2 ms late (timer slack, scheduling), which on
+20 ms layers would be charged to the runtime as overhead it does not have.
 """
 
 from __future__ import annotations
@@ -38,9 +42,27 @@ from pipedream.errors import WorkloadError
 from pipedream.workload import Workload
 from pipedream.workloads.common import optimizer_factory
 
-__all__ = ["SleepLayer", "build", "zero_loss"]
+__all__ = ["SPIN_S", "SleepLayer", "build", "precise_sleep", "zero_loss"]
 
 _ZEROS: dict[tuple[tuple[int, ...], torch.dtype, str], Tensor] = {}
+
+
+SPIN_S = 0.0003
+"""The last part of a sleep that :func:`precise_sleep` waits for by polling the clock instead
+of sleeping: a little more than a plain sleep's usual lateness on an idle Linux host."""
+
+
+def precise_sleep(seconds: float) -> None:
+    """Wait ``seconds``: sleep until :data:`SPIN_S` before the deadline, then poll the clock.
+
+    The poll costs at most ``SPIN_S`` of CPU per call. A host too busy to wake the process
+    within ``SPIN_S`` still makes it late: that lateness is real (the host's) and is measured.
+    """
+    deadline = time.perf_counter() + seconds
+    if seconds > SPIN_S:
+        time.sleep(seconds - SPIN_S)
+    while time.perf_counter() < deadline:
+        pass
 
 
 def _cached_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -62,7 +84,7 @@ class _SleepForward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight_term: Tensor, layer: SleepLayer) -> Tensor:
-        time.sleep(layer.forward_s)
+        precise_sleep(layer.forward_s)
         ctx.layer = layer
         ctx.x_needs_grad = x.requires_grad
         ctx.term = (weight_term.dtype, weight_term.device)
@@ -87,7 +109,7 @@ class _SleepInput(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        time.sleep(ctx.seconds)
+        precise_sleep(ctx.seconds)
         return grad, None
 
 
@@ -101,7 +123,7 @@ class _SleepWeight(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        time.sleep(ctx.seconds)
+        precise_sleep(ctx.seconds)
         return torch.zeros((), dtype=grad.dtype, device=grad.device), None
 
 

@@ -51,6 +51,33 @@ def test_layers_sleep_in_forward_and_backward() -> None:
     assert 0.18 <= backward < 0.18 * 4 + 0.5, backward
 
 
+def test_a_sleep_ends_at_its_deadline_not_when_the_kernel_wakes_it(monkeypatch) -> None:
+    """The kernel's sleep is cut short by SPIN_S and the rest is waited for on the clock: a
+    sleep is never early, and the kernel's lateness (here a stand-in that oversleeps by 0.2
+    ms, less than SPIN_S) does not make it late."""
+    from pipedream.workloads import sleep
+
+    clock = [0.0]
+    slept: list[float] = []
+
+    def fake_sleep(seconds: float) -> None:
+        slept.append(seconds)
+        clock[0] += seconds + 0.0002
+
+    def fake_clock() -> float:
+        clock[0] += 1e-6  # every reading takes a microsecond
+        return clock[0]
+
+    monkeypatch.setattr(sleep.time, "sleep", fake_sleep)
+    monkeypatch.setattr(sleep.time, "perf_counter", fake_clock)
+    sleep.precise_sleep(0.020)
+    assert slept == [pytest.approx(0.020 - sleep.SPIN_S)]
+    assert 0.020 <= clock[0] <= 0.020 + 1e-5
+    slept.clear()
+    sleep.precise_sleep(sleep.SPIN_S / 2)  # shorter than the spin: no kernel sleep at all
+    assert slept == []
+
+
 def test_math_is_identity_with_zero_gradients() -> None:
     workload = _build(layers=3, forward_ms=0, backward_ms=0, activation_bytes=64)
     x = torch.randn(4, 4, requires_grad=True)
