@@ -35,7 +35,9 @@ from common import (
 )
 from sleep_report import render
 
+from pipedream.formats.plan import load_plan
 from pipedream.formats.trace import load_traces
+from pipedream.runtime.trace_account import account_run
 from pipedream.runtime.trace_export import write_chrome_trace
 from pipedream.runtime.trace_plot import matplotlib_available, plot_timeline
 from pipedream.schedules import SCHEDULES, lookup
@@ -200,6 +202,8 @@ def run_ours(case: Case, *, reuse: bool = False) -> dict[str, Any]:
     traces = load_traces(directory / "run")
     period, intervals = steady_period_ms(traces, skip=skip)
     result.update(period_ms=period, intervals=intervals, traces=traces)
+    # the same window: the last stage's updates after the first ``skip``
+    result["accounting"] = account_run(traces, load_plan(path), source=str(path), skip=skip)
     print(f"  {case.name}: {period:.1f} ms/minibatch, efficiency {case.ideal_ms / period:.3f}")
     return result
 

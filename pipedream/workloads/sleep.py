@@ -25,8 +25,8 @@ Each layer has one scalar weight ``w`` (exact gradient 0) so that the runtime ha
 version, stash, average and update like in any other model.
 
 A sleep lasts its nominal time as exactly as the host allows (:func:`precise_sleep`): the
-kernel wakes a plain ``time.sleep`` some 0.1-0.2 ms late (timer slack, scheduling), which on
-20 ms layers would be charged to the runtime as overhead it does not have.
+kernel wakes a plain ``time.sleep`` some 0.1 ms late or more (timer slack, scheduling), which
+on 20 ms layers would be charged to the runtime as overhead it does not have.
 """
 
 from __future__ import annotations
@@ -42,25 +42,46 @@ from pipedream.errors import WorkloadError
 from pipedream.workload import Workload
 from pipedream.workloads.common import optimizer_factory
 
-__all__ = ["SPIN_S", "SleepLayer", "build", "precise_sleep", "zero_loss"]
+__all__ = ["LATENESS", "SleepLayer", "build", "precise_sleep", "zero_loss"]
 
 _ZEROS: dict[tuple[tuple[int, ...], torch.dtype, str], Tensor] = {}
 
 
-SPIN_S = 0.0003
-"""The last part of a sleep that :func:`precise_sleep` waits for by polling the clock instead
-of sleeping: a little more than a plain sleep's usual lateness on an idle Linux host."""
+class _Lateness:
+    """How late the kernel wakes this process from a sleep: a running mean of the last ones."""
+
+    WEIGHT = 0.1
+    """Weight of the newest lateness in the mean (about the last 10 count)."""
+
+    def __init__(self, initial_s: float = 0.0001) -> None:
+        self.seconds = initial_s
+
+    def add(self, late_s: float) -> None:
+        # one sleep that a busy host delayed by milliseconds would make the next ones early
+        late_s = min(max(late_s, 0.0), 4 * self.seconds + 0.0005)
+        self.seconds += self.WEIGHT * (late_s - self.seconds)
+
+
+LATENESS = _Lateness()
+"""This process's kernel lateness, learnt by :func:`precise_sleep`."""
 
 
 def precise_sleep(seconds: float) -> None:
-    """Wait ``seconds``: sleep until :data:`SPIN_S` before the deadline, then poll the clock.
+    """Wait ``seconds``: sleep until the kernel's expected lateness before the deadline, then
+    poll the clock for what is left.
 
-    The poll costs at most ``SPIN_S`` of CPU per call. A host too busy to wake the process
-    within ``SPIN_S`` still makes it late: that lateness is real (the host's) and is measured.
+    The kernel wakes a sleeping process some 0.1 ms late on an idle host, and more when the
+    cores are busy. Polling the whole last stretch of every sleep would cost each process that
+    much CPU, taken from the others on a host with fewer cores than processes; so the sleep is
+    cut short by the running mean of its recent lateness (:data:`LATENESS`) and only what
+    remains is polled, a few tens of microseconds in the mean. A host too busy to wake the
+    process in time still makes it late: that lateness is real (the host's) and is measured.
     """
     deadline = time.perf_counter() + seconds
-    if seconds > SPIN_S:
-        time.sleep(seconds - SPIN_S)
+    early = LATENESS.seconds
+    if seconds > early:
+        time.sleep(seconds - early)
+        LATENESS.add(time.perf_counter() - (deadline - early))
     while time.perf_counter() < deadline:
         pass
 
