@@ -16,7 +16,7 @@ from typing import Any
 
 from common import WARM_MESSAGES, machine_lines, write_section
 
-__all__ = ["TARGETS", "render"]
+__all__ = ["PATH_PARTS", "TARGETS", "path_cells", "render"]
 
 TARGETS = {"small": 0.97, "large": 0.90}
 """The efficiency targets per activation size."""
@@ -35,7 +35,7 @@ PATH_PARTS = {
 """The critical path's categories, in the table's three columns beside the ideal compute."""
 
 
-def _path_cells(result: dict[str, Any]) -> str:
+def path_cells(result: dict[str, Any]) -> str:
     """Milliseconds per minibatch of the critical path beyond the ideal compute, in three
     parts, and the number of messages the path waited for."""
     accounting = result.get("accounting")
@@ -89,7 +89,7 @@ def _table(
             f"| {case.stages} | {case.schedule} | {case.microbatches} | {case.ideal_ms:.0f} "
             f"| {result['period_ms']:.0f} | {eff:.3f} | {torch_cells} "
             f"| {bound:.0f} | {bound / result['period_ms']:.3f} "
-            f"| {_path_cells(result)} "
+            f"| {path_cells(result)} "
             f"| {_verdict(eff, TARGETS[size], torch_eff)} |"
         )
     return lines

@@ -30,6 +30,7 @@ from typing import Any
 
 from common import REPO, machine_lines, write_section
 from sleep_pipeline import MICROBATCH_SIZE, SIZES, Case, run_ours, run_torch, save_timeline
+from sleep_report import path_cells
 
 from pipedream.schedules import Op, PipelineSpec, build_tables
 from pipedream.schedules.interleaved_1f1b import looped_placement
@@ -133,8 +134,9 @@ def main(argv: list[str] | None = None) -> int:
             "zbv. Milliseconds per minibatch; in brackets the reference over ours (above 1: "
             "ours is faster, or the reference is ideal time ours does not reach).",
             "",
-            "| case | ours | formula | the tables in unit time | torch.distributed.pipelining |",
-            "| --- | --- | --- | --- | --- |",
+            "| case | ours | formula | the tables in unit time | torch.distributed.pipelining "
+            "| path: compute ms | overrun ms | messages ms | executor ms | hops |",
+            "| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
             *rows,
             "",
             "Formulas: 1f1b (m + P - 1)(F + B); zb-h1 (3m + P - 1) F, the paper's (P - 1)"
@@ -159,13 +161,21 @@ def main(argv: list[str] | None = None) -> int:
 def _row(case: ZeroBubbleCase, result: dict[str, Any], theirs: float | None) -> str:
     name = f"P={case.ranks} m={case.microbatches} {case.schedule}"
     if "period_ms" not in result:
-        return f"| {name} | failed: {result.get('error')} | | | |"
+        return f"| {name} | failed: {result.get('error')} | | | | | | | | |"
     period, tables = result["period_ms"], unit_time_ms(case)
     versus = f"{theirs:.0f} ({theirs / period:.3f})" if theirs else "failed"
     return (
         f"| {name} | {period:.0f} | {case.ideal_ms:.0f} ({case.ideal_ms / period:.3f}) | "
-        f"{tables:.0f} ({tables / period:.3f}) | {versus} |"
+        f"{tables:.0f} ({tables / period:.3f}) | {versus} | {_path(result)} |"
     )
+
+
+def _path(result: dict[str, Any]) -> str:
+    """The critical path's compute, then the cells of ``sleep_report``'s path columns."""
+    accounting = result.get("accounting")
+    if accounting is None:
+        return "- | - | - | - | -"
+    return f"{accounting.categories['compute']:.0f} | {path_cells(result)}"
 
 
 if __name__ == "__main__":
