@@ -148,7 +148,14 @@ def walk(
     events = {trace.rank: trace.events for trace in traces}
     out: list[Segment] = []
     t = events[rank][position].end
+    steps = 2 * sum(len(e) for e in events.values())  # each event is left at most twice
     while t > until:
+        steps -= 1
+        if steps < 0:
+            raise TraceError(
+                "the ranks' traces disagree on the order of a send and its receive; the "
+                "critical path needs all ranks on one clock (one node)"
+            )
         event = events[rank][position]
         name = event.action
         source = receives.get((rank, position))
@@ -160,7 +167,7 @@ def walk(
                 out.append(Segment(rank, arrived * 1000, t * 1000, "delivery", name))
                 rank, position, t = peer, at, arrived
                 continue
-        begin = max(event.start, until)
+        begin = min(max(event.start, until), t)  # clocks a little apart: never forwards
         if begin < t:
             out += _action_segments(rank, event, begin, t, ideal_ms)
         t = begin
