@@ -35,14 +35,17 @@ PATH_PARTS = {
 """The critical path's categories, in the table's three columns beside the ideal compute."""
 
 
-def path_cells(result: dict[str, Any]) -> str:
+def path_cells(result: dict[str, Any], ideal_ms: float | None = None) -> str:
     """Milliseconds per minibatch of the critical path beyond the ideal compute, in three
-    parts, and the number of messages the path waited for."""
+    parts (four with ``ideal_ms``: first the path's compute beyond it), and the number of
+    messages the path waited for."""
     accounting = result.get("accounting")
     if accounting is None:
-        return "- | - | - | -"
+        return " | ".join(["-"] * (5 if ideal_ms is not None else 4))
     parts = [sum(accounting.categories[c] for c in names) for names in PATH_PARTS.values()]
-    return " | ".join(f"{ms:.1f}" for ms in parts) + f" | {accounting.hops:.0f}"
+    if ideal_ms is not None:
+        parts.insert(0, accounting.categories["compute"] - ideal_ms)
+    return " | ".join(f"{round(ms, 1) + 0.0:.1f}" for ms in parts) + f" | {accounting.hops:.0f}"
 
 
 def _copy_bound_ms(case: Any, message_ms: dict[int, float]) -> float:
@@ -68,16 +71,16 @@ def _table(
 ) -> list[str]:
     lines = [
         "| S | schedule | m | ideal ms | ours ms | ours eff. | torch ms | torch eff. "
-        "| copy bound ms | ours / bound | path: overrun ms | messages ms | executor ms | hops "
-        f"| target (>= {TARGETS[size]:.2f}; >= torch) |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| copy bound ms | ours / bound | path: waited compute ms | overrun ms | messages ms "
+        f"| executor ms | hops | target (>= {TARGETS[size]:.2f}; >= torch) |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for result in rows:
         case = result["case"]
         if "period_ms" not in result:
             lines.append(
                 f"| {case.stages} | {case.schedule} | {case.microbatches} | {case.ideal_ms:.0f} "
-                f"| failed: {' '.join(result['error'])[:60]} | | | | | | | | | | **not measured** |"
+                f"| failed: {' '.join(result['error'])[:60]} |" + " |" * 10 + " **not measured** |"
             )
             continue
         eff = case.ideal_ms / result["period_ms"]
@@ -89,7 +92,7 @@ def _table(
             f"| {case.stages} | {case.schedule} | {case.microbatches} | {case.ideal_ms:.0f} "
             f"| {result['period_ms']:.0f} | {eff:.3f} | {torch_cells} "
             f"| {bound:.0f} | {bound / result['period_ms']:.3f} "
-            f"| {path_cells(result)} "
+            f"| {path_cells(result, case.ideal_ms)} "
             f"| {_verdict(eff, TARGETS[size], torch_eff)} |"
         )
     return lines
@@ -146,12 +149,15 @@ def render(
         "message (below): a rough floor set by copying a minibatch's 2 m (S - 1) messages "
         "through loopback TCP on this machine's cores (it matters for 32 MiB only). "
         "Path: where the measured time per minibatch went beyond the ideal compute, along "
-        "the run's critical path (`pipedream trace RUN_DIR --plan PLAN`): the forwards' and "
-        "backwards' time beyond their sleep (overrun: the actions' own work), the messages "
+        "the run's critical path (`pipedream trace RUN_DIR --plan PLAN`): more sleeps on the "
+        "path than the ideal schedule's (waited compute: a rank waited for another that ran "
+        "late, as asynchronous pipelines do when their stages' paces wobble), the forwards' "
+        "and backwards' time beyond their sleep (overrun: the actions' own work), the messages "
         "(posting sends, taking messages, and the delivery of those the path waited for; hops: "
         "how many it waited for), and the executor between actions (posting receives, "
-        "reclaiming sends, bookkeeping, the updates); ideal + overrun + messages + executor = "
-        "ours. A sleep ends at its deadline (the kernel's lateness is waited out on the clock).",
+        "reclaiming sends, bookkeeping, the updates); ideal + waited compute + overrun + "
+        "messages + executor = ours. A sleep ends at its deadline (the kernel's lateness is "
+        "waited out on the clock).",
         "",
     ]
     if message_ms:
