@@ -148,7 +148,7 @@ def walk(
     events = {trace.rank: trace.events for trace in traces}
     out: list[Segment] = []
     t = events[rank][position].end
-    steps = 2 * sum(len(e) for e in events.values())  # each event is left at most twice
+    steps = 2 * sum(len(e) for e in events.values())  # far more than one clock ever needs
     while t > until:
         steps -= 1
         if steps < 0:
@@ -174,7 +174,7 @@ def walk(
         if t <= until or position == 0:
             break
         previous = events[rank][position - 1]
-        gap_start = max(previous.end, until)
+        gap_start = min(max(previous.end, until), t)
         if gap_start < t:
             out += _gap_segments(rank, event, gap_start, t)
         position, t = position - 1, gap_start

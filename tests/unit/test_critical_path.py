@@ -168,7 +168,7 @@ def test_the_ideal_of_a_sleep_plan_comes_from_its_layers() -> None:
 def test_clocks_a_little_apart_never_move_the_path_forwards() -> None:
     # rank 0's clock runs 0.3 ms behind: its send seems to start after the receive ended
     skewed = dict(PATTERN)
-    skewed[0] = [("F", 0.0, 2.0, 0.0, 0.0), ("SF", 2.7, 2.9, 0.0, 0.0), *PATTERN[0][2:]]
+    skewed[0] = [("F", 0.0, 2.65, 0.0, 0.0), ("SF", 2.7, 2.9, 0.0, 0.0), *PATTERN[0][2:]]
     accounting = account(run_traces(pattern=skewed), PLAN, skip=1)
     assert sum(accounting.categories.values()) == pytest.approx(10.0)
     assert accounting.categories["delivery"] == 0.0  # the receive ended "before" the send
