@@ -9,6 +9,8 @@ and never changes.
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -18,7 +20,7 @@ from pipedream.data import MicrobatchStream
 from pipedream.runtime.reference_executor import run_reference
 from pipedream.runtime.routing import sequential_ios
 from pipedream.runtime.stage_worker import StageWorker, TiedLinks, WorkerConfig
-from pipedream.schedules import PipelineSpec, build_tables
+from pipedream.schedules import Op, PipelineSpec, build_tables
 
 LR = 0.1
 
@@ -100,6 +102,47 @@ def test_forwards_on_stashed_versions_run_on_the_stash() -> None:
     _forbid_swaps(workers[1])
     run_reference(tables, workers, sequential_ios(2))
     assert live == {0: [False] * 4, 1: [True] * 4}
+
+
+def test_a_stashed_backward_frees_each_fresh_gradient_as_soon_as_it_is_added() -> None:
+    """On a stashed version, each weight gradient autograd computes is added to the live
+    ``.grad`` right away and freed, so the next layer's gradient reuses memory still in cache.
+    Taking them all with ``autograd.grad`` held every one of them (16 MiB on the mlp's stage)
+    until the end of the backward: about 10% slower backwards there."""
+    torch.manual_seed(0)
+    stage0 = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8))
+    spec = PipelineSpec("2bw", ((0,), (1,)), 2, 3)
+    table = build_tables(spec)[0]
+    worker = StageWorker(
+        WorkerConfig(stage=0, num_stages=2, microbatches=2),
+        stage0,
+        table,
+        optimizer_factory=lambda params: torch.optim.SGD(params, lr=LR),
+        loss_fn=nn.functional.mse_loss,
+        data=MicrobatchStream(_dataset(), 4, 0),
+    )
+    alive_at_next: list[bool] = []
+    fresh: list[weakref.ref] = []
+
+    def watch(grad: torch.Tensor) -> None:
+        if fresh:  # the gradient autograd computed before this one: still held?
+            alive_at_next.append(fresh[-1]() is not None)
+        fresh.append(weakref.ref(grad))
+
+    for position, action in enumerate(table):
+        if action.op is Op.FORWARD:
+            worker.forward(action, None)
+            if action.index == 3:  # minibatch 1's second microbatch: .grad exists by then
+                assert not worker._runs_live(action.version)
+                for name in ("0.weight", "2.weight"):
+                    worker._stash[3].params[name].register_hook(watch)
+        elif action.op is Op.BACKWARD:
+            worker.backward(action, [torch.ones(4, 8)])
+            worker.release(position + 1)
+        elif action.op is Op.UPDATE:
+            worker.update(position)
+    # 2.weight's gradient comes first; by the time 0.weight's is computed it is gone
+    assert alive_at_next == [False]
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "pipedream"])
