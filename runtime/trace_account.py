@@ -34,15 +34,15 @@ def sleep_ideal_ms(plan: Plan, *, source: str) -> dict[tuple[int, Op], float] | 
         plan.workload, plan.workload_args, microbatch_size=plan.microbatch_size, source=source
     )
     layout = stage_layout(workload, plan, source=source)
+    first = workload.model[0]  # its input needs no gradient
     ideal: dict[tuple[int, Op], float] = {}
     for stage in range(plan.num_stages):
         forward = backward = weight = 0.0
         for module in layout.build(stage).modules():
             if isinstance(module, SleepLayer):
-                first = module is workload.model[0] if len(workload.model) else False
                 forward += module.forward_s
                 backward += module.backward_s
-                weight += module.backward_s if first else module.weight_s
+                weight += module.backward_s if module is first else module.weight_s
         ideal[(stage, Op.FORWARD)] = forward * 1000
         ideal[(stage, Op.BACKWARD)] = backward * 1000
         ideal[(stage, Op.BACKWARD_INPUT)] = (backward - weight) * 1000

@@ -96,6 +96,8 @@ def run_command(args: argparse.Namespace) -> int:
     """``pipedream trace RUN_DIR [-o FILE] [--png FILE]``."""
     from pipedream.runtime import trace_plot
 
+    if args.skip is not None and args.plan is None:  # before anything is written
+        raise TraceError("--skip applies to the accounting: give the run's plan with --plan")
     traces = load_traces(args.run_dir)
     output = write_chrome_trace(traces, args.output or Path(args.run_dir) / "trace.json")
     count = sum(len(t.events) for t in traces)
@@ -119,6 +121,4 @@ def run_command(args: argparse.Namespace) -> int:
 
         plan = load_plan(args.plan)
         print(format_accounting(account_run(traces, plan, source=args.plan, skip=args.skip)))
-    elif args.skip is not None:
-        raise TraceError("--skip applies to the accounting: give the run's plan with --plan")
     return 0

@@ -138,6 +138,7 @@ def test_the_trace_verb_prints_the_accounting(tmp_path, capsys) -> None:
     assert "delivery" in out and "(sum)" in out
     assert main(["trace", str(run_dir), "--skip", "1", "-o", str(tmp_path / "t.json")]) == 2
     assert "--skip applies to the accounting" in capsys.readouterr().err
+    assert not (tmp_path / "t.json").exists()  # refused before anything is written
 
 
 def test_the_ideal_of_a_sleep_plan_comes_from_its_layers() -> None:

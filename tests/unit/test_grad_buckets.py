@@ -33,8 +33,10 @@ class Recorder:
         self.waited.append(work)
 
 
-def _worker(model: nn.Module, schedule: str, microbatches: int) -> tuple[StageWorker, list]:
-    table = build_tables(PipelineSpec(schedule, ((0,),), microbatches, 1))[0]
+def _worker(
+    model: nn.Module, schedule: str, microbatches: int, steps: int = 1
+) -> tuple[StageWorker, list]:
+    table = build_tables(PipelineSpec(schedule, ((0,),), microbatches, steps))[0]
     generator = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(16, 4, generator=generator), torch.randn(16, 2))
     worker = StageWorker(
@@ -48,6 +50,20 @@ def _worker(model: nn.Module, schedule: str, microbatches: int) -> tuple[StageWo
     return worker, table
 
 
+def _buckets(worker: StageWorker, recorder: Recorder, **sizes: int) -> GradientBuckets:
+    """The worker's trained parameters averaged over two "replicas" through ``recorder``."""
+    buckets = GradientBuckets(
+        worker.accumulations(),
+        None,
+        num_replicas=2,
+        wait=recorder.wait,
+        allreduce=recorder.allreduce,
+        **sizes,
+    )
+    worker.watch_gradients(buckets.accumulated)
+    return buckets
+
+
 def _model() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))  # 32 + 8, 16 + 2 numbers
@@ -59,16 +75,7 @@ def test_buckets_start_when_their_gradients_are_final_and_leave_the_mean() -> No
     recorder = Recorder()
     # 100 bytes per bucket, from the last parameter: 2.bias, 2.weight, 0.bias (104 B, 26
     # numbers) fill one; 0.weight (32 numbers) the next
-    buckets = GradientBuckets(
-        worker.accumulations(),
-        None,
-        num_replicas=2,
-        wait=recorder.wait,
-        bucket_bytes=100,
-        first_bucket_bytes=100,
-        allreduce=recorder.allreduce,
-    )
-    worker.watch_gradients(buckets.accumulated)
+    buckets = _buckets(worker, recorder, bucket_bytes=100, first_bucket_bytes=100)
     assert buckets.num_buckets == 2
     for action in table:
         if action.op is Op.FORWARD:
@@ -88,19 +95,9 @@ def test_updates_drop_the_gradients_and_buckets_copy_the_next_ones_in() -> None:
     """Between updates the gradients are None (no zeroing in place, no adding to zeros): the
     next minibatch's first backward leaves autograd's tensor, which its bucket copies in."""
     model = _model()
-    worker, _ = _worker(model, "1f1b", microbatches=1)
-    table = build_tables(PipelineSpec("1f1b", ((0,),), 1, 2))[0]  # F0 B0 U0 F1 B1 U1
-    worker.start_segment(table, initial_version=0)
+    worker, table = _worker(model, "1f1b", microbatches=1, steps=2)  # F0 B0 U0 F1 B1 U1
     recorder = Recorder()
-    buckets = GradientBuckets(
-        worker.accumulations(),
-        None,
-        num_replicas=2,
-        wait=recorder.wait,
-        first_bucket_bytes=1 << 20,
-        allreduce=recorder.allreduce,
-    )
-    worker.watch_gradients(buckets.accumulated)
+    buckets = _buckets(worker, recorder)  # one bucket: 58 numbers
     flat = buckets._buckets[0].flat
     for position, action in enumerate(table):
         if action.op is Op.FORWARD:
