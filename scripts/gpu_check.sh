@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check, for a machine with PyTorch and a CUDA GPU (no internet needed):
 #   1. installs pipedream into that Python without touching its packages (--no-deps);
-#   2. runs the GPU test tier (tests/gpu: one stage against a plain loop, the schedules'
-#      oracles, bf16, recomputation, checkpoint and resume, a tied Hugging Face model, with
-#      2-4 ranks sharing one GPU);
+#   2. runs the GPU test tier (tests/gpu: one stage against a plain loop and without a host
+#      synchronisation between its updates, the schedules' oracles, bf16, recomputation,
+#      checkpoint and resume, a tied Hugging Face model, with 2-4 ranks sharing one GPU);
 #   3. times one stage against a plain PyTorch loop on the same GPU (benchmarks/gpu_speed.py)
 #      and prints the table.
 #

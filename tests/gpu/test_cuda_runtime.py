@@ -1,6 +1,7 @@
-"""The runtime on CUDA: one stage against a plain PyTorch loop on the same GPU, and the
-schedules' oracles, bf16, recomputation, checkpoint and resume with 2-4 ranks sharing one GPU
-(``--device cuda-shared``, messages over gloo through pinned host memory).
+"""The runtime on CUDA: one stage against a plain PyTorch loop on the same GPU, its steady state
+without a host synchronisation (counted by PyTorch's GPU trace), and the schedules' oracles,
+bf16, recomputation, checkpoint and resume with 2-4 ranks sharing one GPU (``--device
+cuda-shared``, messages over gloo through pinned host memory).
 
 Tolerances. With ``--deterministic`` on both sides one stage computes what the plain loop
 computes, kernel for kernel: fp32 weights agree to 1e-5 (relative, per tensor). The schedules
@@ -22,7 +23,7 @@ from pipedream.runtime.checkpoint import load_full_state_dict
 from pipedream.runtime.train import make_deterministic
 from pipedream.workload import load_workload
 
-from launching import launch, straight_plan, write_plan
+from launching import launch, straight_plan, torchrun, write_plan
 from oracles import stale_oracle
 from plain_loop import plain_loop
 from runs import even_groups, max_rel_diff, train_and_load
@@ -30,16 +31,21 @@ from runs import even_groups, max_rel_diff, train_and_load
 GPT = {"layers": "2", "dim": "64", "heads": "4", "seq": "32", "samples": "512"}  # Adam
 MLP = {"layers": "5", "width": "16", "lr": "0.2"}
 SHARED = ("--device", "cuda-shared", "--deterministic")
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
 
 
-def _one_stage(tmp: Path, *, steps: int, precision: str) -> tuple[dict, list[float]]:
+def _one_stage_plan(tmp: Path) -> Path:
     layers = ["embed", "h0", "h1", "norm", "head"]
     plan = straight_plan(
         "gpt", [layers], microbatch_size=8, microbatches=2, schedule="1f1b", workload_args=GPT
     )
+    return write_plan(plan, tmp / "plan.yaml")
+
+
+def _one_stage(tmp: Path, *, steps: int, precision: str) -> tuple[dict, list[float]]:
     run = tmp / f"run-{precision}"
     result = launch(
-        write_plan(plan, tmp / "plan.yaml"),
+        _one_stage_plan(tmp),
         "--steps",
         str(steps),
         "--run-dir",
@@ -87,6 +93,43 @@ def test_one_stage_follows_the_plain_loop_in_bf16(tmp_path: Path) -> None:
     )
     assert losses == pytest.approx(want_losses, rel=2e-2)
     assert losses[-1] < losses[0]
+
+
+def test_one_stage_never_waits_for_the_gpu_between_updates(tmp_path: Path) -> None:
+    """No host synchronisation with the GPU in the steady state, so the host queues minibatches
+    ahead of the GPU as a plain loop does: between two updates of a lone stage (bf16, two
+    microbatches a minibatch) PyTorch's GPU trace reports no device, stream or event
+    synchronisation. A stream synchronisation is also what every blocking copy between host
+    and GPU does (``.item()``, ``.tolist()``, a copy from pageable memory). The end of the run
+    synchronises (its one read of the losses, the checkpoint), which shows the counting works."""
+    steps = 12  # fewer than GPU_READ_EVERY: the losses are read once, at the end
+    prefix = tmp_path / "syncs"
+    result = torchrun(
+        SUPPORT / "counting_syncs.py",
+        str(prefix),
+        "train",
+        str(_one_stage_plan(tmp_path)),
+        "--steps",
+        str(steps),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--device",
+        "cuda",
+        "--precision",
+        "bf16",
+        "--no-progress",
+        "--timeout",
+        "120",
+        nproc=1,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads(Path(f"{prefix}.rank0.json").read_text())
+    at = record["at_updates"]
+    assert len(at) == steps
+    between = [{kind: b[kind] - a[kind] for kind in a} for a, b in zip(at, at[1:])]
+    assert between == [{"device": 0, "stream": 0, "event": 0}] * (steps - 1)
+    assert record["total"]["stream"] > at[-1]["stream"]
 
 
 def _rule(schedule: str, num_stages: int):

@@ -22,6 +22,7 @@ __all__ = [
     "start_launch",
     "stop",
     "straight_plan",
+    "torchrun",
     "write_plan",
 ]
 
@@ -126,6 +127,14 @@ def launch(
 ) -> subprocess.CompletedProcess[str]:
     """``./launch.sh PLAN ARGS...`` with a hard timeout (``env`` adds variables)."""
     return _run(["bash", str(REPO / "launch.sh"), str(plan_path), *args], timeout, env)
+
+
+def torchrun(
+    script: Path, *args: str, nproc: int, timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
+    """``torchrun --standalone --nproc-per-node NPROC SCRIPT ARGS...`` with a hard timeout."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    return _run([*cmd, "--nproc-per-node", str(nproc), str(script), *args], timeout)
 
 
 def run_cli(

@@ -10,9 +10,11 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+import pytest
 import torch
 
-from pipedream.runtime.comm import P2P, _Receives
+from pipedream.runtime.comm import P2P, PeerTimeoutError, _Receives
+from pipedream.runtime.executor import wait_collective
 
 
 class _Work:
@@ -51,3 +53,26 @@ def test_gloo_waits_on_the_host_with_the_timeout() -> None:
     payload = _Work()
     p2p._wait_all(_Receives([torch.zeros(1)], [payload]), "a payload")
     assert payload.waits == [{"timeout": timedelta(seconds=7)}]
+
+
+def test_replica_allreduces_are_stream_waits_on_nccl_and_timed_host_waits_on_gloo() -> None:
+    """The buckets' allreduce waits (``wait_collective``): no timeout on NCCL (a timeout would
+    block the host until the GPU is done), the run's on gloo; a wait that times out or fails
+    names the rank and what it waited for."""
+    nccl, gloo = _Work(), _Work()
+    wait_collective(nccl, "the allreduce", rank=3, nccl=True, timeout=7)
+    wait_collective(gloo, "the allreduce", rank=3, nccl=False, timeout=7)
+    assert nccl.waits == [{}] and gloo.waits == [{"timeout": timedelta(seconds=7)}]
+
+    class _TimedOut(_Work):
+        def wait(self, **kwargs: Any) -> bool:
+            return False
+
+    class _Failed(_Work):
+        def wait(self, **kwargs: Any) -> bool:
+            raise RuntimeError("connection reset by peer")
+
+    with pytest.raises(PeerTimeoutError, match="rank 3: timed out waiting for the allreduce"):
+        wait_collective(_TimedOut(), "the allreduce", rank=3, nccl=False, timeout=7)
+    with pytest.raises(PeerTimeoutError, match="rank 3: the allreduce failed: connection reset"):
+        wait_collective(_Failed(), "the allreduce", rank=3, nccl=True, timeout=7)
