@@ -1,0 +1,108 @@
+"""The NCCL path with a GPU per rank (``--device cuda``): pipelines, replicated stages and split
+backwards against the reference executor, and a pipeline's steady state without a host
+synchronisation on any rank. Each test needs as many GPUs as its plan has ranks and is skipped,
+naming how many it needs, where the machine has fewer (one GPU runs the rest of the tier).
+
+Tolerance: the reference executor runs the same action tables in one process on the CPU, whose
+kernels sum in another order than cuBLAS's deterministic ones: 1e-4 (as the shared-GPU
+schedules in ``test_cuda_runtime.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from launching import straight_plan, torchrun, write_plan
+from reference_run import reference_weights
+from runs import max_rel_diff, train_and_load
+
+SGD = {"layers": "3", "width": "16", "lr": "0.2", "optimizer": "sgd", "momentum": "0.5"}
+TWO = [["0", "1"], ["2", "3"]]
+THREE = [["0"], ["1"], ["2", "3"]]
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
+
+
+def _needs_gpus(count: int) -> None:
+    have = torch.cuda.device_count()
+    if have < count:
+        pytest.skip(f"needs {count} GPUs for {count} NCCL ranks; this machine has {have}")
+
+
+@pytest.mark.parametrize(
+    ("stages", "replicas", "schedule", "m"),
+    [
+        (TWO, [1, 1], "pipedream", 1),
+        (TWO, [1, 1], "zb-h1", 4),  # split backwards
+        (TWO, [1, 2], "1f1b", 2),  # a replicated last stage: the bucketed allreduce on NCCL
+        (THREE, [2, 1, 1], "pipedream", 1),  # replicas under PipeDream's warm-up rule
+    ],
+    ids=["pipedream-2", "zb-h1-2", "1f1b-1-2", "pipedream-2-1-1"],
+)
+def test_nccl_pipelines_equal_the_reference_executor(
+    tmp_path: Path, stages: list[list[str]], replicas: list[int], schedule: str, m: int
+) -> None:
+    _needs_gpus(sum(replicas))
+    steps = 6
+    got = train_and_load(
+        tmp_path,
+        stages,
+        steps=steps,
+        schedule=schedule,
+        microbatches=m,
+        replicas=replicas,
+        workload_args=SGD,
+        extra=("--device", "cuda", "--deterministic"),
+    )
+    want, _ = reference_weights(
+        stages, replicas, schedule=schedule, microbatches=m, steps=steps, workload_args=SGD
+    )
+    assert max_rel_diff(got, want) < 1e-4
+
+
+def test_an_nccl_pipeline_never_waits_for_the_gpu_between_updates(tmp_path: Path) -> None:
+    """Two stages on two GPUs (1F1B, four microbatches a minibatch, bf16): between two updates
+    neither rank synchronises with its GPU (device, stream, blocking copy or event, counted by
+    PyTorch's GPU trace, ``tests/support/counting_syncs.py``). Their messages' payloads go
+    over NCCL with stream waits and their headers over gloo as host tensors. The first
+    minibatch (NCCL connects lazily) and the end of the run may synchronise."""
+    _needs_gpus(2)
+    steps = 10
+    args = {"layers": "2", "dim": "64", "heads": "4", "seq": "32", "samples": "512"}
+    plan = straight_plan(
+        "gpt",
+        [["embed", "h0"], ["h1", "norm", "head"]],
+        schedule="1f1b",
+        microbatches=4,
+        workload_args=args,
+    )
+    prefix = tmp_path / "syncs"
+    result = torchrun(
+        SUPPORT / "counting_syncs.py",
+        str(prefix),
+        "train",
+        str(write_plan(plan, tmp_path / "plan.yaml")),
+        "--steps",
+        str(steps),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--device",
+        "cuda",
+        "--precision",
+        "bf16",
+        "--no-progress",
+        "--timeout",
+        "120",
+        nproc=2,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 nccl processes, one GPU each" in result.stderr
+    for rank in (0, 1):
+        at = json.loads(Path(f"{prefix}.rank{rank}.json").read_text())["at_updates"]
+        assert len(at) == steps
+        between = [{kind: b[kind] - a[kind] for kind in a} for a, b in zip(at[1:], at[2:])]
+        assert between == [{"device": 0, "stream": 0, "event": 0}] * (steps - 2), rank
