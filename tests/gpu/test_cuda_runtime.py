@@ -23,7 +23,8 @@ from pipedream.runtime.checkpoint import load_full_state_dict
 from pipedream.runtime.train import make_deterministic
 from pipedream.workload import load_workload
 
-from launching import launch, straight_plan, torchrun, write_plan
+from counting_syncs import NONE, count_syncs
+from launching import launch, straight_plan, write_plan
 from oracles import stale_oracle
 from plain_loop import plain_loop
 from runs import even_groups, max_rel_diff, train_and_load
@@ -31,7 +32,6 @@ from runs import even_groups, max_rel_diff, train_and_load
 GPT = {"layers": "2", "dim": "64", "heads": "4", "seq": "32", "samples": "512"}  # Adam
 MLP = {"layers": "5", "width": "16", "lr": "0.2"}
 SHARED = ("--device", "cuda-shared", "--deterministic")
-SUPPORT = Path(__file__).resolve().parents[1] / "support"
 
 
 def _one_stage_plan(tmp: Path) -> Path:
@@ -103,33 +103,16 @@ def test_one_stage_never_waits_for_the_gpu_between_updates(tmp_path: Path) -> No
     and GPU does (``.item()``, ``.tolist()``, a copy from pageable memory). The end of the run
     synchronises (its one read of the losses, the checkpoint), which shows the counting works."""
     steps = 12  # fewer than GPU_READ_EVERY: the losses are read once, at the end
-    prefix = tmp_path / "syncs"
-    result = torchrun(
-        SUPPORT / "counting_syncs.py",
-        str(prefix),
-        "train",
-        str(_one_stage_plan(tmp_path)),
-        "--steps",
-        str(steps),
-        "--run-dir",
-        str(tmp_path / "run"),
-        "--device",
-        "cuda",
-        "--precision",
-        "bf16",
-        "--no-progress",
-        "--timeout",
-        "60",
+    result, (rank,) = count_syncs(
+        tmp_path,
+        _one_stage_plan(tmp_path),
+        *("--steps", str(steps), "--run-dir", str(tmp_path / "run"), "--device", "cuda"),
+        *("--precision", "bf16", "--no-progress", "--timeout", "60"),
         nproc=1,
-        timeout=150,  # a hung run costs the GPU machine's time,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    record = json.loads(Path(f"{prefix}.rank0.json").read_text())
-    at = record["at_updates"]
-    assert len(at) == steps
-    between = [{kind: b[kind] - a[kind] for kind in a} for a, b in zip(at, at[1:])]
-    assert between == [{"device": 0, "stream": 0, "event": 0}] * (steps - 1)
-    assert record["total"]["stream"] > at[-1]["stream"]
+    assert rank.between_updates == [NONE] * (steps - 1)
+    assert rank.after_last_update["stream"] > 0
 
 
 def _rule(schedule: str, num_stages: int):

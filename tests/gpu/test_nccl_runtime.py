@@ -10,20 +10,19 @@ schedules in ``test_cuda_runtime.py``).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from launching import straight_plan, torchrun, write_plan
+from counting_syncs import NONE, count_syncs
+from launching import straight_plan, write_plan
 from reference_run import reference_weights
 from runs import max_rel_diff, train_and_load
 
 SGD = {"layers": "3", "width": "16", "lr": "0.2", "optimizer": "sgd", "momentum": "0.5"}
 TWO = [["0", "1"], ["2", "3"]]
 THREE = [["0"], ["1"], ["2", "3"]]
-SUPPORT = Path(__file__).resolve().parents[1] / "support"
 
 
 def _needs_gpus(count: int) -> None:
@@ -79,30 +78,14 @@ def test_an_nccl_pipeline_never_waits_for_the_gpu_between_updates(tmp_path: Path
         microbatches=4,
         workload_args=args,
     )
-    prefix = tmp_path / "syncs"
-    result = torchrun(
-        SUPPORT / "counting_syncs.py",
-        str(prefix),
-        "train",
-        str(write_plan(plan, tmp_path / "plan.yaml")),
-        "--steps",
-        str(steps),
-        "--run-dir",
-        str(tmp_path / "run"),
-        "--device",
-        "cuda",
-        "--precision",
-        "bf16",
-        "--no-progress",
-        "--timeout",
-        "60",
+    result, ranks = count_syncs(
+        tmp_path,
+        write_plan(plan, tmp_path / "plan.yaml"),
+        *("--steps", str(steps), "--run-dir", str(tmp_path / "run"), "--device", "cuda"),
+        *("--precision", "bf16", "--no-progress", "--timeout", "60"),
         nproc=2,
-        timeout=150,  # a hung run costs the GPU machine's time,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 nccl processes, one GPU each" in result.stderr
-    for rank in (0, 1):
-        at = json.loads(Path(f"{prefix}.rank{rank}.json").read_text())["at_updates"]
-        assert len(at) == steps
-        between = [{kind: b[kind] - a[kind] for kind in a} for a, b in zip(at[1:], at[2:])]
-        assert between == [{"device": 0, "stream": 0, "event": 0}] * (steps - 2), rank
+    for rank in ranks:
+        assert rank.between_updates[1:] == [NONE] * (steps - 2)

@@ -11,16 +11,54 @@ and records the counts after every update of every stage, then writes
 ``OUT_PREFIX.rank<R>.json``: ``{"at_updates": [{"device": .., "stream": .., "event": ..},
 ...], "total": {...}}``. The differences between consecutive updates are the synchronisations of
 one minibatch. Without a GPU nothing is counted (every count stays 0).
+
+Tests call :func:`count_syncs`, which launches this entry and reads what it wrote.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from launching import torchrun
+
+NONE = {"device": 0, "stream": 0, "event": 0}
+"""The counts of a stretch without a synchronisation."""
+
+
+@dataclass(frozen=True)
+class RankSyncs:
+    """One rank's synchronisations: per minibatch from its first update on, and after it."""
+
+    between_updates: list[dict[str, int]]
+    """From each update to the next (one entry fewer than the updates)."""
+    after_last_update: dict[str, int]
+    """From the last update to the end of the process (reads, checkpoint, summary)."""
+
+
+def count_syncs(
+    tmp: Path, plan: Path, *train_args: str, nproc: int, timeout: float = 150
+) -> tuple[subprocess.CompletedProcess[str], list[RankSyncs]]:
+    """``pipedream train PLAN TRAIN_ARGS`` on ``nproc`` ranks, counting; each rank's counts.
+    ``timeout`` stops a hung run early (on a lent GPU its time is short)."""
+    prefix = tmp / "syncs"
+    result = torchrun(
+        Path(__file__), str(prefix), "train", str(plan), *train_args, nproc=nproc, timeout=timeout
+    )
+    ranks = []
+    for rank in range(nproc if result.returncode == 0 else 0):
+        record = json.loads(Path(f"{prefix}.rank{rank}.json").read_text())
+        at, total = record["at_updates"], record["total"]
+        between = [{kind: b[kind] - a[kind] for kind in a} for a, b in zip(at, at[1:])]
+        after = {kind: total[kind] - at[-1][kind] for kind in total} if at else dict(total)
+        ranks.append(RankSyncs(between, after))
+    return result, ranks
 
 
 def main(argv: list[str]) -> int:
