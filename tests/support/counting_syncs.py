@@ -63,7 +63,7 @@ def count_syncs(
 
 def main(argv: list[str]) -> int:
     prefix, cli_args = argv[0], argv[1:]
-    counts = {"device": 0, "stream": 0, "event": 0}
+    counts = dict(NONE)
     at_updates: list[dict[str, int]] = []
 
     def bump(kind: str):
