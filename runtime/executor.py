@@ -54,6 +54,11 @@ class LocalStage:
     allreduce action (None: not replicated)."""
 
 
+def _what(action: Action) -> str:
+    """An action in words, for what a wait names when it times out or fails."""
+    return f"the {action.describe()}"
+
+
 def wait_collective(work: Any, what: str, *, rank: int, nccl: bool, timeout: float) -> None:
     """Wait for an asynchronous collective: on NCCL a stream wait (a host wait with a timeout
     would block until the GPU is done), on gloo a host wait of at most ``timeout`` seconds."""
@@ -144,7 +149,6 @@ class Executor:
 
     def _execute(self, position: int, action: Action) -> None:
         op = action.op
-        what = f"the {action.describe()}"
         local = self.stages[action.stage]
         worker, io = local.worker, local.io
         if op in _RECVS:
@@ -153,7 +157,7 @@ class Executor:
                 return
             kind = _RECVS[op]
             tensors, tag = self.p2p.recv(
-                self._lane(kind, action.stage), action.index, action.peer, what=what
+                self._lane(kind, action.stage), action.index, action.peer, what=_what(action)
             )
             self._deliver((action.stage, kind, action.index), action.peer_stage, tensors, tag)
         elif op in _SENDS:
@@ -180,8 +184,8 @@ class Executor:
             tag = self._inbox_tags.pop(key, action.version * local.num_replicas)
             if self.check_versions and action.version != tag // local.num_replicas:
                 raise AssertionError(
-                    f"rank {self.rank}: {what} uses version {action.version} but the activations "
-                    f"carry weights covering {tag} minibatches (vertical sync broken)"
+                    f"rank {self.rank}: {_what(action)} uses version {action.version} but the "
+                    f"activations carry weights covering {tag} minibatches (vertical sync broken)"
                 )
             inputs = gather_inputs(io, received) if received is not None else None
             outputs = worker.forward(action, inputs)
@@ -211,9 +215,9 @@ class Executor:
             worker.backward_weight(action)
             worker.release(position + 1)
         elif op in _TIED:
-            self._tied(action, what)
+            self._tied(action, _what(action))
         elif op is Op.ALLREDUCE:
-            self._allreduce(local, what)
+            self._allreduce(local, _what(action))
         elif op is Op.UPDATE:
             worker.update(position)
             done, self._since_update[action.stage] = self._since_update[action.stage], []

@@ -139,6 +139,15 @@ class StageWorker:
         trained = [p for name, p in named.items() if name not in self._copies]
         # a stage without parameters of its own (or only copies) has nothing to step
         self.optimizer = optimizer_factory(trained) if trained else None
+        # Autograd makes a parameter's gradient accumulator when a graph first uses it and
+        # frees it with the graph: a plain loop keeps its graph (the loss) to the optimizer
+        # step and reuses them, but a stage's graph is gone when its backward returns. Holding
+        # them spares each forward a new accumulator per parameter, and the optimizer's
+        # multi-tensor ops a reference handover with the Python object (and its GIL) for each
+        # parameter: host work that a GPU step waits for when its kernels are short.
+        self._grad_accumulators = [
+            torch.autograd.graph.get_gradient_edge(p).node for p in trained if p.requires_grad
+        ]
         self.param_names = [name for name in named if name not in self._copies]
         self._call = ParameterSwap(self.module)
         splits = any(a.op is Op.BACKWARD_INPUT and a.stage == config.stage for a in table)

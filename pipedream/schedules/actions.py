@@ -92,6 +92,26 @@ class Op(enum.Enum):
         return self in RECEIVES
 
 
+_LONG_NAMES = {
+    Op.FORWARD: "forward of microbatch",
+    Op.BACKWARD: "backward of microbatch",
+    Op.BACKWARD_INPUT: "input-gradient backward of microbatch",
+    Op.BACKWARD_WEIGHT: "weight-gradient backward of microbatch",
+    Op.UPDATE: "optimizer update of minibatch",
+    Op.ALLREDUCE: "gradient allreduce of minibatch",
+    Op.RECV_ACT: "receive of the activations of microbatch",
+    Op.SEND_ACT: "send of the activations of microbatch",
+    Op.RECV_GRAD: "receive of the gradient of microbatch",
+    Op.SEND_GRAD: "send of the gradient of microbatch",
+    Op.SEND_TIED_GRAD: "send of the tied copies' gradient of update",
+    Op.RECV_TIED_GRAD: "receive of the tied copies' gradient of update",
+    Op.SEND_WEIGHTS: "send of the tied tensors' version",
+    Op.RECV_WEIGHTS: "receive of the tied tensors' version",
+}
+"""Each op in words, for :meth:`Action.describe` (built once: an action's description is
+formatted on the hot path only when a wait or an error needs it)."""
+
+
 @dataclass(frozen=True)
 class Action:
     """One step of one rank's table."""
@@ -116,23 +136,7 @@ class Action:
 
     def describe(self) -> str:
         """Long form for error messages: ``forward of microbatch 3 at stage 1``."""
-        names = {
-            Op.FORWARD: "forward of microbatch",
-            Op.BACKWARD: "backward of microbatch",
-            Op.BACKWARD_INPUT: "input-gradient backward of microbatch",
-            Op.BACKWARD_WEIGHT: "weight-gradient backward of microbatch",
-            Op.UPDATE: "optimizer update of minibatch",
-            Op.ALLREDUCE: "gradient allreduce of minibatch",
-            Op.RECV_ACT: "receive of the activations of microbatch",
-            Op.SEND_ACT: "send of the activations of microbatch",
-            Op.RECV_GRAD: "receive of the gradient of microbatch",
-            Op.SEND_GRAD: "send of the gradient of microbatch",
-            Op.SEND_TIED_GRAD: "send of the tied copies' gradient of update",
-            Op.RECV_TIED_GRAD: "receive of the tied copies' gradient of update",
-            Op.SEND_WEIGHTS: "send of the tied tensors' version",
-            Op.RECV_WEIGHTS: "receive of the tied tensors' version",
-        }
-        text = f"{names[self.op]} {self.index} at stage {self.stage}"
+        text = f"{_LONG_NAMES[self.op]} {self.index} at stage {self.stage}"
         if self.peer is not None:
             text += f" ({'from' if self.op.value.startswith('R') else 'to'} rank {self.peer})"
         return text

@@ -84,6 +84,21 @@ def test_a_lone_stage_runs_on_its_live_parameters_and_equals_a_plain_loop() -> N
         torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=name)
 
 
+def test_a_stage_keeps_its_gradient_accumulators_from_one_step_to_the_next() -> None:
+    """Autograd frees a parameter's gradient accumulator with the last graph that uses it; a
+    plain loop's graph lives to its optimizer step, a stage's ends with its backward. The
+    worker holds them, so no forward makes new ones and the optimizer never hands a parameter
+    back to its Python object alone (host work a GPU step waits for)."""
+    model = _model(frozen_bias=True)
+    workers, tables = _workers(model, "pipedream", [model], microbatches=1, steps=3)
+    edge = torch.autograd.graph.get_gradient_edge
+    trained = [p for p in model.parameters() if p.requires_grad]
+    for param in trained:
+        edge(param).node.metadata["mark"] = "first"  # lost if the accumulator is made anew
+    run_reference(tables, workers, sequential_ios(1))
+    assert [edge(p).node.metadata.get("mark") for p in trained] == ["first"] * 3
+
+
 def test_forwards_on_stashed_versions_run_on_the_stash() -> None:
     """PipeDream over two stages: the first stage has two microbatches in flight, so every
     backward of its comes after an update and every forward runs on a stashed version; the

@@ -135,6 +135,20 @@ def test_action_string_round_trip() -> None:
         assert str(parse_action(text)) == text
 
 
+def test_action_described_in_words_for_every_op() -> None:
+    assert Action(Op.FORWARD, 1, 3).describe() == "forward of microbatch 3 at stage 1"
+    assert (
+        Action(Op.RECV_GRAD, 0, 4, peer=2, peer_stage=1).describe()
+        == "receive of the gradient of microbatch 4 at stage 0 (from rank 2)"
+    )
+    assert (
+        Action(Op.SEND_WEIGHTS, 0, 1, peer=3, peer_stage=3).describe()
+        == "send of the tied tensors' version 1 at stage 0 (to rank 3)"
+    )
+    for op in Op:  # every op has its words
+        assert Action(op, 0, 0).describe().endswith(" 0 at stage 0")
+
+
 def test_deadlock_is_reported_with_grid() -> None:
     spec = straight("pipedream", 2, 2)
     tables = build_tables(spec)
