@@ -6,6 +6,8 @@ in its time per step. On a shared CPU host wall-clock time cannot resolve a 1% d
 instruction counts can: this script runs both sides under ``valgrind --tool=callgrind`` (which
 counts every instruction every thread executes) for ``W + N`` and ``W + 3N`` steps and takes the
 difference, so start-up, the warm-up and the end of the run (checkpoint, evaluation) cancel.
+The counts repeat to a few tenths of a percent of a step between runs (the stage's gloo
+threads, the memory allocator), where wall-clock time on a shared host varies by 10%.
 
 Both sides train the built-in ``gpt`` workload (narrow, so the host's work is a large part of a
 CPU step) with its Adam on the same microbatches, on the CPU in fp32: the plain loop as a
@@ -112,7 +114,9 @@ def count(side: str, layers: int, steps: int) -> int:
             extra: dict[str, str] = {}
         else:
             args, extra = stage_command(layers, steps, folder)
-        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **extra)
+        # one thread, and the same string hashes in every run (dict and set layouts)
+        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
+        env.update(extra)
         command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={folder / 'cg.out'}"]
         result = subprocess.run(
             [*command, sys.executable, *args],
