@@ -34,9 +34,8 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import yaml
+from common import REPO, plan_dict, write_plan
 
-REPO = Path(__file__).resolve().parents[1]
 MICROBATCH = 16
 COLLECTED = re.compile(r"Collected\s*:\s*(\d+)")
 
@@ -57,7 +56,6 @@ def plain_loop(layers: int, steps: int) -> None:
     """``steps`` steps of the plain loop (run under callgrind by :func:`count`)."""
     import torch
 
-    sys.path.insert(0, str(REPO))
     from pipedream.data import MicrobatchStream
     from pipedream.workload import load_workload
 
@@ -76,19 +74,15 @@ def plain_loop(layers: int, steps: int) -> None:
 
 def stage_command(layers: int, steps: int, folder: Path) -> tuple[list[str], dict[str, str]]:
     """The command and environment of ``pipedream train`` on a one-stage plan, one rank."""
-    plan = {
-        "format": "pipedream/plan@1",
-        "workload": "gpt",
-        "workload_args": workload_args(layers),
-        "schedule": "pipedream",
-        "microbatch_size": MICROBATCH,
-        "microbatches": 1,
-        "world_size": 1,
-        "stages": [{"first_layer": "embed", "last_layer": "head", "replicas": 1, "ranks": [0]}],
-        "layers": ["embed", *(f"h{i}" for i in range(layers)), "norm", "head"],
-    }
-    path = folder / "plan.yaml"
-    path.write_text(yaml.safe_dump(plan, sort_keys=False))
+    plan = plan_dict(
+        "gpt",
+        workload_args(layers),
+        [("embed", "head")],
+        schedule="pipedream",
+        microbatch_size=MICROBATCH,
+        microbatches=1,
+    )
+    path = write_plan(plan, folder / "plan.yaml")
     with socket.socket() as probe:  # a free loopback port for the one-rank rendezvous
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
