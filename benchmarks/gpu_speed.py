@@ -15,7 +15,9 @@ assertions: speed is measured, not tested.
 A bf16 step of this model is bound by the host's kernel launches, so its time depends on where
 the host threads run: unpinned on a 16-core host the same loop took anywhere from 24 to 39 ms
 per step from one process to the next. Both sides therefore run on the same ``--cpus`` cores
-(default: one), this process pinned to them and the torchrun processes inheriting it.
+(default: one), this process pinned to them and the torchrun processes inheriting it, with one
+intra-op thread each. The two sides take any device, so the test suite runs this comparison on
+the CPU with a small model (``tests/unit/test_gpu_speed.py``) and a GPU session finds it working.
 
     python benchmarks/gpu_speed.py [--steps 40] [--warmup 10] [--cpus 1] [--out FILE.md]
 """
@@ -25,17 +27,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from common import plan_dict, run_command, write_plan  # noqa: E402
 
 from pipedream.data import MicrobatchStream  # noqa: E402
 from pipedream.model_io import to_device  # noqa: E402
@@ -53,50 +55,54 @@ ARGS = {
 MICROBATCH = 16
 
 
-def plain_loop(precision: str, *, warmup: int, steps: int) -> tuple[float, list[float]]:
-    """(ms per step, the loss of every step) of the plain loop."""
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def plain_loop(
+    precision: str, *, device: str, args: dict[str, str], warmup: int, steps: int
+) -> tuple[float, list[float]]:
+    """(ms per step, the loss of every step) of the plain loop of the ``gpt`` workload with
+    ``args`` on ``device``."""
     torch.manual_seed(0)
-    workload = load_workload("gpt", ARGS, microbatch_size=MICROBATCH)
-    device = torch.device("cuda")
-    model = workload.model.to(device)
+    workload = load_workload("gpt", args, microbatch_size=MICROBATCH)
+    where = torch.device(device)
+    model = workload.model.to(where)
     optimizer = workload.optimizer(model.parameters())
     data = MicrobatchStream(workload.dataset, MICROBATCH, 0)
     losses = []
     start = 0.0
     for step in range(warmup + steps):
         if step == warmup:
-            torch.cuda.synchronize()
+            _synchronize(where)
             start = time.perf_counter()
-        inputs, targets = (to_device(t, device) for t in data.microbatch(step))
-        with torch.autocast("cuda", torch.bfloat16, enabled=precision == "bf16"):
+        inputs, targets = (to_device(t, where) for t in data.microbatch(step))
+        with torch.autocast(where.type, torch.bfloat16, enabled=precision == "bf16"):
             output = model(inputs)
         loss = workload.loss_fn(output.float(), targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         losses.append(loss.detach())
-    torch.cuda.synchronize()
+    _synchronize(where)
     return (time.perf_counter() - start) * 1000 / steps, [float(x) for x in losses]
 
 
 def one_stage(
-    precision: str, *, warmup: int, steps: int, folder: Path
+    precision: str, *, device: str, args: dict[str, str], warmup: int, steps: int, folder: Path
 ) -> tuple[float, list[float], float]:
-    """(ms per step, the loss of every step, busy fraction) of the runtime on one GPU."""
-    layers = ["embed", *(f"h{i}" for i in range(12)), "norm", "head"]
-    plan = {
-        "format": "pipedream/plan@1",
-        "workload": "gpt",
-        "workload_args": ARGS,
-        "schedule": "pipedream",
-        "microbatch_size": MICROBATCH,
-        "microbatches": 1,
-        "world_size": 1,
-        "stages": [{"first_layer": "embed", "last_layer": "head", "replicas": 1, "ranks": [0]}],
-        "layers": layers,
-    }
-    path = folder / f"plan-{precision}.yaml"
-    path.write_text(yaml.safe_dump(plan, sort_keys=False))
+    """(ms per step, the loss of every step, busy fraction) of the runtime training the same
+    model as one stage, launched by torchrun on ``device``."""
+    plan = plan_dict(
+        "gpt",
+        args,
+        [("embed", "head")],
+        schedule="pipedream",
+        microbatch_size=MICROBATCH,
+        microbatches=1,
+    )
+    path = write_plan(plan, folder / f"plan-{precision}.yaml")
     run = folder / f"run-{precision}"
     command = [
         sys.executable,
@@ -109,20 +115,12 @@ def one_stage(
         "pipedream.cli",
         "train",
         str(path),
-        "--steps",
-        str(warmup + steps),
-        "--run-dir",
-        str(run),
-        "--device",
-        "cuda",
-        "--precision",
-        precision,
-        "--no-progress",
+        *("--steps", str(warmup + steps), "--run-dir", str(run)),
+        *("--device", device, "--precision", precision, "--no-progress"),
     ]
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    result = run_command(command, timeout=900, env={"PYTHONPATH": str(REPO)})
     if result.returncode != 0:
-        raise SystemExit(f"pipedream train failed:\n{result.stderr[-3000:]}")
+        raise SystemExit(f"pipedream train failed:\n{result.output[-3000:]}")
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     times = [line["time_s"] for line in lines]
     per_step = (times[-1] - times[warmup - 1]) * 1000 / steps
@@ -131,14 +129,40 @@ def one_stage(
 
 
 def pin_to(count: int) -> str:
-    """Pin this process (and what it starts) to the first ``count`` cores it may use."""
+    """Pin this process (and what it starts) to the first ``count`` cores it may use, with one
+    intra-op thread as the runtime's side has (``OMP_NUM_THREADS=1``)."""
     available = sorted(os.sched_getaffinity(0))
     if not 1 <= count <= len(available):
         raise SystemExit(f"gpu_speed.py: --cpus {count}: this process may use {len(available)}")
     chosen = available[:count]
     os.sched_setaffinity(0, chosen)
-    torch.set_num_threads(count)
+    torch.set_num_threads(1)
     return ",".join(map(str, chosen))
+
+
+def compare(
+    precision: str, *, device: str, args: dict[str, str], warmup: int, steps: int, folder: Path
+) -> tuple[str, dict[str, list[float]]]:
+    """The table row of one precision (plain loop, then one stage) and both loss curves."""
+    plain_ms, plain_losses = plain_loop(
+        precision, device=device, args=args, warmup=warmup, steps=steps
+    )
+    stage_ms, stage_losses, busy = one_stage(
+        precision, device=device, args=args, warmup=warmup, steps=steps, folder=folder
+    )
+    gap = max(abs(a - b) / abs(b) for a, b in zip(stage_losses, plain_losses, strict=True))
+    row = (
+        f"| {precision} | {plain_ms:.2f} | {stage_ms:.2f} | {stage_ms / plain_ms:.3f} "
+        f"| {plain_losses[-1]:.3f} | {stage_losses[-1]:.3f} | {gap:.1e} | {busy:.0%} |"
+    )
+    return row, {"plain": plain_losses, "stage": stage_losses}
+
+
+HEADER = (
+    "| precision | plain loop ms/step | one stage ms/step | stage / plain "
+    "| plain loss | stage loss | largest loss gap | stage busy |\n"
+    "| --- | --- | --- | --- | --- | --- | --- | --- |"
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,29 +175,26 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("gpu_speed.py: no CUDA GPU here")
     cpus = pin_to(args.cpus)
-    rows = []
+    rows: list[str] = []
     curves: dict[str, dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory() as folder:
         for precision in ("fp32", "bf16"):
-            plain_ms, plain_losses = plain_loop(precision, warmup=args.warmup, steps=args.steps)
-            stage_ms, stage_losses, busy = one_stage(
-                precision, warmup=args.warmup, steps=args.steps, folder=Path(folder)
+            row, curves[precision] = compare(
+                precision,
+                device="cuda",
+                args=ARGS,
+                warmup=args.warmup,
+                steps=args.steps,
+                folder=Path(folder),
             )
-            curves[precision] = {"plain": plain_losses, "stage": stage_losses}
-            gap = max(abs(a - b) / abs(b) for a, b in zip(stage_losses, plain_losses, strict=True))
-            rows.append(
-                f"| {precision} | {plain_ms:.2f} | {stage_ms:.2f} | {stage_ms / plain_ms:.3f} "
-                f"| {plain_losses[-1]:.3f} | {stage_losses[-1]:.3f} | {gap:.1e} | {busy:.0%} |"
-            )
+            rows.append(row)
     table = "\n".join(
         [
             f"gpt 12x768, seq 256, vocab 256, microbatch {MICROBATCH}, Adam; {args.warmup} "
             f"warm-up + {args.steps} timed steps on {torch.cuda.get_device_name()} "
-            f"(torch {torch.__version__}); both sides on cores {cpus}",
+            f"(torch {torch.__version__}); both sides on cores {cpus}, one torch thread each",
             "",
-            "| precision | plain loop ms/step | one stage ms/step | stage / plain "
-            "| plain loss | stage loss | largest loss gap | stage busy |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            HEADER,
             *rows,
             "",
             "Losses are each side's after the last step; the largest loss gap is the largest "
