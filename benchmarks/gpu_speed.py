@@ -118,7 +118,7 @@ def one_stage(
         *("--steps", str(warmup + steps), "--run-dir", str(run)),
         *("--device", device, "--precision", precision, "--no-progress"),
     ]
-    result = run_command(command, timeout=900, env={"PYTHONPATH": str(REPO)})
+    result = run_command(command, timeout=300, env={"PYTHONPATH": str(REPO)})
     if result.returncode != 0:
         raise SystemExit(f"pipedream train failed:\n{result.output[-3000:]}")
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -100,8 +100,9 @@ def test_one_stage_never_waits_for_the_gpu_between_updates(tmp_path: Path) -> No
     ahead of the GPU as a plain loop does: between two updates of a lone stage (bf16, two
     microbatches a minibatch) PyTorch's GPU trace reports no device, stream or event
     synchronisation. A stream synchronisation is also what every blocking copy between host
-    and GPU does (``.item()``, ``.tolist()``, a copy from pageable memory). The end of the run
-    synchronises (its one read of the losses, the checkpoint), which shows the counting works."""
+    and GPU does (``.item()``, ``.tolist()``, a ``.to()`` without ``non_blocking``). The end of
+    the run synchronises (its one read of the losses, the checkpoint), which shows the counting
+    works."""
     steps = 12  # fewer than GPU_READ_EVERY: the losses are read once, at the end
     result, (rank,) = count_syncs(
         tmp_path,

@@ -5,12 +5,17 @@
 
 PyTorch reports each synchronisation to the callbacks of its GPU trace (the hooks its CUDA
 sanitizer uses): a device synchronisation, a stream synchronisation (also every blocking copy
-between host and GPU: ``.item()``, ``.tolist()``, ``.cpu()``, a copy from pageable memory)
-and an event synchronisation. This entry counts the three kinds from the start of the process
-and records the counts after every update of every stage, then writes
-``OUT_PREFIX.rank<R>.json``: ``{"at_updates": [{"device": .., "stream": .., "event": ..},
-...], "total": {...}}``. The differences between consecutive updates are the synchronisations of
-one minibatch. Without a GPU nothing is counted (every count stays 0).
+between host and GPU: ``.item()``, ``.tolist()``, ``.cpu()``, a ``.to()`` without
+``non_blocking``) and an event synchronisation. Not counted: what the host waits for inside
+CUDA without PyTorch seeing it (a ``non_blocking`` copy from pageable memory, ``cudaHostAlloc``
+for a new pinned block, the caching allocator's frees, waits inside NCCL or gloo, a full launch
+queue).
+
+This entry counts the three kinds from the start of the process and records the counts after
+every update of every stage, then writes ``OUT_PREFIX.rank<R>.json``: ``{"at_updates":
+[{"device": .., "stream": .., "event": ..}, ...], "total": {...}}``. The differences between
+consecutive updates are the synchronisations of one minibatch. Without a GPU nothing is
+counted (every count stays 0).
 
 Tests call :func:`count_syncs`, which launches this entry and reads what it wrote.
 """
