@@ -10,10 +10,12 @@ and never changes.
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import TensorDataset
 
 from pipedream.data import MicrobatchStream
@@ -80,6 +82,47 @@ def test_a_lone_stage_runs_on_its_live_parameters_and_equals_a_plain_loop() -> N
         optimizer.zero_grad()
         nn.functional.mse_loss(want(inputs), targets).backward()
         optimizer.step()
+    for (name, got), expected in zip(model.state_dict().items(), want.state_dict().values()):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=name)
+
+
+class _CountingOps(TorchDispatchMode):
+    """Counts the operators that compute (not views): on a GPU, each launches a kernel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(("schedule", "microbatches"), [("pipedream", 1), ("1f1b", 3)])
+def test_a_lone_stage_computes_what_a_plain_loop_does_operator_for_operator(
+    schedule: str, microbatches: int
+) -> None:
+    """A GPU step of a small model is paced by the host's kernel launches, so a lone stage
+    computes no operator a plain loop does not: the same operators, as often (the stage once
+    divided a one-microbatch loss by 1, two kernels a step)."""
+    model, want = _model(), _model()
+    workers, tables = _workers(model, schedule, [model], microbatches, steps=3)
+    with _CountingOps() as stage:
+        run_reference(tables, workers, sequential_ios(1))
+
+    data = MicrobatchStream(_dataset(), 4, 0)
+    optimizer = torch.optim.SGD(want.parameters(), lr=LR)
+    with _CountingOps() as plain:
+        for step in range(3):
+            optimizer.zero_grad()
+            for index in range(step * microbatches, (step + 1) * microbatches):
+                inputs, targets = data.microbatch(index)
+                loss = nn.functional.mse_loss(want(inputs), targets)
+                (loss / microbatches if microbatches > 1 else loss).backward()
+            optimizer.step()
+    assert stage.ops == plain.ops
+    assert plain.ops["aten.div.Tensor"] == (0 if microbatches == 1 else 2 * 3 * microbatches)
     for (name, got), expected in zip(model.state_dict().items(), want.state_dict().values()):
         torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=name)
 
