@@ -38,6 +38,8 @@ class _Update:
     microbatches: list[int]
     losses: list[Tensor]
     issued: float
+    cpu: float
+    """The issuing thread's CPU time at the update (``time.thread_time()``)."""
 
 
 class LossLog:
@@ -56,7 +58,9 @@ class LossLog:
         if losses:
             microbatches = [microbatch for microbatch, _ in losses]
             tensors = [loss for _, loss in losses]
-            self._pending.append(_Update(step, microbatches, tensors, time.perf_counter()))
+            self._pending.append(
+                _Update(step, microbatches, tensors, time.perf_counter(), time.thread_time())
+            )
         if len(self._pending) >= self.read_every:
             self.read()
 
@@ -77,4 +81,6 @@ class LossLog:
                         f"(minibatch {microbatch // self.microbatches})"
                     )
             if self.logger is not None:
-                self.logger.log(update.step, sum(values) / len(values), at=update.issued)
+                self.logger.log(
+                    update.step, sum(values) / len(values), at=update.issued, cpu_at=update.cpu
+                )

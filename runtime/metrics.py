@@ -30,7 +30,10 @@ class MetricsLogger:
         self.samples_per_step = samples_per_step
         self.stream = stream
         self.start = time.perf_counter()
+        self.start_cpu = time.thread_time()
         self.step_times: list[float] = []
+        self.step_cpu: list[float] = []
+        """The CPU time of the thread that issues the updates, at each update (``thread_time``)."""
         self.losses: list[float] = []
         self._bar: Any = None
         self._every = max(1, total_steps // 10)
@@ -46,11 +49,15 @@ class MetricsLogger:
         extra: dict[str, Any] | None = None,
         *,
         at: float | None = None,
+        cpu_at: float | None = None,
     ) -> None:
         """One update's line; ``at``: when the update was issued (``time.perf_counter()``;
-        default: now)."""
+        default: now), ``cpu_at``: the issuing thread's CPU time then (``time.thread_time()``;
+        default: now, on the calling thread)."""
         now = time.perf_counter() if at is None else at
+        cpu = time.thread_time() if cpu_at is None else cpu_at
         self.step_times.append(now)
+        self.step_cpu.append(cpu)
         self.losses.append(loss)
         elapsed = now - self.start
         rate = len(self.step_times) * self.samples_per_step / max(elapsed, 1e-9)
@@ -58,6 +65,7 @@ class MetricsLogger:
             "step": step,
             "loss": loss,
             "time_s": round(elapsed, 4),
+            "cpu_s": round(cpu - self.start_cpu, 4),
             "samples_per_s": round(rate, 2),
             **(extra or {}),
         }
@@ -84,11 +92,22 @@ class MetricsLogger:
 
     def time_per_step_ms(self) -> float | None:
         """Steady-state time per minibatch: median gap between updates in the second half."""
-        times = self.step_times[len(self.step_times) // 2 :]
-        gaps = [b - a for a, b in zip(times, times[1:])]
-        return statistics.median(gaps) * 1000 if gaps else None
+        return _steady_gap_ms(self.step_times)
+
+    def host_cpu_per_step_ms(self) -> float | None:
+        """Steady-state CPU time of the issuing thread per minibatch (median gap between
+        updates in the second half). On a GPU, where the host only queues work, it nearing
+        :meth:`time_per_step_ms` says the host's launches set the pace, not the GPU."""
+        return _steady_gap_ms(self.step_cpu)
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
         self._file.close()
+
+
+def _steady_gap_ms(values: list[float]) -> float | None:
+    """The median gap between consecutive values of the second half, in milliseconds."""
+    later = values[len(values) // 2 :]
+    gaps = [b - a for a, b in zip(later, later[1:])]
+    return statistics.median(gaps) * 1000 if gaps else None

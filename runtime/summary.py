@@ -81,6 +81,7 @@ def report(
     """Print the summary on stderr and write ``summary.json``; returns the summary. The
     workload's evaluation runs on ``device`` (the reporting rank's; default the CPU)."""
     measured = logger.time_per_step_ms()
+    host_cpu = logger.host_cpu_per_step_ms()
     predicted = plan.prediction.time_per_minibatch_ms if plan.prediction else None
     first = logger.losses[0] if logger.losses else float("nan")
     final = logger.losses[-1] if logger.losses else float("nan")
@@ -88,6 +89,7 @@ def report(
         "minibatches": steps,
         "wall_time_s": round(elapsed, 3),
         "time_per_minibatch_ms_measured": round(measured, 3) if measured else None,
+        "host_cpu_ms_per_minibatch": round(host_cpu, 3) if host_cpu is not None else None,
         "time_per_minibatch_ms_predicted": predicted,
         "first_loss": first,
         "final_loss": final,
@@ -100,7 +102,11 @@ def report(
     lines = [
         f"done: {steps} minibatches in {elapsed:.1f} s; loss {first:.4f} -> {final:.4f}",
         "time per minibatch: "
-        + (f"{measured:.2f} ms measured (steady state)" if measured else "n/a measured")
+        + (
+            f"{measured:.2f} ms measured (steady state; the host thread's CPU {host_cpu:.2f} ms)"
+            if measured and host_cpu is not None
+            else "n/a measured"
+        )
         + (
             f", {predicted:.2f} ms predicted by the plan"
             if predicted is not None

@@ -1,0 +1,39 @@
+"""``metrics.jsonl``'s times: when each update was issued and the CPU time of the thread that
+issued it, taken at the update even where its loss is read later (on a GPU, in batches)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipedream.runtime import loss_log, metrics
+from pipedream.runtime.loss_log import LossLog
+from pipedream.runtime.metrics import MetricsLogger
+
+
+def test_each_line_has_the_times_of_its_update_not_of_its_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = {"wall": 100.0, "cpu": 50.0}
+    for module in (loss_log, metrics):
+        monkeypatch.setattr(module.time, "perf_counter", lambda: clock["wall"])
+        monkeypatch.setattr(module.time, "thread_time", lambda: clock["cpu"])
+    logger = MetricsLogger(tmp_path / "m.jsonl", total_steps=6, samples_per_step=4, progress=False)
+    log = LossLog(logger, microbatches=1, device=torch.device("cuda"))  # read in batches
+    for step, (wall, cpu) in enumerate([(10, 4), (10, 6), (20, 6), (10, 6), (10, 6), (10, 6)]):
+        clock["wall"] += wall / 1000
+        clock["cpu"] += cpu / 1000
+        log.add(step, [(step, torch.tensor(float(step)))])
+    clock["wall"] += 5.0  # the read happens much later
+    clock["cpu"] += 1.0
+    log.read()
+    logger.close()
+    lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [line["time_s"] for line in lines] == [0.01, 0.02, 0.04, 0.05, 0.06, 0.07]
+    assert [line["cpu_s"] for line in lines] == [0.004, 0.01, 0.016, 0.022, 0.028, 0.034]
+    # the steady state: the gaps between the last three updates
+    assert logger.time_per_step_ms() == pytest.approx(10.0)
+    assert logger.host_cpu_per_step_ms() == pytest.approx(6.0)
