@@ -8,9 +8,10 @@ through pinned memory without waiting, bf16 by ``torch.autocast``), the runtime 
 ``--steps`` timed ones: the plain loop from a synchronised start to a synchronised end, the
 runtime between the issue times of its updates in ``metrics.jsonl`` (a step is issued once the
 GPU has room for it, so in the steady state their spacing is the GPU's pace). Printed as a
-table with the ratio of the two, each side's loss after the last step and how far apart
-their losses were at any step (the curves go to ``--out``'s ``.json`` beside it). No
-assertions: speed is measured, not tested.
+table with the ratio of the two, the CPU time per step of the thread that issues the steps on
+each side (the pinned bf16 gap was this thread's own work), each side's loss after the last
+step and how far apart their losses were at any step (the curves go to ``--out``'s ``.json``
+beside it). No assertions: speed is measured, not tested.
 
 A bf16 step of this model is bound by the host's kernel launches, so its time depends on where
 the host threads run: unpinned on a 16-core host the same loop took anywhere from 24 to 39 ms
@@ -27,9 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -60,11 +63,25 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@dataclass(frozen=True)
+class Side:
+    """What one side measured over its timed steps."""
+
+    ms_per_step: float
+    host_cpu_ms_per_step: float
+    """The median CPU time per step of the thread that issues the steps (``thread_time``)."""
+    losses: list[float]
+    """Every step's loss, the warm-up's included."""
+
+
+def _median_gap_ms(values: list[float]) -> float:
+    return statistics.median(b - a for a, b in zip(values, values[1:])) * 1000
+
+
 def plain_loop(
     precision: str, *, device: str, args: dict[str, str], warmup: int, steps: int
-) -> tuple[float, list[float]]:
-    """(ms per step, the loss of every step) of the plain loop of the ``gpt`` workload with
-    ``args`` on ``device``."""
+) -> Side:
+    """The plain loop of the ``gpt`` workload with ``args`` on ``device``."""
     torch.manual_seed(0)
     workload = load_workload("gpt", args, microbatch_size=MICROBATCH)
     where = torch.device(device)
@@ -72,11 +89,13 @@ def plain_loop(
     optimizer = workload.optimizer(model.parameters())
     data = MicrobatchStream(workload.dataset, MICROBATCH, 0)
     losses = []
+    cpu = []  # the thread's CPU time after issuing each timed step, and before the first
     start = 0.0
     for step in range(warmup + steps):
         if step == warmup:
             _synchronize(where)
             start = time.perf_counter()
+            cpu.append(time.thread_time())
         inputs, targets = (to_device(t, where) for t in data.microbatch(step))
         with torch.autocast(where.type, torch.bfloat16, enabled=precision == "bf16"):
             output = model(inputs)
@@ -85,15 +104,18 @@ def plain_loop(
         loss.backward()
         optimizer.step()
         losses.append(loss.detach())
+        if step >= warmup:
+            cpu.append(time.thread_time())
     _synchronize(where)
-    return (time.perf_counter() - start) * 1000 / steps, [float(x) for x in losses]
+    ms = (time.perf_counter() - start) * 1000 / steps
+    return Side(ms, _median_gap_ms(cpu), [float(x) for x in losses])
 
 
 def one_stage(
     precision: str, *, device: str, args: dict[str, str], warmup: int, steps: int, folder: Path
-) -> tuple[float, list[float], float]:
-    """(ms per step, the loss of every step, busy fraction) of the runtime training the same
-    model as one stage, launched by torchrun on ``device``."""
+) -> tuple[Side, float]:
+    """The runtime training the same model as one stage, launched by torchrun on ``device``,
+    and the stage's busy fraction."""
     plan = plan_dict(
         "gpt",
         args,
@@ -122,10 +144,11 @@ def one_stage(
     if result.returncode != 0:
         raise SystemExit(f"pipedream train failed:\n{result.output[-3000:]}")
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    times = [line["time_s"] for line in lines]
-    per_step = (times[-1] - times[warmup - 1]) * 1000 / steps
+    timed = lines[warmup - 1 :]  # from the last warm-up update's issue to the last one's
+    ms = (timed[-1]["time_s"] - timed[0]["time_s"]) * 1000 / steps
+    side = Side(ms, _median_gap_ms([line["cpu_s"] for line in timed]), [x["loss"] for x in lines])
     summary = json.loads((run / "summary.json").read_text())
-    return per_step, [line["loss"] for line in lines], summary["ranks"][0]["busy_fraction"]
+    return side, summary["ranks"][0]["busy_fraction"]
 
 
 def pin_to(count: int) -> str:
@@ -144,24 +167,25 @@ def compare(
     precision: str, *, device: str, args: dict[str, str], warmup: int, steps: int, folder: Path
 ) -> tuple[str, dict[str, list[float]]]:
     """The table row of one precision (plain loop, then one stage) and both loss curves."""
-    plain_ms, plain_losses = plain_loop(
-        precision, device=device, args=args, warmup=warmup, steps=steps
-    )
-    stage_ms, stage_losses, busy = one_stage(
+    plain = plain_loop(precision, device=device, args=args, warmup=warmup, steps=steps)
+    stage, busy = one_stage(
         precision, device=device, args=args, warmup=warmup, steps=steps, folder=folder
     )
-    gap = max(abs(a - b) / abs(b) for a, b in zip(stage_losses, plain_losses, strict=True))
+    gap = max(abs(a - b) / abs(b) for a, b in zip(stage.losses, plain.losses, strict=True))
     row = (
-        f"| {precision} | {plain_ms:.2f} | {stage_ms:.2f} | {stage_ms / plain_ms:.3f} "
-        f"| {plain_losses[-1]:.3f} | {stage_losses[-1]:.3f} | {gap:.1e} | {busy:.0%} |"
+        f"| {precision} | {plain.ms_per_step:.2f} | {stage.ms_per_step:.2f} "
+        f"| {stage.ms_per_step / plain.ms_per_step:.3f} | {plain.host_cpu_ms_per_step:.2f} "
+        f"| {stage.host_cpu_ms_per_step:.2f} | {plain.losses[-1]:.3f} | {stage.losses[-1]:.3f} "
+        f"| {gap:.1e} | {busy:.0%} |"
     )
-    return row, {"plain": plain_losses, "stage": stage_losses}
+    return row, {"plain": plain.losses, "stage": stage.losses}
 
 
 HEADER = (
     "| precision | plain loop ms/step | one stage ms/step | stage / plain "
+    "| plain host CPU ms/step | stage host CPU ms/step "
     "| plain loss | stage loss | largest loss gap | stage busy |\n"
-    "| --- | --- | --- | --- | --- | --- | --- | --- |"
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 )
 
 
@@ -197,8 +221,10 @@ def main(argv: list[str] | None = None) -> int:
             HEADER,
             *rows,
             "",
-            "Losses are each side's after the last step; the largest loss gap is the largest "
-            "relative difference of the two sides' losses at the same step, over all steps.",
+            "Host CPU is the median CPU time per step of the thread that issues the steps (on "
+            "a GPU, near the time per step the host's launches set the pace). Losses are each "
+            "side's after the last step; the largest loss gap is the largest relative "
+            "difference of the two sides' losses at the same step, over all steps.",
         ]
     )
     print(table)
