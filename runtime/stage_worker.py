@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -96,6 +97,9 @@ class _Stashed:
     outputs: list[Tensor] = field(default_factory=list)
     params: dict[str, Tensor] = field(default_factory=dict)
     loss: Tensor | None = None
+    targets: Any = None
+    """With recomputation, on the last stage: the microbatch's targets on the device, for the
+    recomputed loss (read once, as without recomputation)."""
     copies: dict[str, Tensor] = field(default_factory=dict)
     """With recomputation: the tied copies' values the forward used (a new version may come
     before the backward)."""
@@ -172,6 +176,9 @@ class StageWorker:
         self.losses: dict[int, Tensor] = {}
         """Unscaled loss of each microbatch (last stage only; detached, on the device, so that
         logging does not synchronise with the GPU after every microbatch)."""
+        self._targets: dict[int, Any] = {}
+        """Targets read with their microbatch's inputs, until its loss takes them (a lone
+        stage)."""
 
     # -- helpers ---------------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager[None]:
@@ -217,8 +224,11 @@ class StageWorker:
     def _inputs(self, microbatch: int, received: list[Tensor] | None) -> list[Tensor]:
         if self.config.is_first:
             assert self.data is not None
-            inputs = self.model_io.flatten_inputs(self.data.inputs(microbatch))
-            return to_device(inputs, self.config.device)
+            if self.config.is_last:  # a lone stage: one read of the samples, as a plain loop
+                raw, self._targets[microbatch] = self.data.microbatch(microbatch)
+            else:
+                raw = self.data.inputs(microbatch)
+            return to_device(self.model_io.flatten_inputs(raw), self.config.device)
         assert received is not None
         wanted = self.input_grads or (True,) * len(received)
         assert len(wanted) == len(received), (len(wanted), len(received))
@@ -226,8 +236,16 @@ class StageWorker:
             t.detach().requires_grad_(w and t.is_floating_point()) for t, w in zip(received, wanted)
         ]
 
-    def _loss(self, microbatch: int, outputs: list[Tensor]) -> Tensor:
-        """The workload's (unscaled) loss of a microbatch; the last stage reads its targets.
+    def _read_targets(self, microbatch: int) -> Any:
+        """The targets of a microbatch on the device (the last stage)."""
+        assert self.data is not None
+        raw = self._targets.pop(microbatch, None)  # read with the inputs (a lone stage)
+        if raw is None:
+            raw = self.data.targets(microbatch)
+        return to_device(raw, self.config.device)
+
+    def _loss(self, microbatch: int, outputs: list[Tensor], targets: Any) -> Tensor:
+        """The workload's (unscaled) loss of a microbatch.
 
         With ``skip_nonfinite`` a non-finite loss is replaced by a constant zero at once: the
         microbatch then contributes a zero gradient to every stage while the schedule runs on
@@ -235,8 +253,6 @@ class StageWorker:
         :class:`~pipedream.runtime.loss_log.LossLog` checks the losses in batches and stops the
         run at the first non-finite one (:class:`NonFiniteLossError`).
         """
-        assert self.data is not None
-        targets = to_device(self.data.targets(microbatch), self.config.device)
         loss = self.loss_fn(self.model_io.unflatten_outputs(outputs), targets)
         if self.config.skip_nonfinite and not bool(torch.isfinite(loss.detach())):
             self.skipped.add(microbatch)
@@ -271,7 +287,8 @@ class StageWorker:
             with torch.no_grad():
                 outputs = self._run(params, inputs)
                 if self.config.is_last:
-                    loss = self._loss(action.index, outputs)
+                    stash.targets = self._read_targets(action.index)
+                    loss = self._loss(action.index, outputs, stash.targets)
                     if action.index not in self.skipped:
                         self.losses[action.index] = loss
         else:
@@ -282,7 +299,7 @@ class StageWorker:
             stash.record = record
             stash.outputs = outputs
             if self.config.is_last:
-                stash.loss = self._loss(action.index, outputs)
+                stash.loss = self._loss(action.index, outputs, self._read_targets(action.index))
                 if action.index not in self.skipped:
                     self.losses[action.index] = stash.loss.detach()
         self._stash[action.index] = stash
@@ -384,7 +401,7 @@ class StageWorker:
                 stash.outputs = self._run(None if stash.live else stash.params, stash.inputs)
             stash.record = record
             if self.config.is_last:
-                stash.loss = self._loss(index, stash.outputs)
+                stash.loss = self._loss(index, stash.outputs, stash.targets)
         if self.config.is_last:
             assert stash.loss is not None
             # The minibatch's loss is the mean over its microbatches. Dividing by one would

@@ -1,10 +1,11 @@
-"""Forwards on the live parameters, and parameters the user froze.
+"""Forwards on the live parameters, parameters the user froze, and a lone stage as a plain loop.
 
 A forward whose weight version is the live weights themselves (nothing updates them before its
 backward) runs on the module's own parameters, as a plain loop does, and its backward lets
 autograd add the gradients to their ``.grad``. Forwards on a stashed version keep running on
 that version's tensors. Either way a parameter with ``requires_grad=False`` gets no gradient
-and never changes.
+and never changes. A lone stage computes the operators a plain loop computes and reads each
+sample once, as a plain loop does.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 from pipedream.data import MicrobatchStream
 from pipedream.runtime.reference_executor import run_reference
@@ -42,19 +43,44 @@ def _model(*, frozen_bias: bool = False) -> nn.Sequential:
     return model
 
 
+class _CountingReads(Dataset):
+    """:func:`_dataset`'s samples, read through ``__getitem__`` as a user's dataset is, and
+    counted."""
+
+    def __init__(self) -> None:
+        self.samples = _dataset()
+        self.reads = 0
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        self.reads += 1
+        return self.samples[index]
+
+
 def _workers(
-    model: nn.Sequential, schedule: str, stages: list[nn.Module], microbatches: int, steps: int
+    model: nn.Sequential,
+    schedule: str,
+    stages: list[nn.Module],
+    microbatches: int,
+    steps: int,
+    *,
+    dataset: Dataset | None = None,
+    recompute: bool = False,
 ) -> tuple[dict[int, StageWorker], list]:
     spec = PipelineSpec(schedule, tuple((s,) for s in range(len(stages))), microbatches, steps)
     tables = build_tables(spec)
     workers = {
         s: StageWorker(
-            WorkerConfig(stage=s, num_stages=len(stages), microbatches=microbatches),
+            WorkerConfig(
+                stage=s, num_stages=len(stages), microbatches=microbatches, recompute=recompute
+            ),
             module,
             tables[s],
             optimizer_factory=lambda params: torch.optim.SGD(params, lr=LR),
             loss_fn=nn.functional.mse_loss,
-            data=MicrobatchStream(_dataset(), 4, 0),
+            data=MicrobatchStream(_dataset() if dataset is None else dataset, 4, 0),
         )
         for s, module in enumerate(stages)
     }
@@ -123,6 +149,36 @@ def test_a_lone_stage_computes_what_a_plain_loop_does_operator_for_operator(
             optimizer.step()
     assert stage.ops == plain.ops
     assert plain.ops["aten.div.Tensor"] == (0 if microbatches == 1 else 2 * 3 * microbatches)
+    for (name, got), expected in zip(model.state_dict().items(), want.state_dict().values()):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=name)
+
+
+def _cut(model: nn.Sequential, at: int | None) -> list[nn.Module]:
+    return [model] if at is None else [model[:at], model[at:]]
+
+
+@pytest.mark.parametrize(
+    ("schedule", "microbatches", "recompute", "cut"),
+    [("pipedream", 1, False, None), ("1f1b", 3, False, None), ("1f1b", 3, True, None)]
+    + [("1f1b", 3, True, 2), ("pipedream", 1, True, 2)],
+)
+def test_each_stage_reads_each_sample_once(
+    schedule: str, microbatches: int, recompute: bool, cut: int | None
+) -> None:
+    """A stage reads a microbatch's samples once, as a plain loop does: a lone stage takes
+    its inputs and targets from one read (it read them apart, twice the work of a plain loop on
+    a user's dataset), and a last stage that recomputes its forward keeps the targets it read
+    for the recomputed loss (it read them again). Training is unchanged."""
+    model, want = _model(), _model()
+    dataset = _CountingReads()  # read by the first stage (inputs) and the last (targets)
+    workers, tables = _workers(
+        model, schedule, _cut(model, cut), microbatches, 3, dataset=dataset, recompute=recompute
+    )
+    run_reference(tables, workers, sequential_ios(len(tables)))
+    assert dataset.reads == len(tables) * 3 * microbatches * 4  # steps x microbatches x samples
+
+    reference, _ = _workers(want, schedule, _cut(want, cut), microbatches, 3, recompute=recompute)
+    run_reference(tables, reference, sequential_ios(len(tables)))
     for (name, got), expected in zip(model.state_dict().items(), want.state_dict().values()):
         torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=name)
 
