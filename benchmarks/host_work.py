@@ -15,10 +15,17 @@ careful user writes it, the runtime as ``pipedream train`` of a one-stage plan, 
 (started directly, with the variables torchrun would set). Printed as a table: instructions per
 step on each side and the stage's excess. No assertions: speed is measured, not tested.
 
+``--dim 8 --seq 4`` leaves next to no compute in a step: then nearly all of it is the host's
+work (Python, the dispatcher, the optimizer's bookkeeping), as in a launch-bound GPU step, and
+the ratio is the stage's host work against the plain loop's. On a GPU each operator also costs
+a kernel launch, the same on both sides (a lone stage runs the plain loop's operators), so
+there the ratio is lower still.
+
 Needs valgrind (Debian: ``apt-get install valgrind``); about 10 minutes on 2 cores with the
 defaults (callgrind runs a program about 50 times slower).
 
-    python benchmarks/host_work.py [--layers 12] [--steps 10] [--warmup 10] [--out FILE.md]
+    python benchmarks/host_work.py [--layers 12] [--dim 32] [--seq 16] [--steps 10] [--warmup 10]
+                                   [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from common import REPO, plan_dict, write_plan
@@ -40,19 +48,33 @@ MICROBATCH = 16
 COLLECTED = re.compile(r"Collected\s*:\s*(\d+)")
 
 
-def workload_args(layers: int) -> dict[str, str]:
-    return {
-        "layers": str(layers),
-        "dim": "32",
-        "heads": "4",
-        "seq": "16",
-        "vocab": "64",
-        "samples": "256",
-        "lr": "1e-3",
-    }
+@dataclass(frozen=True)
+class Model:
+    """The ``gpt`` both sides train: ``layers`` blocks of width ``dim`` on sequences of ``seq``."""
+
+    layers: int = 12
+    dim: int = 32
+    seq: int = 16
+
+    def workload_args(self) -> dict[str, str]:
+        return {
+            "layers": str(self.layers),
+            "dim": str(self.dim),
+            "heads": str(max(1, self.dim // 8)),
+            "seq": str(self.seq),
+            "vocab": "64",
+            "samples": "256",
+            "lr": "1e-3",
+        }
+
+    def argv(self) -> list[str]:
+        return [str(self.layers), str(self.dim), str(self.seq)]
+
+    def __str__(self) -> str:
+        return f"gpt {self.layers}x{self.dim}, seq {self.seq}, vocab 64"
 
 
-def plain_loop(layers: int, steps: int) -> None:
+def plain_loop(model: Model, steps: int) -> None:
     """``steps`` steps of the plain loop (run under callgrind by :func:`count`)."""
     import torch
 
@@ -60,23 +82,23 @@ def plain_loop(layers: int, steps: int) -> None:
     from pipedream.workload import load_workload
 
     torch.manual_seed(0)
-    workload = load_workload("gpt", workload_args(layers), microbatch_size=MICROBATCH)
-    model = workload.model
-    optimizer = workload.optimizer(model.parameters())
+    workload = load_workload("gpt", model.workload_args(), microbatch_size=MICROBATCH)
+    module = workload.model
+    optimizer = workload.optimizer(module.parameters())
     data = MicrobatchStream(workload.dataset, MICROBATCH, 0)
     for step in range(steps):
         inputs, targets = data.microbatch(step)
-        loss = workload.loss_fn(model(inputs), targets)
+        loss = workload.loss_fn(module(inputs), targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
 
 
-def stage_command(layers: int, steps: int, folder: Path) -> tuple[list[str], dict[str, str]]:
+def stage_command(model: Model, steps: int, folder: Path) -> tuple[list[str], dict[str, str]]:
     """The command and environment of ``pipedream train`` on a one-stage plan, one rank."""
     plan = plan_dict(
         "gpt",
-        workload_args(layers),
+        model.workload_args(),
         [("embed", "head")],
         schedule="pipedream",
         microbatch_size=MICROBATCH,
@@ -99,15 +121,15 @@ def stage_command(layers: int, steps: int, folder: Path) -> tuple[list[str], dic
     return command, env
 
 
-def count(side: str, layers: int, steps: int) -> int:
+def count(side: str, model: Model, steps: int) -> int:
     """Instructions callgrind counts over a whole run of ``side`` for ``steps`` steps."""
     with tempfile.TemporaryDirectory(prefix="host-work-") as tmp:
         folder = Path(tmp)
         if side == "plain":
-            args = [__file__, "--child-plain", str(layers), str(steps)]
+            args = [__file__, "--child-plain", *model.argv(), str(steps)]
             extra: dict[str, str] = {}
         else:
-            args, extra = stage_command(layers, steps, folder)
+            args, extra = stage_command(model, steps, folder)
         # one thread, and the same string hashes in every run (dict and set layouts)
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
         env.update(extra)
@@ -138,6 +160,8 @@ def per_step(short: int, long: int, extra_steps: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=12, help="transformer blocks of the gpt")
+    parser.add_argument("--dim", type=int, default=32, help="its width (8: next to no compute)")
+    parser.add_argument("--seq", type=int, default=16, help="its sequence length")
     parser.add_argument("--steps", type=int, default=10, help="N: runs of W + N and W + 3N")
     parser.add_argument("--warmup", type=int, default=10, help="W")
     parser.add_argument("--out", type=Path, default=None, help="also write the table here")
@@ -148,11 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     short, long = args.warmup + args.steps, args.warmup + 3 * args.steps
     runs = [(side, steps) for side in ("plain", "stage") for steps in (short, long)]
     with ThreadPoolExecutor(max_workers=2) as pool:  # one callgrind per core of a 2-core host
-        counted = dict(zip(runs, pool.map(lambda run: count(run[0], args.layers, run[1]), runs)))
+        model = Model(args.layers, args.dim, args.seq)
+        counted = dict(zip(runs, pool.map(lambda run: count(run[0], model, run[1]), runs)))
     plain = per_step(counted["plain", short], counted["plain", long], long - short)
     stage = per_step(counted["stage", short], counted["stage", long], long - short)
     lines = [
-        f"gpt {args.layers}x32, seq 16, vocab 64, microbatch {MICROBATCH}, Adam, fp32 on the CPU;"
+        f"{model}, microbatch {MICROBATCH}, Adam, fp32 on the CPU;"
         f" instructions per step from runs of {short} and {long} steps under callgrind",
         "",
         "| | instructions per step | stage / plain |",
@@ -170,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--child-plain":
-        plain_loop(int(sys.argv[2]), int(sys.argv[3]))
+    if len(sys.argv) == 6 and sys.argv[1] == "--child-plain":
+        layers, dim, seq, steps = (int(a) for a in sys.argv[2:])
+        plain_loop(Model(layers, dim, seq), steps)
     else:
         raise SystemExit(main())

@@ -22,7 +22,7 @@ def test_doctests() -> None:
 
 
 def test_the_stage_side_is_one_rank_training_every_layer(tmp_path: Path, capsys) -> None:
-    command, env = host_work.stage_command(3, 25, tmp_path)
+    command, env = host_work.stage_command(host_work.Model(layers=3), 25, tmp_path)
     plan = load_plan(tmp_path / "plan.yaml")
     assert [s.first_layer for s in plan.stages] == ["embed"]
     assert [s.last_layer for s in plan.stages] == ["head"]
