@@ -148,10 +148,12 @@ class StageWorker:
         # step and reuses them, but a stage's graph is gone when its backward returns. Holding
         # them spares each forward a new accumulator per parameter, and the optimizer's
         # multi-tensor ops a reference handover with the Python object (and its GIL) for each
-        # parameter: host work that a GPU step waits for when its kernels are short.
-        self._grad_accumulators = [
-            torch.autograd.graph.get_gradient_edge(p).node for p in trained if p.requires_grad
-        ]
+        # parameter: host work that a GPU step waits for when its kernels are short. They are
+        # held by a graph of their own, one scalar per parameter, as a plain loop's graph
+        # holds them: held through Python objects of their own (``get_gradient_edge(p).node``),
+        # every forward's use of one would take the GIL to count a reference to that object.
+        with torch.enable_grad():
+            self._grad_accumulators = [p.sum() for p in trained if p.requires_grad]
         self.param_names = [name for name in named if name not in self._copies]
         self._call = ParameterSwap(self.module)
         splits = any(a.op is Op.BACKWARD_INPUT and a.stage == config.stage for a in table)
