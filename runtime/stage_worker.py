@@ -153,7 +153,7 @@ class StageWorker:
         # holds them: held through Python objects of their own (``get_gradient_edge(p).node``),
         # every forward's use of one would take the GIL to count a reference to that object.
         with torch.enable_grad():
-            self._grad_accumulators = [p.sum() for p in trained if p.requires_grad]
+            self._accumulator_graph = [p.sum() for p in trained if p.requires_grad]
         self.param_names = [name for name in named if name not in self._copies]
         self._call = ParameterSwap(self.module)
         splits = any(a.op is Op.BACKWARD_INPUT and a.stage == config.stage for a in table)
