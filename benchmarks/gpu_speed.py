@@ -222,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
             *rows,
             "",
             "Host CPU is the median CPU time per step of the thread that issues the steps (on "
-            "a GPU, near the time per step the host's launches set the pace). Losses are each "
+            "a GPU, near the time per step the host's launches set the pace; the backward's "
+            "launches run on autograd's own thread, on neither side counted). Losses are each "
             "side's after the last step; the largest loss gap is the largest relative "
             "difference of the two sides' losses at the same step, over all steps.",
         ]
