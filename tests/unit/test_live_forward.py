@@ -159,8 +159,13 @@ def _cut(model: nn.Sequential, at: int | None) -> list[nn.Module]:
 
 @pytest.mark.parametrize(
     ("schedule", "microbatches", "recompute", "cut"),
-    [("pipedream", 1, False, None), ("1f1b", 3, False, None), ("1f1b", 3, True, None)]
-    + [("1f1b", 3, True, 2), ("pipedream", 1, True, 2)],
+    [
+        ("pipedream", 1, False, None),
+        ("1f1b", 3, False, None),
+        ("1f1b", 3, True, None),
+        ("1f1b", 3, True, 2),
+        ("pipedream", 1, True, 2),
+    ],
 )
 def test_each_stage_reads_each_sample_once(
     schedule: str, microbatches: int, recompute: bool, cut: int | None
