@@ -9,9 +9,9 @@ through pinned memory without waiting, bf16 by ``torch.autocast``), the runtime 
 runtime between the issue times of its updates in ``metrics.jsonl`` (a step is issued once the
 GPU has room for it, so in the steady state their spacing is the GPU's pace). Printed as a
 table with the ratio of the two, the CPU time per step of the thread that issues the steps on
-each side (the pinned bf16 gap was this thread's own work), each side's loss after the last
-step and how far apart their losses were at any step (the curves go to ``--out``'s ``.json``
-beside it). No assertions: speed is measured, not tested.
+each side (whether a gap is the runtime's own host work), each side's loss after the last step
+and how far apart their losses were at any step (the curves go to ``--out``'s ``.json`` beside
+it). No assertions: speed is measured, not tested.
 
 A bf16 step of this model is bound by the host's kernel launches, so its time depends on where
 the host threads run: unpinned on a 16-core host the same loop took anywhere from 24 to 39 ms
