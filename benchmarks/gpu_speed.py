@@ -11,7 +11,9 @@ GPU has room for it, so in the steady state their spacing is the GPU's pace). Pr
 table with the ratio of the two, the CPU time per step of the thread that issues the steps on
 each side (whether a gap is the runtime's own host work), each side's loss after the last step
 and how far apart their losses were at any step (the curves go to ``--out``'s ``.json`` beside
-it). No assertions: speed is measured, not tested.
+it). Each precision is compared ``--rounds`` times (default 2), the plain loop first in odd
+rounds and last in even ones, so that every ratio is measured twice against its peer in one
+run. No assertions: speed is measured, not tested.
 
 A bf16 step of this model is bound by the host's kernel launches, so its time depends on where
 the host threads run: unpinned on a 16-core host the same loop took anywhere from 24 to 39 ms
@@ -20,7 +22,8 @@ per step from one process to the next. Both sides therefore run on the same ``--
 intra-op thread each. The two sides take any device, so the test suite runs this comparison on
 the CPU with a small model (``tests/unit/test_gpu_speed.py``) and a GPU session finds it working.
 
-    python benchmarks/gpu_speed.py [--steps 40] [--warmup 10] [--cpus 1] [--out FILE.md]
+    python benchmarks/gpu_speed.py [--steps 40] [--warmup 10] [--cpus 1] [--rounds 2]
+                                   [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -163,60 +166,76 @@ def pin_to(count: int) -> str:
     return ",".join(map(str, chosen))
 
 
+@dataclass(frozen=True)
+class Comparison:
+    """One round of one precision: its table row, the ratio, and both sides' loss curves."""
+
+    row: str
+    ratio: float
+    """The stage's time per step over the plain loop's."""
+    curves: dict[str, list[float]]
+
+
 def compare(
-    precision: str, *, device: str, args: dict[str, str], warmup: int, steps: int, folder: Path
-) -> tuple[str, dict[str, list[float]]]:
-    """The table row of one precision (plain loop, then one stage) and both loss curves."""
-    plain = plain_loop(precision, device=device, args=args, warmup=warmup, steps=steps)
-    stage, busy = one_stage(
-        precision, device=device, args=args, warmup=warmup, steps=steps, folder=folder
-    )
+    precision: str,
+    *,
+    device: str,
+    args: dict[str, str],
+    warmup: int,
+    steps: int,
+    folder: Path,
+    round_: int = 1,
+) -> Comparison:
+    """Round ``round_`` of one precision: the plain loop and one stage, the plain loop first
+    in odd rounds and second in even ones (so that a drift of the machine over the run, its
+    clocks warming or a neighbour's load, does not always favour the same side)."""
+    run_dir = folder / f"round-{round_}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    def run_plain() -> Side:
+        return plain_loop(precision, device=device, args=args, warmup=warmup, steps=steps)
+
+    def run_stage() -> tuple[Side, float]:
+        return one_stage(
+            precision, device=device, args=args, warmup=warmup, steps=steps, folder=run_dir
+        )
+
+    if round_ % 2:
+        plain = run_plain()
+        stage, busy = run_stage()
+    else:
+        stage, busy = run_stage()
+        plain = run_plain()
     gap = max(abs(a - b) / abs(b) for a, b in zip(stage.losses, plain.losses, strict=True))
+    ratio = stage.ms_per_step / plain.ms_per_step
     row = (
-        f"| {precision} | {plain.ms_per_step:.2f} | {stage.ms_per_step:.2f} "
-        f"| {stage.ms_per_step / plain.ms_per_step:.3f} | {plain.host_cpu_ms_per_step:.2f} "
+        f"| {precision} | {round_} | {plain.ms_per_step:.2f} | {stage.ms_per_step:.2f} "
+        f"| {ratio:.3f} | {plain.host_cpu_ms_per_step:.2f} "
         f"| {stage.host_cpu_ms_per_step:.2f} | {plain.losses[-1]:.3f} | {stage.losses[-1]:.3f} "
         f"| {gap:.1e} | {busy:.0%} |"
     )
-    return row, {"plain": plain.losses, "stage": stage.losses}
+    return Comparison(row, ratio, {"plain": plain.losses, "stage": stage.losses})
 
 
 HEADER = (
-    "| precision | plain loop ms/step | one stage ms/step | stage / plain "
+    "| precision | round | plain loop ms/step | one stage ms/step | stage / plain "
     "| plain host CPU ms/step | stage host CPU ms/step "
     "| plain loss | stage loss | largest loss gap | stage busy |\n"
-    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--cpus", type=int, default=1, help="cores both sides run on")
-    parser.add_argument("--out", type=Path, default=None, help="also write the table here")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("gpu_speed.py: no CUDA GPU here")
-    cpus = pin_to(args.cpus)
-    rows: list[str] = []
-    curves: dict[str, dict[str, list[float]]] = {}
-    with tempfile.TemporaryDirectory() as folder:
-        for precision in ("fp32", "bf16"):
-            row, curves[precision] = compare(
-                precision,
-                device="cuda",
-                args=ARGS,
-                warmup=args.warmup,
-                steps=args.steps,
-                folder=Path(folder),
-            )
-            rows.append(row)
-    table = "\n".join(
+def report(title: str, comparisons: dict[str, list[Comparison]]) -> str:
+    """The printed table: ``title``, a row per precision and round, what the columns mean, and
+    each precision's ratios round by round."""
+    rows = [c.row for done in comparisons.values() for c in done]
+    ratios = "; ".join(
+        f"{precision} " + ", ".join(f"{c.ratio:.3f}" for c in done)
+        for precision, done in comparisons.items()
+    )
+    return "\n".join(
         [
-            f"gpt 12x768, seq 256, vocab 256, microbatch {MICROBATCH}, Adam; {args.warmup} "
-            f"warm-up + {args.steps} timed steps on {torch.cuda.get_device_name()} "
-            f"(torch {torch.__version__}); both sides on cores {cpus}, one torch thread each",
+            title,
             "",
             HEADER,
             *rows,
@@ -225,12 +244,55 @@ def main(argv: list[str] | None = None) -> int:
             "a GPU, near the time per step the host's launches set the pace; the backward's "
             "launches run on autograd's own thread, on neither side counted). Losses are each "
             "side's after the last step; the largest loss gap is the largest relative "
-            "difference of the two sides' losses at the same step, over all steps.",
+            "difference of the two sides' losses at the same step, over all steps. Each "
+            "round runs both sides again, the plain loop first in odd rounds and last in even "
+            "ones.",
+            "",
+            f"stage / plain by round: {ratios}",
         ]
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--cpus", type=int, default=1, help="cores both sides run on")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="times each precision is compared (default 2)"
+    )
+    parser.add_argument("--out", type=Path, default=None, help="also write the table here")
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        raise SystemExit(f"gpu_speed.py: --rounds {args.rounds}: give 1 or more")
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_speed.py: no CUDA GPU here")
+    cpus = pin_to(args.cpus)
+    comparisons: dict[str, list[Comparison]] = {"fp32": [], "bf16": []}
+    with tempfile.TemporaryDirectory() as folder:
+        for round_ in range(1, args.rounds + 1):
+            for precision, done in comparisons.items():
+                done.append(
+                    compare(
+                        precision,
+                        device="cuda",
+                        args=ARGS,
+                        warmup=args.warmup,
+                        steps=args.steps,
+                        folder=Path(folder),
+                        round_=round_,
+                    )
+                )
+    title = (
+        f"gpt 12x768, seq 256, vocab 256, microbatch {MICROBATCH}, Adam; {args.warmup} "
+        f"warm-up + {args.steps} timed steps on {torch.cuda.get_device_name()} "
+        f"(torch {torch.__version__}); both sides on cores {cpus}, one torch thread each"
+    )
+    table = report(title, comparisons)
     print(table)
     if args.out is not None:
         args.out.write_text(table + "\n")
+        curves = {p: [c.curves for c in done] for p, done in comparisons.items()}
         args.out.with_suffix(".json").write_text(json.dumps(curves, indent=1) + "\n")
     return 0
 
