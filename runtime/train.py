@@ -120,14 +120,17 @@ def _check_options(options: TrainOptions, plan: Plan) -> None:
 def make_deterministic() -> None:
     """Deterministic kernels (``--deterministic``): the same run gives the same numbers, also on
     a GPU. cuBLAS needs its workspace setting before its first use; attention runs the plain
-    (math) kernel, whose backward is deterministic; an operation that has no deterministic
-    kernel warns instead of stopping the run."""
+    (math) kernel, whose backward is deterministic (the flash, memory-efficient and cuDNN ones
+    are off: their backwards are not, and with the first two off a bf16 attention on a Hopper
+    GPU would run cuDNN's); an operation that has no deterministic kernel warns instead of
+    stopping the run."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cudnn.benchmark = False
     if torch.cuda.is_available():
         torch.backends.cuda.enable_flash_sdp(False)
         torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def train(options: TrainOptions) -> int:
