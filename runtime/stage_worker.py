@@ -28,6 +28,7 @@ from pipedream.graph.placement import place_module
 from pipedream.model_io import ModelIO, to_device
 from pipedream.runtime.backward_split import BackwardSplit, Deferred, weight_gradients
 from pipedream.runtime.parameter_swap import ParameterSwap
+from pipedream.runtime.rng_state import RngState, capture, replayed
 from pipedream.runtime.weight_versions import WeightVersions, accumulate_grads
 from pipedream.schedules import Action, Op
 
@@ -103,6 +104,9 @@ class _Stashed:
     copies: dict[str, Tensor] = field(default_factory=dict)
     """With recomputation: the tied copies' values the forward used (a new version may come
     before the backward)."""
+    rng: RngState | None = None
+    """With recomputation: the random generators' state the forward started from, so that the
+    recomputed forward draws the same numbers (dropout masks)."""
     record: Deferred | None = None
     """Split backwards: the module outputs the forward recorded."""
     deferred: dict[nn.Module, list[Tensor]] = field(default_factory=dict)
@@ -285,6 +289,7 @@ class StageWorker:
         if self.config.recompute:
             # keep only the inputs; backward recomputes the forward on the same version
             stash.copies = {name: p.detach() for name, p in self._copies.items()}
+            stash.rng = capture(self.config.device)
             params = None if live else {**self.versions.get(action.version), **stash.copies}
             with torch.no_grad():
                 outputs = self._run(params, inputs)
@@ -399,11 +404,13 @@ class StageWorker:
         if self.config.recompute:
             if not stash.live:
                 stash.params = self._leaf_params(stash.version, stash.copies)
-            with self._recording() as record:
-                stash.outputs = self._run(None if stash.live else stash.params, stash.inputs)
-            stash.record = record
-            if self.config.is_last:
-                stash.loss = self._loss(index, stash.outputs, stash.targets)
+            assert stash.rng is not None
+            with replayed(stash.rng):  # the forward's random draws (dropout masks) again
+                with self._recording() as record:
+                    stash.outputs = self._run(None if stash.live else stash.params, stash.inputs)
+                stash.record = record
+                if self.config.is_last:
+                    stash.loss = self._loss(index, stash.outputs, stash.targets)
         if self.config.is_last:
             assert stash.loss is not None
             # The minibatch's loss is the mean over its microbatches. Dividing by one would

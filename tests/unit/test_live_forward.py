@@ -302,3 +302,32 @@ def test_a_frozen_tied_parameter_takes_no_gradient_from_its_copies() -> None:
     owner.add_copy_gradients(1, [torch.ones(8, 4), torch.ones(8)])
     assert model[0].bias.grad is None
     assert torch.equal(model[0].weight.grad, torch.ones(8, 4))
+
+
+@pytest.mark.parametrize(
+    ("schedule", "microbatches", "cut"), [("1f1b", 3, 2), ("pipedream", 1, None)]
+)
+def test_a_recomputed_forward_draws_what_the_forward_drew(
+    schedule: str, microbatches: int, cut: int | None
+) -> None:
+    """``--recompute`` runs each forward again for its backward: with dropout, the recomputed
+    forward must draw the masks the forward drew (it drew new ones, so the gradients were those
+    of another network than the one whose outputs were sent), and leave the generator where the
+    forward left it. Training then equals training without recomputation, bit for bit."""
+
+    def dropout_model() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Tanh(), nn.Linear(8, 2))
+
+    weights = {}
+    for recompute in (False, True):
+        model = dropout_model()
+        workers, tables = _workers(
+            model, schedule, _cut(model, cut), microbatches, 3, recompute=recompute
+        )
+        torch.manual_seed(7)
+        run_reference(tables, workers, sequential_ios(len(tables)))
+        weights[recompute] = model.state_dict()
+        assert not torch.equal(weights[recompute]["0.weight"], dropout_model()[0].weight)
+    for name, expected in weights[False].items():
+        torch.testing.assert_close(weights[True][name], expected, rtol=0, atol=0, msg=name)
