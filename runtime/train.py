@@ -375,6 +375,7 @@ class _RankJob:
                     worker.optimizer,
                     stage=stage,
                     param_names=worker.param_names,
+                    device=worker.config.device,
                 )
                 # the first version must be taken of the restored weights, not the initial ones
                 worker.start_segment(
