@@ -5,7 +5,8 @@ each tensor) followed by the tensors, so activations of any shape and dtype work
 tag travels with them (vertical sync needs it). Each part of a message has its own tag, derived
 from the microbatch, the kind of message and the part number (:func:`message_tag`): part 0 is
 the header, parts 1-31 the *slow* payload tags, parts 32-63 the *fast* ones (so a message
-carries at most 31 tensors; the header, 64 integers, is the tighter bound: 30 0-d tensors).
+carries at most 31 tensors; the header, 64 integers, is the tighter bound: 29 0-d tensors). The
+header also names its message (kind and microbatch).
 
 Receiving the payload early. A payload receive needs its buffer, hence its dtype and shape, and
 gloo cannot tell that a header has arrived before it is waited on (``Work.is_completed()`` stays
@@ -26,41 +27,52 @@ header's flags say how the payload travels:
 - ``PLACEHOLDER``: the specs differ from the reference; the real payload goes on the slow tags,
   and a zero-filled placeholder of the reference's specs also goes on the fast tags, so that
   speculative receives always complete; the receiver takes the placeholder and drops it.
-- ``CHANGED``: the same without a placeholder, where nothing is posted ahead (NCCL: both ends
-  of a channel use the same backend, so the sender knows).
+- ``CHANGED``: the same without a placeholder, where nothing is posted ahead (gloo without
+  ``post_early``; every NCCL message).
 
 So every fast-tag send is matched by exactly one fast-tag receive (speculative, or posted after
 the header), and every slow-tag send by a receive posted after the header. On gloo
 (``post_early``) the header receive is posted ahead of the receive action, and so are the fast
 payload receives once the channel's reference is known (for the messages already posted when it
 becomes known, at that moment). Only the slow payload of a message whose specs differ from the
-reference waits for its header. NCCL matches point-to-point operations between two ranks in
-issue order and ignores tags, so there nothing is posted ahead and a message is received in the
-order it is sent: header, then payload. Sends are never waited on until their buffers must be
-reclaimed (:meth:`P2P.poll` keeps at most ``MAX_SENDS_IN_FLIGHT``) or the run ends
-(:meth:`P2P.drain`). On the CPU, payloads are received into reused storage
-(:class:`~pipedream.runtime.receive_buffers.ReceiveBuffers`), so that gloo does not fault in
-fresh pages while it reads a large message.
+reference waits for its header. On NCCL nothing is posted ahead (below). Sends are never
+waited on until their buffers must be reclaimed (:meth:`P2P.poll` keeps at most
+``MAX_SENDS_IN_FLIGHT``) or the run ends (:meth:`P2P.drain`). On the CPU, payloads are received
+into reused storage (:class:`~pipedream.runtime.receive_buffers.ReceiveBuffers`), so that gloo
+does not fault in fresh pages while it reads a large message.
 
 Ranks that share GPUs (``--device cuda-shared``) talk over gloo, which moves host memory only:
 their messages are *staged* (``staged=True``): copied to pinned host memory before they are
 sent, and to the rank's GPU once received; both copies are done when they return.
 
-On NCCL (``nccl=True``) nothing waits on the host for the GPU. The headers travel apart from
-their payloads, over a gloo group (``header_group``), as host tensors: reading a header is a
-wait for the peer's host to have sent it, not a copy from the GPU, which would wait for
-everything queued on the GPU before it. Payloads stay on NCCL, and both ends issue their NCCL
-operations in the same order (the headers were in that order on both ends, and are out of it
-on both ends). A payload's ``wait`` is then a stream wait: the rank's stream waits for the
-transfer, the host goes on (``Work.wait`` with a timeout would block the host until the
-transfer is done); a transfer that never completes is ended by the process group's own timeout,
-which ``pipedream train`` sets from ``--timeout``.
+On NCCL (``nccl=True``) nothing waits on the host for the GPU, and NCCL's own matching
+decides the rest. NCCL pairs a rank's k-th receive from a peer with the peer's k-th send to it,
+whatever the tags, and a send may wait on the GPU until its receive runs. So:
+
+- The headers travel apart from their payloads, over a gloo group (``header_group``), as host
+  tensors: reading a header is a wait for the peer's host to have sent it, not a copy from the
+  GPU, which would wait for everything queued on the GPU before it. Each direction numbers its
+  messages, and a header's tag is its number, so headers are read in the order they were sent;
+  every header names its message (every header is ``CHANGED``: nothing is posted ahead).
+- A rank receives a direction's payloads in the order they were sent, which can differ from
+  the order its table needs them in (under a V schedule a rank sends one microbatch's
+  activations before an earlier one's gradient, which its peer needs first): receiving a
+  message reads the headers up to its own and issues the payload receives of the messages
+  before it as it goes; their receive actions find them issued.
+- Each direction between two ranks has its own group (``payload_groups``), so its own NCCL
+  communicator and stream: two ranks that send to each other before receiving (every 1F1B
+  steady state) would otherwise queue each one's receive behind its send on one stream, and
+  with messages larger than NCCL's buffers neither send could finish.
+- A payload's ``wait`` is a stream wait: the rank's stream waits for the transfer, the host
+  goes on (``Work.wait`` with a timeout would block the host until the transfer is done); a
+  transfer that never completes is ended by the process group's own timeout, which
+  ``pipedream train`` sets from ``--timeout``.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -170,6 +182,14 @@ def _check_count(count: int) -> None:
         raise ValueError(f"a message carries at most {MAX_TENSORS} tensors, not {count}")
 
 
+def _in_order_tag(number: int, part: int) -> int:
+    """NCCL: the tag of part ``part`` (0: the header) of the ``number``-th message of one
+    direction. NCCL ignores it; gloo, which carries the headers (and the payloads where the
+    protocol is tested without GPUs), matches by it, so every part of every message in flight
+    has its own."""
+    return (number % (1 << 24)) * PARTS + part
+
+
 def specs_of(tensors: Sequence[Tensor]) -> list[Spec]:
     return [(tensor.dtype, tuple(tensor.shape)) for tensor in tensors]
 
@@ -184,13 +204,30 @@ class Header:
     """How the payload travels: ``DEFINES_REFERENCE``, ``FAST`` or ``PLACEHOLDER``."""
     specs: list[Spec]
     """The dtype and shape of each tensor of the payload."""
+    kind: str
+    """The message's channel kind (``act``, ``grad@1``, ...)."""
+    microbatch: int
+    """The message's microbatch (or update, or weight version: the index of its action)."""
 
 
-def encode_header(specs: Sequence[Spec], version: int, flags: int) -> Tensor:
-    """The header of a message of tensors ``specs`` (ValueError if it does not fit)."""
+def _channel_code(kind: str) -> int:
+    base, _, lane = kind.partition("@")
+    return _KINDS[base] * LANES + int(lane or 0)
+
+
+def _channel_of(code: int) -> str:
+    base = next(name for name, number in _KINDS.items() if number == code // LANES)
+    return channel_kind(base, code % LANES)
+
+
+def encode_header(
+    specs: Sequence[Spec], version: int, flags: int, *, kind: str, microbatch: int
+) -> Tensor:
+    """The header of message ``(kind, microbatch)`` of tensors ``specs`` (ValueError if it does
+    not fit)."""
     assert flags in _FLAGS, f"bad header flags {flags}"
     _check_count(len(specs))
-    values = [_MAGIC, len(specs), version, flags]
+    values = [_MAGIC, len(specs), version, flags, _channel_code(kind), microbatch]
     for dtype, shape in specs:
         values += [_DTYPES.index(dtype), len(shape), *shape]
     if len(values) > HEADER_LEN:
@@ -204,13 +241,13 @@ def decode_header(header: Tensor) -> Header:
     count, version, flags = values[1], values[2], values[3]
     assert flags in _FLAGS, f"corrupt message header flags {values[:8]}"
     specs = []
-    position = 4
+    position = 6
     for _ in range(count):
         dtype, ndim = _DTYPES[values[position]], values[position + 1]
         shape = tuple(values[position + 2 : position + 2 + ndim])
         specs.append((dtype, shape))
         position += 2 + ndim
-    return Header(version, flags, specs)
+    return Header(version, flags, specs, _channel_of(values[4]), values[5])
 
 
 # -- the transport ---------------------------------------------------------------------------
@@ -248,6 +285,7 @@ class P2P:
         staged: bool = False,
         nccl: bool = False,
         header_group: Any = None,
+        payload_groups: Mapping[tuple[int, int], Any] | None = None,
     ):
         self.rank = rank
         self.device = device
@@ -257,10 +295,21 @@ class P2P:
         self.wire = torch.device("cpu") if staged else device
         """Where messages travel from and to (host memory when staged)."""
         self.nccl = nccl
-        """Payloads travel on NCCL: their waits are stream waits (the host goes on)."""
+        """NCCL's discipline: headers numbered on ``header_group`` and read in send order,
+        payloads on a group per direction, their waits stream waits (the host goes on).
+        Used on gloo too by the tests (``PIPEDREAM_IN_ORDER_P2P``)."""
         self.header_group = header_group
         """A gloo group the headers travel on (NCCL payloads); None: with their payloads."""
         assert not nccl or header_group is not None, "NCCL payloads need a gloo header group"
+        self.payload_groups = dict(payload_groups or {})
+        """NCCL: the group of each direction's payloads, ``(sender, receiver) -> group``."""
+        assert not nccl or payload_groups is not None, "NCCL payloads need a group per direction"
+        self._sent_count: dict[int, int] = {}
+        """NCCL: messages sent to each peer so far (the next one's sequence number)."""
+        self._received_count: dict[int, int] = {}
+        """NCCL: headers received from each peer so far."""
+        self._arrived: dict[tuple[str, int, int], tuple[Header, _Receives]] = {}
+        """NCCL: messages whose header is read and whose payload receives are issued, by key."""
         self._header_device = torch.device("cpu") if header_group is not None else self.wire
         self._incoming: dict[tuple[str, int, int], _Incoming] = {}
         self._buffers = ReceiveBuffers(self.wire, pin=staged and torch.cuda.is_available())
@@ -318,6 +367,8 @@ class P2P:
 
     def recv(self, kind: str, microbatch: int, peer: int, *, what: str) -> tuple[list[Tensor], int]:
         """Wait for a message; returns its tensors and version tag."""
+        if self.nccl:
+            return self._recv_in_send_order(kind, microbatch, peer, what=what)
         key = (kind, microbatch, peer)
         incoming = self._incoming.pop(key, None) or self._start(kind, microbatch, peer)
         self._wait(incoming.header_work, what, on_host=True)
@@ -343,9 +394,48 @@ class P2P:
             else:
                 assert not self.post_early, f"{channel}: {header} while receiving ahead"
         self._wait_all(payload, what)
+        return self._landed(payload), header.version
+
+    def _landed(self, payload: _Receives) -> list[Tensor]:
+        """A received payload's tensors on this rank's device."""
         if self.staged:  # to the rank's GPU (a copy that is done when it returns)
-            return [buffer.to(self.device) for buffer in payload.buffers], header.version
-        return payload.buffers, header.version
+            return [buffer.to(self.device) for buffer in payload.buffers]
+        return payload.buffers
+
+    def _recv_in_send_order(
+        self, kind: str, microbatch: int, peer: int, *, what: str
+    ) -> tuple[list[Tensor], int]:
+        """NCCL: the message, its payload received after those the peer sent before it.
+
+        NCCL pairs a rank's k-th receive from a peer with the peer's k-th send to it (tags do
+        not count), so payload receives must be issued in the sender's order, which can differ
+        from the order this rank needs them in (a V schedule's rank sends a microbatch's
+        activations to the other rank before an earlier microbatch's gradient, which that rank
+        needs first). The headers say the order: they travel in it, numbered per direction.
+        Reading up to this message's header issues the receives of the earlier messages too;
+        their actions later find them issued."""
+        key = (kind, microbatch, peer)
+        while key not in self._arrived:
+            self._take_next(peer, what)
+        header, payload = self._arrived.pop(key)
+        self._wait_all(payload, what)  # stream waits: the host goes on
+        return self._landed(payload), header.version
+
+    def _take_next(self, peer: int, what: str) -> None:
+        """NCCL: read the next header from ``peer`` and issue its payload's receives."""
+        number = self._received_count.get(peer, 0)
+        self._received_count[peer] = number + 1
+        raw = torch.empty(HEADER_LEN, dtype=torch.int64, device=self._header_device)
+        work = dist.irecv(raw, src=peer, tag=_in_order_tag(number, 0), group=self.header_group)
+        self._wait(work, what, on_host=True)
+        header = decode_header(raw)
+        buffers = [self._buffers.empty(dtype, shape) for dtype, shape in header.specs]
+        group = self.payload_groups[(peer, self.rank)]
+        works = [
+            dist.irecv(buffer, src=peer, tag=_in_order_tag(number, 1 + part), group=group)
+            for part, buffer in enumerate(buffers)
+        ]
+        self._arrived[(header.kind, header.microbatch, peer)] = (header, _Receives(buffers, works))
 
     def _fast_receives(self, incoming: _Incoming, specs: list[Spec]) -> _Receives:
         """The message's fast-tag receives: those posted speculatively, else posted now."""
@@ -364,6 +454,9 @@ class P2P:
         """Start sending ``tensors``; buffers are kept alive until the send completes."""
         tensors = [self._on_wire(t.detach()) for t in tensors]
         specs = specs_of(tensors)
+        if self.nccl:
+            self._send_in_order(kind, microbatch, peer, tensors, version)
+            return
         channel = (kind, peer)
         reference = self._sent_reference.get(channel)
         if reference is None:
@@ -372,7 +465,7 @@ class P2P:
             flags = FAST
         else:  # a placeholder only where the receiver may have posted reference-shaped receives
             flags = PLACEHOLDER if self.post_early else CHANGED
-        header = encode_header(specs, version, flags)  # raises before any send
+        header = encode_header(specs, version, flags, kind=kind, microbatch=microbatch)
         self._sent_reference.setdefault(channel, specs)
         header = header.to(self._header_device)
         header_tag = message_tag(kind, microbatch, 0)
@@ -383,6 +476,25 @@ class P2P:
         if flags == PLACEHOLDER:
             assert reference is not None
             self._send_placeholder(kind, microbatch, peer, reference)
+
+    def _send_in_order(
+        self, kind: str, microbatch: int, peer: int, tensors: list[Tensor], version: int
+    ) -> None:
+        """NCCL: the header, numbered, on the gloo header group, and the payload on the group of
+        this direction (its own NCCL communicator, so its own stream: a send that waits for the
+        peer's receive never holds up a transfer the other way, which the peer may need first).
+        Nothing is posted ahead, so there is no reference and no placeholder."""
+        header = encode_header(
+            specs_of(tensors), version, CHANGED, kind=kind, microbatch=microbatch
+        )  # raises before any send
+        group = self.payload_groups.get((self.rank, peer))
+        assert group is not None, f"no payload group from rank {self.rank} to rank {peer}"
+        number = self._sent_count.get(peer, 0)
+        self._sent_count[peer] = number + 1
+        tag = _in_order_tag(number, 0)
+        self._isend(header, peer, tag, group=self.header_group, on_host=True)
+        for part, tensor in enumerate(tensors):
+            self._isend(tensor, peer, _in_order_tag(number, 1 + part), group=group)
 
     def _send_placeholder(self, kind: str, microbatch: int, peer: int, specs: list[Spec]) -> None:
         """Zeros of the reference ``specs`` on the fast tags, for the receiver's speculation."""

@@ -49,12 +49,18 @@ from pipedream.schedules import (
     Action,
     build_tables,
     lookup,
+    message_routes,
     spec_from_plan,
     validate_plan_schedule,
 )
 from pipedream.workload import Workload, load_workload
 
-__all__ = ["TrainOptions", "make_deterministic", "segments", "train"]
+__all__ = ["IN_ORDER_ENV", "TrainOptions", "make_deterministic", "segments", "train"]
+
+IN_ORDER_ENV = "PIPEDREAM_IN_ORDER_P2P"
+"""Set to 1, gloo ranks exchange messages as NCCL ranks do (headers on a group of their own,
+read in the order they were sent; payloads on a group per direction, nothing posted ahead):
+the tests run the NCCL transport's protocol on machines without GPUs."""
 
 
 @dataclass(frozen=True)
@@ -226,8 +232,15 @@ class _RankJob:
         for index, stage in enumerate(plan.stages):  # every rank creates every group, in order
             if stage.replicas > 1:
                 self.groups[index] = dist.new_group(list(stage.ranks))
-        # NCCL payloads: their headers go over gloo, so reading one never waits for the GPU
-        self.header_group = dist.new_group(backend="gloo") if self.backend == "nccl" else None
+        # NCCL payloads: their headers go over gloo, so reading one never waits for the GPU,
+        # and each direction between two ranks has a communicator (and a stream) of its own
+        self.in_order = self.backend == "nccl" or os.environ.get(IN_ORDER_ENV) == "1"
+        """Messages follow NCCL's discipline (on gloo too where IN_ORDER_ENV asks for it)."""
+        self.header_group = dist.new_group(backend="gloo") if self.in_order else None
+        self.payload_groups: dict[tuple[int, int], Any] = {}
+        if self.in_order:
+            routes = message_routes(plan, edges=layout.edges, tied=layout.tied_pairs)
+            self.payload_groups = {route: dist.new_group(sorted(route)) for route in routes}
         self.stage_indices = plan.stages_of_rank(self.rank)
         """The stages this rank runs: one, or several (interleaved and V schedules)."""
         self.last_stage = plan.num_stages - 1
@@ -473,10 +486,11 @@ class _RankJob:
                 rank=self.rank,
                 device=self.device,
                 timeout=self.options.timeout,
-                post_early=self.backend == "gloo",
+                post_early=not self.in_order,
                 staged=self.placement.staged,
-                nccl=self.backend == "nccl",
+                nccl=self.in_order,
                 header_group=self.header_group,
+                payload_groups=self.payload_groups if self.in_order else None,
             ),
             rank=self.rank,
             lanes=lanes,

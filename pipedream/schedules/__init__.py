@@ -23,6 +23,7 @@ from pipedream.schedules.actions import (
 )
 from pipedream.schedules.plan_spec import (
     VALIDATION_MINIBATCHES,
+    message_routes,
     spec_from_plan,
     validate_plan_schedule,
     validation_bound,
@@ -54,6 +55,7 @@ __all__ = [
     "format_grid",
     "forward_versions",
     "lookup",
+    "message_routes",
     "parse_action",
     "receives_posted_before",
     "simulate_dependencies",

@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # the plan format validates schedules with this package
 
 __all__ = [
     "VALIDATION_MINIBATCHES",
+    "message_routes",
     "spec_from_plan",
     "validate_plan_schedule",
     "validation_bound",
@@ -81,3 +82,23 @@ def validate_plan_schedule(
             validate_tables(spec, build_tables(spec))
         except ScheduleError as exc:
             raise ScheduleError(f"{source}: the action tables are invalid: {exc}") from None
+
+
+def message_routes(
+    plan: Plan,
+    *,
+    edges: tuple[tuple[int, int], ...] | None = None,
+    tied: tuple[tuple[int, int], ...] = (),
+) -> list[tuple[int, int]]:
+    """Every (sender, receiver) pair of ranks that ``plan``'s tables send messages between,
+    sorted (the NCCL transport gives each its own process group, which every rank must create
+    in the same order). Read from tables of :func:`validation_bound` minibatches, which hold
+    every route: a replica is chosen by the minibatch modulo the stage's replicas."""
+    spec = spec_from_plan(plan, 0, validation_bound(plan), edges, tied)
+    routes = {
+        (rank, action.peer)
+        for rank, table in build_tables(spec).items()
+        for action in table
+        if action.op.is_send and action.peer is not None and action.peer != rank
+    }
+    return sorted(routes)

@@ -1,6 +1,7 @@
 """The p2p message protocol in one process: headers, tags, the sender's flags, and both receive
-disciplines (posted ahead with speculation, and NCCL's issue order) over a fake transport that
-matches sends and receives per tag in posting order, like gloo, and never blocks."""
+disciplines: posted ahead with speculation, over a fake transport that matches sends and
+receives per tag in posting order, like gloo, and never blocks; and NCCL's, over a fake that
+pairs them in issue order whatever the tags, as NCCL does."""
 
 from __future__ import annotations
 
@@ -37,26 +38,28 @@ D, F, P, C = DEFINES_REFERENCE, FAST, PLACEHOLDER, CHANGED
 @pytest.mark.parametrize("flags", [DEFINES_REFERENCE, FAST, PLACEHOLDER, CHANGED])
 def test_header_round_trip_with_each_flag(flags: int) -> None:
     tensors = [torch.zeros(2, 3, 4), torch.zeros(5, dtype=torch.int64), torch.tensor(True)]
-    header = decode_header(encode_header(specs_of(tensors), 42, flags))
+    header = decode_header(encode_header(specs_of(tensors), 42, flags, kind="grad@3", microbatch=9))
     assert (header.version, header.flags) == (42, flags)
+    assert (header.kind, header.microbatch) == ("grad@3", 9)
     assert header.specs == [
         (torch.float32, (2, 3, 4)),
         (torch.int64, (5,)),
         (torch.bool, ()),
     ]
-    assert encode_header([], -1, flags).shape == (HEADER_LEN,)
-    assert decode_header(encode_header([], -1, flags)).specs == []
+    empty = encode_header([], -1, flags, kind="weights@15", microbatch=(1 << 40) + 1)
+    assert empty.shape == (HEADER_LEN,)
+    assert decode_header(empty) == comm.Header(-1, flags, [], "weights@15", (1 << 40) + 1)
 
 
 def test_header_too_long_is_refused() -> None:
     with pytest.raises(ValueError, match="too many tensors or dimensions"):
-        encode_header([(torch.float32, (1,) * 70)], 0, FAST)
+        encode_header([(torch.float32, (1,) * 70)], 0, FAST, kind="act", microbatch=0)
 
 
 def test_more_than_31_tensors_are_refused_naming_the_count() -> None:
     specs = [(torch.float32, ())] * (MAX_TENSORS + 1)
     with pytest.raises(ValueError, match="at most 31 tensors, not 32"):
-        encode_header(specs, 0, FAST)
+        encode_header(specs, 0, FAST, kind="act", microbatch=0)
     with pytest.raises(ValueError, match="at most 31 tensors, not 32"):
         payload_tags("act", 0, 32, fast=False)
     p2p = P2P(rank=0, device=torch.device("cpu"), timeout=1, post_early=True)
@@ -224,34 +227,117 @@ def test_speculative_buffers_have_the_reference_specs(loopback: _Loopback) -> No
     assert receiver._incoming[("act", 6, 0)].speculative is None
 
 
+# -- NCCL's matching ----------------------------------------------------------------------
+HEADERS = object()
+"""The gloo group the NCCL transport's headers travel on."""
+
+
+@dataclass
+class _Nccl:
+    """Two ranks (0 and 1) as NCCL pairs them: on a payload group a receive takes the oldest
+    unmatched send of its direction, whatever the tags (a shape mismatch is an error, matching
+    values are not checked: NCCL copies bytes); on the header group, gloo's matching by tag."""
+
+    queues: dict[tuple, tuple[deque, deque]] = field(default_factory=dict)
+    directions: dict[object, set[tuple[int, int]]] = field(default_factory=dict)
+    """The directions each payload group carried."""
+
+    def isend(self, tensor: Tensor, dst: int, tag: int, group: object = None) -> _Work:
+        return self._post(0, tensor.clone(), src=1 - dst, dst=dst, tag=tag, group=group)
+
+    def irecv(self, tensor: Tensor, src: int, tag: int, group: object = None) -> _Work:
+        return self._post(1, tensor, src=src, dst=1 - src, tag=tag, group=group)
+
+    def _post(self, side: int, t: Tensor, *, src: int, dst: int, tag: int, group: object) -> _Work:
+        if group is not HEADERS:
+            self.directions.setdefault(group, set()).add((src, dst))
+        key = (group, src, dst, tag if group is HEADERS else None)
+        sends, recvs = self.queues.setdefault(key, (deque(), deque()))
+        work = _Work()
+        (sends, recvs)[side].append((t, work))
+        while sends and recvs:
+            (sent, send_work), (buffer, recv_work) = sends.popleft(), recvs.popleft()
+            assert (sent.dtype, sent.shape) == (buffer.dtype, buffer.shape), f"{key} mismatch"
+            buffer.copy_(sent)
+            send_work.done = recv_work.done = True
+        return work
+
+    def outstanding(self) -> int:
+        return sum(len(sends) + len(recvs) for sends, recvs in self.queues.values())
+
+
+@pytest.fixture
+def nccl(monkeypatch: pytest.MonkeyPatch) -> _Nccl:
+    fake = _Nccl()
+    monkeypatch.setattr(comm, "dist", SimpleNamespace(isend=fake.isend, irecv=fake.irecv))
+    return fake
+
+
+def _nccl_p2p(rank: int) -> P2P:
+    groups = {(0, 1): "payloads 0 to 1", (1, 0): "payloads 1 to 0"}
+    return P2P(
+        rank=rank,
+        device=torch.device("cpu"),
+        timeout=1,
+        post_early=False,
+        nccl=True,
+        header_group=HEADERS,
+        payload_groups=groups,
+    )
+
+
 @pytest.mark.parametrize("sends_first", [True, False])
-def test_in_order_discipline_issues_receives_exactly_like_the_sends(
-    loopback: _Loopback, monkeypatch: pytest.MonkeyPatch, sends_first: bool
+def test_on_nccl_each_message_arrives_whole_with_its_shapes_changing(
+    nccl: _Nccl, sends_first: bool
 ) -> None:
-    """NCCL ignores tags: the receiver's irecvs must match the sender's isends one for one, in
-    issue order, in size and dtype (header, payload), and a changed shape sends no placeholder
-    (nothing was posted ahead for it to fill)."""
-    flags = _decoded_flags(monkeypatch)
-    sender = P2P(rank=0, device=torch.device("cpu"), timeout=1, post_early=False)
-    receiver = P2P(rank=1, device=torch.device("cpu"), timeout=1, post_early=False)
+    """Shapes, dtypes and counts change from message to message; every payload receive takes
+    the send it is paired with by issue order, and nothing is left over."""
+    sender, receiver = _nccl_p2p(0), _nccl_p2p(1)
     messages = _channel_messages(1)
     if sends_first:
         for mb, tensors in enumerate(messages):
             sender.send("act", mb, 1, tensors, mb)
     for mb, tensors in enumerate(messages):
-        receiver.post_recv("act", mb, 0)  # a no-op without post_early
+        receiver.post_recv("act", mb, 0)  # a no-op on NCCL
         if not sends_first:
             sender.send("act", mb, 1, tensors, mb)
         got, version = receiver.recv("act", mb, 0, what="test")
-        assert version == mb and all(torch.equal(g, t) for g, t in zip(got, tensors))
-        assert len(got) == len(tensors)
-    assert flags == [C if f == P else f for f in EXPECTED_FLAGS]
-    assert not receiver._incoming
-    assert loopback.recv_log == loopback.send_log
-    payloads = sum(map(len, messages))
-    assert len(loopback.send_log) == len(messages) + payloads  # headers and payloads only
+        assert version == mb and len(got) == len(tensors)
+        assert all(torch.equal(g, t) for g, t in zip(got, tensors))
+    assert not receiver._incoming and not receiver._arrived
     sender.drain(what="test")
-    assert loopback.outstanding() == 0
+    assert nccl.outstanding() == 0
+
+
+def test_on_nccl_payloads_are_received_in_the_order_they_were_sent(nccl: _Nccl) -> None:
+    """A V schedule's rank 0 sends microbatch 2's activations (stage 0 to 1) before microbatch
+    0's gradient (stage 3 to 2), and rank 1 needs the gradient first. NCCL pairs receives
+    with sends in issue order, so receiving the gradient first must issue the activations'
+    receive before its own (it was paired with the activations, the same shape: the two
+    swapped silently)."""
+    sender, receiver = _nccl_p2p(0), _nccl_p2p(1)
+    activations, gradient = torch.full((2, 3), 1.0), torch.full((2, 3), 2.0)
+    sender.send("act", 2, 1, [activations], 5)
+    sender.send("grad@1", 0, 1, [gradient], 6)
+    (got,), version = receiver.recv("grad@1", 0, 0, what="the gradient")
+    assert version == 6 and torch.equal(got, gradient)
+    assert list(receiver._arrived) == [("act", 2, 0)]  # issued, waiting for its action
+    (got,), version = receiver.recv("act", 2, 0, what="the activations")
+    assert version == 5 and torch.equal(got, activations)
+    assert nccl.outstanding() == 0 and not receiver._arrived
+
+
+def test_on_nccl_each_direction_has_a_group_of_its_own(nccl: _Nccl) -> None:
+    """Both ranks send before they receive, as in every 1F1B steady state: with one NCCL
+    communicator for both directions each rank's receive waits on the GPU behind its own send,
+    which waits for the other's receive."""
+    ranks = [_nccl_p2p(0), _nccl_p2p(1)]
+    for rank, p2p in enumerate(ranks):
+        p2p.send("act" if rank == 0 else "grad", 0, 1 - rank, [torch.ones(4) * rank], 0)
+    for rank, p2p in enumerate(ranks):
+        (got,), _ = p2p.recv("grad" if rank == 0 else "act", 0, 1 - rank, what="test")
+        assert torch.equal(got, torch.ones(4) * (1 - rank))
+    assert nccl.directions == {"payloads 0 to 1": {(0, 1)}, "payloads 1 to 0": {(1, 0)}}
 
 
 def test_large_payloads_land_in_storage_the_stage_has_released(loopback: _Loopback) -> None:

@@ -34,6 +34,7 @@ def _p2p(*, nccl: bool) -> P2P:
         post_early=False,
         nccl=nccl,
         header_group=object() if nccl else None,
+        payload_groups={} if nccl else None,
     )
 
 
