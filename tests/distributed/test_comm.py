@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,9 @@ from pipedream.runtime.comm import DEFINES_REFERENCE as D
 from pipedream.runtime.comm import FAST as F
 from pipedream.runtime.comm import P2P
 from pipedream.runtime.comm import PLACEHOLDER as P
+from pipedream.runtime.train import IN_ORDER_ENV
+
+from runs import train_and_load
 
 pytestmark = pytest.mark.slow  # launches processes: not in the fast lane (-m "not slow")
 
@@ -35,7 +39,9 @@ FLAGS = {"act": [D, F, F, P, F, P, F, P, P, F], "grad": [D, F, P, P, F]}
 receives are posted ahead; without, a changed shape comes as CHANGED (no placeholder)."""
 
 
-def _expected_flags(post_early: bool) -> dict[str, list[int]]:
+def _expected_flags(post_early: bool, nccl: bool) -> dict[str, list[int]]:
+    if nccl:  # nothing is posted ahead, and the headers say what comes, every time
+        return {k: [C] * len(v) for k, v in FLAGS.items()}
     return {k: [f if post_early or f != P else C for f in v] for k, v in FLAGS.items()}
 
 
@@ -72,10 +78,11 @@ def _again(seed: int) -> list[Message]:
     return out
 
 
-def _receive_order(messages: list[Message], post_early: bool) -> list[Message]:
-    """Each channel in its send order (the protocol needs it); posted ahead, the grad channel
-    goes first (tags keep channels apart); in order (NCCL's discipline), as sent."""
-    if not post_early:
+def _receive_order(messages: list[Message], out_of_order: bool) -> list[Message]:
+    """Each channel in its send order (the protocol needs it); out of order (posted ahead, where
+    tags keep channels apart; and NCCL's discipline, which reads ahead), the grad channel goes
+    first; otherwise as sent."""
+    if not out_of_order:
         return messages
     return [m for m in messages if m[0] == "grad"] + [m for m in messages if m[0] == "act"]
 
@@ -127,15 +134,16 @@ def _flags_by_channel(messages: list[Message], flags: list[int]) -> dict[str, li
     return {k: [f for (kind, *_), f in zip(messages, flags) if kind == k] for k in FLAGS}
 
 
-def _groups_of_parts(header_group) -> list[str]:  # pragma: no cover - child
+def _groups_of_parts(header_group, payload_group) -> list[str]:  # pragma: no cover - child
     """Record, for every isend/irecv of this process, whether its part (header or payload)
-    went on the group it belongs on: headers on ``header_group``, payloads on the default."""
+    went on the group it belongs on: headers on ``header_group``, payloads on
+    ``payload_group`` (both None: the default group)."""
     wrong: list[str] = []
     isend, irecv = dist.isend, dist.irecv
 
     def check(name: str, tag: int, group) -> None:
         header = tag % comm.PARTS == 0
-        if group is not (header_group if header else None):
+        if group is not (header_group if header else payload_group):
             wrong.append(f"{name} tag {tag} on {group}")
 
     def checked_isend(tensor, dst, group=None, tag=0):
@@ -151,21 +159,25 @@ def _groups_of_parts(header_group) -> list[str]:  # pragma: no cover - child
 
 
 def _worker(
-    rank: int, port: int, post_early: bool, staged: bool, headers_apart: bool, queue
+    rank: int, port: int, post_early: bool, staged: bool, nccl: bool, queue
 ) -> None:  # pragma: no cover - child
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     device = torch.device("cuda" if staged and torch.cuda.is_available() else "cpu")
-    # headers apart: as on NCCL, where payloads and headers travel on different groups
-    header_group = dist.new_group(backend="gloo") if headers_apart else None
-    wrong = _groups_of_parts(header_group)
+    # NCCL's discipline on gloo groups: the headers on a group of their own, the payloads on
+    # one group per direction
+    header_group = dist.new_group(backend="gloo") if nccl else None
+    payload_groups = {(0, 1): dist.new_group([0, 1]), (1, 0): dist.new_group([0, 1])}
+    wrong = _groups_of_parts(header_group, payload_groups[(0, 1)] if nccl else None)
     p2p = P2P(
         rank=rank,
         device=device,
         timeout=20,
         post_early=post_early,
         staged=staged,
+        nccl=nccl,
         header_group=header_group,
+        payload_groups=payload_groups if nccl else None,
     )
     rounds = [_messages(0), _again(1)]
     try:
@@ -178,18 +190,20 @@ def _worker(
             queue.put(("sender", (["sends left after drain"] if p2p._outgoing else []) + wrong))
         else:
             known: set[str] = set()
-            first, second = (_receive_order(messages, post_early) for messages in rounds)
+            first, second = (_receive_order(m, post_early or nccl) for m in rounds)
             flags, problems = _receive(p2p, first, known)
-            expected = _expected_flags(post_early)
+            expected = _expected_flags(post_early, nccl)
             if _flags_by_channel(first, flags) != expected:
                 problems.append(f"header flags {_flags_by_channel(first, flags)}, not {expected}")
-            if p2p._incoming:
-                problems.append(f"receives left after the first round: {list(p2p._incoming)}")
+            if p2p._incoming or p2p._arrived:
+                left = [*p2p._incoming, *p2p._arrived]
+                problems.append(f"receives left after the first round: {left}")
             dist.barrier()
             flags, more = _receive(p2p, second, known)
             problems += more
-            if flags != [F] * len(second) or p2p._incoming:
-                problems.append(f"second round: flags {flags}, left {list(p2p._incoming)}")
+            if flags != [C if nccl else F] * len(second) or p2p._incoming or p2p._arrived:
+                left = [*p2p._incoming, *p2p._arrived]
+                problems.append(f"second round: flags {flags}, left {left}")
             dist.barrier()
             queue.put(("receiver", problems + wrong))
     finally:
@@ -197,21 +211,22 @@ def _worker(
 
 
 @pytest.mark.parametrize(
-    ("post_early", "staged", "headers_apart"),
+    ("post_early", "staged", "nccl"),
     [(True, False, False), (False, False, False), (True, True, False), (False, False, True)],
 )
-def test_messages_round_trip(post_early: bool, staged: bool, headers_apart: bool) -> None:
+def test_messages_round_trip(post_early: bool, staged: bool, nccl: bool) -> None:
     """Shape, count and dtype changes on a channel round-trip bit-exactly with their versions,
     each with the header flag the protocol prescribes; receives are speculative once a
     channel's reference is known; afterwards nothing is outstanding: the same tags carry a
     second round of messages intact (a dangling receive or placeholder would take one).
     ``staged``: through host memory, as ranks sharing a GPU talk (from and to the GPU where
-    there is one). ``headers_apart``: the headers on a group of their own, in the order NCCL
-    needs, as the NCCL transport sends them (so that reading one never waits for the GPU)."""
+    there is one). ``nccl``: the NCCL transport's discipline on gloo groups (headers on a group
+    of their own, numbered, so that reading one never waits for the GPU; payloads on a group
+    per direction), the receiver taking the grad channel first, ahead of the send order."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    args = (port, post_early, staged, headers_apart, queue)
+    args = (port, post_early, staged, nccl, queue)
     procs = [ctx.Process(target=_worker, args=(r, *args)) for r in range(2)]
     for proc in procs:
         proc.start()
@@ -259,3 +274,39 @@ def test_dead_peer_gives_a_message_naming_the_wait() -> None:
         "PeerTimeoutError: rank 0: the receive of the gradient of microbatch 3 at stage 0"
     ), message
     assert "the peer probably died" in message or "timed out" in message
+
+
+@pytest.mark.parametrize(
+    ("schedule", "microbatches", "placement", "replicas"),
+    [("zbv", 4, (0, 1, 1, 0), None), ("1f1b", 2, None, [1, 2, 1, 1])],
+    ids=["zbv", "1f1b-replicas"],
+)
+def test_the_nccl_transport_trains_what_gloos_does(
+    tmp_path: Path,
+    schedule: str,
+    microbatches: int,
+    placement: tuple[int, ...] | None,
+    replicas: list[int] | None,
+) -> None:
+    """The whole runtime with NCCL's discipline on gloo (``PIPEDREAM_IN_ORDER_P2P=1``: a group
+    per direction created from the plan's routes, headers numbered on their own group and read
+    ahead, nothing posted ahead) ends on the bits the gloo transport ends on. zbv receives
+    payloads in another order than they were sent; the replicated stage has three neighbours."""
+    stages = [["0"], ["1"], ["2"], ["3"]]
+    runs = {
+        name: train_and_load(
+            tmp_path,
+            stages,
+            steps=6,
+            schedule=schedule,
+            microbatches=microbatches,
+            workload_args={"layers": "3", "width": "16", "lr": "0.1", "momentum": "0.5"},
+            placement=placement,
+            replicas=replicas,
+            name=name,
+            env=env,
+        )
+        for name, env in (("gloo", {}), ("in-order", {IN_ORDER_ENV: "1"}))
+    }
+    assert runs["gloo"].keys() == runs["in-order"].keys()
+    assert all(torch.equal(runs["gloo"][k], runs["in-order"][k]) for k in runs["gloo"])

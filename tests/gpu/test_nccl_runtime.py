@@ -1,7 +1,9 @@
 """The NCCL path with a GPU per rank (``--device cuda``): pipelines, replicated stages and split
-backwards against the reference executor, and a pipeline's steady state without a host
-synchronisation on any rank. Each test needs as many GPUs as its plan has ranks and is skipped,
-naming how many it needs, where the machine has fewer (one GPU runs the rest of the tier).
+backwards against the reference executor, a V schedule (payloads needed in another order than
+sent) against the same run on gloo, messages larger than NCCL's buffers, and a pipeline's
+steady state without a host synchronisation on any rank. Each test needs as many GPUs as its
+plan has ranks and is skipped, naming how many it needs, where the machine has fewer (one GPU
+runs the rest of the tier).
 
 Tolerance: the reference executor runs the same action tables in one process on the CPU, whose
 kernels sum in another order than cuBLAS's deterministic ones: 1e-4 (as the shared-GPU
@@ -60,6 +62,50 @@ def test_nccl_pipelines_equal_the_reference_executor(
         stages, replicas, schedule=schedule, microbatches=m, steps=steps, workload_args=SGD
     )
     assert max_rel_diff(got, want) < 1e-4
+
+
+def test_a_v_schedule_on_nccl_equals_the_same_run_on_gloo(tmp_path: Path) -> None:
+    """zbv on two GPUs: each rank sends the other activations and gradients of two stage
+    pairs, in an order that differs from the one the other needs them in (NCCL pairs payloads
+    in send order: the transport reads headers ahead). Against the same plan on gloo, whose
+    run the CPU tier checks against the schedule's rule."""
+    _needs_gpus(2)
+    stages = [["0"], ["1"], ["2"], ["3"]]
+    runs = {
+        device: train_and_load(
+            tmp_path,
+            stages,
+            steps=6,
+            schedule="zbv",
+            microbatches=4,
+            workload_args=SGD,
+            placement=(0, 1, 1, 0),
+            extra=("--device", device, *(("--deterministic",) if device == "cuda" else ())),
+            name=f"zbv-{device}",
+        )
+        for device in ("cuda", "cpu")
+    }
+    assert max_rel_diff(runs["cuda"], runs["cpu"]) < 1e-4
+
+
+def test_an_nccl_pipeline_with_large_messages_finishes(tmp_path: Path) -> None:
+    """64 MiB activations and gradients, larger than NCCL buffers a send: such a send waits
+    on the GPU for its receive. In a 1F1B steady state both ranks send before they receive, so
+    with both directions on one communicator (one stream) each receive queued behind its own
+    rank's send and the pipeline hung; each direction has its own since."""
+    _needs_gpus(2)
+    args = {"layers": "3", "width": "2048", "samples": str(8192 * 4 * 3), "lr": "1e-4"}
+    got = train_and_load(
+        tmp_path,
+        [["0", "1"], ["2", "3"]],
+        steps=3,
+        schedule="1f1b",
+        microbatches=4,
+        microbatch_size=8192,  # 8192 x 2048 fp32: 64 MiB a message
+        workload_args=args,
+        extra=("--device", "cuda"),
+    )
+    assert all(torch.isfinite(tensor).all() for tensor in got.values())
 
 
 def test_an_nccl_pipeline_never_waits_for_the_gpu_between_updates(tmp_path: Path) -> None:

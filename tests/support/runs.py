@@ -41,8 +41,11 @@ def train_and_load(
     replicas: list[int] | None = None,
     extra: tuple[str, ...] = (),
     name: str = "run",
+    placement: tuple[int, ...] | None = None,
+    env: dict[str, str] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Launch the plan for ``steps`` minibatches; return the merged final weights."""
+    """Launch the plan for ``steps`` minibatches; return the merged final weights.
+    ``placement``: the rank of every stage, where ranks run several stages (interleaved, V)."""
     plan = straight_plan(
         workload,
         stages,
@@ -52,6 +55,10 @@ def train_and_load(
         workload_args=workload_args,
         replicas=replicas,
     )
+    if placement is not None:
+        for stage, rank in zip(plan["stages"], placement, strict=True):
+            stage["ranks"] = [rank]
+        plan["world_size"] = len(set(placement))
     path = write_plan(plan, tmp / f"{name}.yaml")
     run_dir = tmp / name
     result = run_plan(
@@ -64,6 +71,7 @@ def train_and_load(
         "60",
         "--no-progress",
         *extra,
+        env=env,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return load_full_state_dict(run_dir / "checkpoints" / f"step-{steps:06d}")
