@@ -291,7 +291,8 @@ def test_the_nccl_transport_trains_what_gloos_does(
     """The whole runtime with NCCL's discipline on gloo (``PIPEDREAM_IN_ORDER_P2P=1``: a group
     per direction created from the plan's routes, headers numbered on their own group and read
     ahead, nothing posted ahead) ends on the bits the gloo transport ends on. zbv receives
-    payloads in another order than they were sent; the replicated stage has three neighbours."""
+    payloads in another order than they were sent; the two replicas of stage 1 take turns with
+    the ranks on either side (routes 0-1, 0-2, 1-3, 2-3 and back)."""
     stages = [["0"], ["1"], ["2"], ["3"]]
     runs = {
         name: train_and_load(

@@ -100,6 +100,19 @@ class _Work:
         return True
 
 
+Posted = deque[tuple[Tensor, _Work]]
+
+
+def _pair_up(sends: Posted | None, recvs: Posted | None, where: str) -> None:
+    """Complete the oldest send with the oldest receive, while both wait: the receive's buffer
+    takes the send's values (of the same dtype and shape, or the transport fails)."""
+    while sends and recvs:
+        (sent, send_work), (buffer, recv_work) = sends.popleft(), recvs.popleft()
+        assert (sent.dtype, sent.shape) == (buffer.dtype, buffer.shape), f"{where} mismatch"
+        buffer.copy_(sent)
+        send_work.done = recv_work.done = True
+
+
 @dataclass
 class _Loopback:
     """One direction, one pair of ranks: sends and receives match per tag in posting order."""
@@ -122,12 +135,7 @@ class _Loopback:
     def _post(self, queues: dict[int, deque[tuple[Tensor, _Work]]], tag: int, t: Tensor) -> _Work:
         work = _Work()
         queues.setdefault(tag, deque()).append((t, work))
-        sends, recvs = self.sends.get(tag), self.recvs.get(tag)
-        while sends and recvs:
-            (sent, send_work), (buffer, recv_work) = sends.popleft(), recvs.popleft()
-            assert (sent.dtype, sent.shape) == (buffer.dtype, buffer.shape), f"tag {tag} mismatch"
-            buffer.copy_(sent)
-            send_work.done = recv_work.done = True
+        _pair_up(self.sends.get(tag), self.recvs.get(tag), f"tag {tag}")
         return work
 
     def outstanding(self) -> int:
@@ -255,11 +263,7 @@ class _Nccl:
         sends, recvs = self.queues.setdefault(key, (deque(), deque()))
         work = _Work()
         (sends, recvs)[side].append((t, work))
-        while sends and recvs:
-            (sent, send_work), (buffer, recv_work) = sends.popleft(), recvs.popleft()
-            assert (sent.dtype, sent.shape) == (buffer.dtype, buffer.shape), f"{key} mismatch"
-            buffer.copy_(sent)
-            send_work.done = recv_work.done = True
+        _pair_up(sends, recvs, str(key))
         return work
 
     def outstanding(self) -> int:
