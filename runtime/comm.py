@@ -453,10 +453,10 @@ class P2P:
     ) -> None:
         """Start sending ``tensors``; buffers are kept alive until the send completes."""
         tensors = [self._on_wire(t.detach()) for t in tensors]
-        specs = specs_of(tensors)
         if self.nccl:
             self._send_in_order(kind, microbatch, peer, tensors, version)
             return
+        specs = specs_of(tensors)
         channel = (kind, peer)
         reference = self._sent_reference.get(channel)
         if reference is None:
