@@ -27,7 +27,7 @@ header's flags say how the payload travels:
 - ``PLACEHOLDER``: the specs differ from the reference; the real payload goes on the slow tags,
   and a zero-filled placeholder of the reference's specs also goes on the fast tags, so that
   speculative receives always complete; the receiver takes the placeholder and drops it.
-- ``CHANGED``: the same without a placeholder, where nothing is posted ahead (gloo without
+- ``CHANGED``: the same without a placeholder, where no payload is posted ahead (gloo without
   ``post_early``; every NCCL message).
 
 So every fast-tag send is matched by exactly one fast-tag receive (speculative, or posted after
@@ -35,7 +35,7 @@ the header), and every slow-tag send by a receive posted after the header. On gl
 (``post_early``) the header receive is posted ahead of the receive action, and so are the fast
 payload receives once the channel's reference is known (for the messages already posted when it
 becomes known, at that moment). Only the slow payload of a message whose specs differ from the
-reference waits for its header. On NCCL nothing is posted ahead (below). Sends are never
+reference waits for its header. On NCCL only headers are posted ahead (below). Sends are never
 waited on until their buffers must be reclaimed (:meth:`P2P.poll` keeps at most
 ``MAX_SENDS_IN_FLIGHT``) or the run ends (:meth:`P2P.drain`). On the CPU, payloads are received
 into reused storage (:class:`~pipedream.runtime.receive_buffers.ReceiveBuffers`), so that gloo
@@ -53,7 +53,12 @@ whatever the tags, and a send may wait on the GPU until its receive runs. So:
   tensors: reading a header is a wait for the peer's host to have sent it, not a copy from the
   GPU, which would wait for everything queued on the GPU before it. Each direction numbers its
   messages, and a header's tag is its number, so headers are read in the order they were sent;
-  every header names its message (every header is ``CHANGED``: nothing is posted ahead).
+  every header names its message. Header receives are posted ahead, one for each receive
+  announced (:meth:`P2P.post_recv`, whatever its message: they are numbered, not named), so a
+  header sent ahead lands while its receiver computes and its send can be reclaimed; as many
+  messages as announced will come, so none is left dangling. Payload receives are not posted
+  ahead (every header is ``CHANGED``): a posted NCCL receive that runs on the GPU before its
+  send is issued holds the direction's stream, and it needs the header's shapes.
 - A rank receives a direction's payloads in the order they were sent, which can differ from
   the order its table needs them in (under a V schedule a rank sends one microbatch's
   activations before an earlier one's gradient, which its peer needs first): receiving a
@@ -72,6 +77,7 @@ whatever the tags, and a send may wait on the GPU until its receive runs. So:
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -306,8 +312,12 @@ class P2P:
         assert not nccl or payload_groups is not None, "NCCL payloads need a group per direction"
         self._sent_count: dict[int, int] = {}
         """NCCL: messages sent to each peer so far (the next one's sequence number)."""
-        self._received_count: dict[int, int] = {}
-        """NCCL: headers received from each peer so far."""
+        self._header_posts: dict[int, int] = {}
+        """NCCL: header receives posted from each peer so far (the next one's number)."""
+        self._headers_ahead: dict[int, deque[tuple[int, Tensor, Any]]] = {}
+        """NCCL: header receives posted ahead from each peer and not yet read, oldest first."""
+        self._announced: set[tuple[str, int, int]] = set()
+        """NCCL: messages announced by :meth:`post_recv` whose header is not read yet."""
         self._arrived: dict[tuple[str, int, int], tuple[Header, _Receives]] = {}
         """NCCL: messages whose header is read and whose payload receives are issued, by key."""
         self._header_device = torch.device("cpu") if header_group is not None else self.wire
@@ -321,9 +331,19 @@ class P2P:
 
     # -- receiving -------------------------------------------------------------------------
     def post_recv(self, kind: str, microbatch: int, peer: int) -> None:
-        """Post a message's receives ahead of time (gloo only): its header and, once the
-        channel has a reference, its payload on the fast tags, speculatively."""
+        """Post a message's receives ahead of time. On gloo (``post_early``): its header and,
+        once the channel has a reference, its payload on the fast tags, speculatively. On NCCL:
+        the next numbered header receive from ``peer`` (headers arrive in send order, whatever
+        their message), unless the message's header is read already. A message is announced
+        before it is received, at most once: then no more header receives are posted than
+        messages come (one posted ahead is pending only while a message announced and unread
+        is on its way)."""
         key = (kind, microbatch, peer)
+        if self.nccl:
+            if key not in self._announced and key not in self._arrived:
+                self._announced.add(key)
+                self._headers_ahead.setdefault(peer, deque()).append(self._post_header(peer))
+            return
         if not self.post_early or key in self._incoming:
             return
         incoming = self._start(kind, microbatch, peer)
@@ -359,7 +379,7 @@ class P2P:
         gloo reports a send complete only once it is waited on, so sends are bounded by waiting
         on the oldest: otherwise every sent activation would stay alive until the end. (Nothing
         is learnt from polling receives: gloo's ``is_completed`` stays False until ``wait``, and
-        on NCCL nothing is posted ahead.)
+        on NCCL no payload is posted ahead.)
         """
         while len(self._outgoing) > MAX_SENDS_IN_FLIGHT:
             work, _, on_host = self._outgoing.pop(0)
@@ -421,12 +441,20 @@ class P2P:
         self._wait_all(payload, what)  # stream waits: the host goes on
         return self._landed(payload), header.version
 
-    def _take_next(self, peer: int, what: str) -> None:
-        """NCCL: read the next header from ``peer`` and issue its payload's receives."""
-        number = self._received_count.get(peer, 0)
-        self._received_count[peer] = number + 1
+    def _post_header(self, peer: int) -> tuple[int, Tensor, Any]:
+        """NCCL: post the receive of the next numbered header from ``peer``; returns its
+        number, buffer and work."""
+        number = self._header_posts.get(peer, 0)
+        self._header_posts[peer] = number + 1
         raw = torch.empty(HEADER_LEN, dtype=torch.int64, device=self._header_device)
         work = dist.irecv(raw, src=peer, tag=_in_order_tag(number, 0), group=self.header_group)
+        return number, raw, work
+
+    def _take_next(self, peer: int, what: str) -> None:
+        """NCCL: read the next header from ``peer`` (posted ahead, else now) and issue its
+        payload's receives."""
+        ahead = self._headers_ahead.get(peer)
+        number, raw, work = ahead.popleft() if ahead else self._post_header(peer)
         self._wait(work, what, on_host=True)
         header = decode_header(raw)
         buffers = [self._buffers.empty(dtype, shape) for dtype, shape in header.specs]
@@ -435,7 +463,9 @@ class P2P:
             dist.irecv(buffer, src=peer, tag=_in_order_tag(number, 1 + part), group=group)
             for part, buffer in enumerate(buffers)
         ]
-        self._arrived[(header.kind, header.microbatch, peer)] = (header, _Receives(buffers, works))
+        key = (header.kind, header.microbatch, peer)
+        self._announced.discard(key)
+        self._arrived[key] = (header, _Receives(buffers, works))
 
     def _fast_receives(self, incoming: _Incoming, specs: list[Spec]) -> _Receives:
         """The message's fast-tag receives: those posted speculatively, else posted now."""
@@ -483,7 +513,7 @@ class P2P:
         """NCCL: the header, numbered, on the gloo header group, and the payload on the group of
         this direction (its own NCCL communicator, so its own stream: a send that waits for the
         peer's receive never holds up a transfer the other way, which the peer may need first).
-        Nothing is posted ahead, so there is no reference and no placeholder."""
+        No payload is posted ahead, so there is no reference and no placeholder."""
         header = encode_header(
             specs_of(tensors), version, CHANGED, kind=kind, microbatch=microbatch
         )  # raises before any send

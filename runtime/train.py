@@ -59,7 +59,7 @@ __all__ = ["IN_ORDER_ENV", "TrainOptions", "make_deterministic", "segments", "tr
 
 IN_ORDER_ENV = "PIPEDREAM_IN_ORDER_P2P"
 """Set to 1, gloo ranks exchange messages as NCCL ranks do (headers on a group of their own,
-read in the order they were sent; payloads on a group per direction, nothing posted ahead):
+read in the order they were sent; payloads on a group per direction, not posted ahead):
 the tests run the NCCL transport's protocol on machines without GPUs."""
 
 

@@ -94,9 +94,12 @@ def test_tag_ranges_are_disjoint_and_fit_in_31_bits() -> None:
 @dataclass
 class _Work:
     done: bool = False
+    on_stream: bool = False
+    """An NCCL payload's: its wait is a stream wait, which never blocks the host."""
 
     def wait(self, timeout: object = None) -> bool:
-        assert self.done, "this wait would block forever: no matching send or receive"
+        if not self.on_stream:
+            assert self.done, "this wait would block forever: no matching send or receive"
         return True
 
 
@@ -244,7 +247,9 @@ HEADERS = object()
 class _Nccl:
     """Two ranks (0 and 1) as NCCL pairs them: on a payload group a receive takes the oldest
     unmatched send of its direction, whatever the tags (a shape mismatch is an error, matching
-    values are not checked: NCCL copies bytes); on the header group, gloo's matching by tag."""
+    values are not checked: NCCL copies bytes), and a wait is a stream wait, which does not
+    block the host; on the header group, gloo's matching by tag, and a wait blocks the host
+    until its match is posted."""
 
     queues: dict[tuple, tuple[deque, deque]] = field(default_factory=dict)
     directions: dict[object, set[tuple[int, int]]] = field(default_factory=dict)
@@ -261,7 +266,7 @@ class _Nccl:
             self.directions.setdefault(group, set()).add((src, dst))
         key = (group, src, dst, tag if group is HEADERS else None)
         sends, recvs = self.queues.setdefault(key, (deque(), deque()))
-        work = _Work()
+        work = _Work(on_stream=group is not HEADERS)
         (sends, recvs)[side].append((t, work))
         _pair_up(sends, recvs, str(key))
         return work
@@ -302,7 +307,7 @@ def test_on_nccl_each_message_arrives_whole_with_its_shapes_changing(
         for mb, tensors in enumerate(messages):
             sender.send("act", mb, 1, tensors, mb)
     for mb, tensors in enumerate(messages):
-        receiver.post_recv("act", mb, 0)  # a no-op on NCCL
+        receiver.post_recv("act", mb, 0)  # the header's receive only
         if not sends_first:
             sender.send("act", mb, 1, tensors, mb)
         got, version = receiver.recv("act", mb, 0, what="test")
@@ -329,6 +334,46 @@ def test_on_nccl_payloads_are_received_in_the_order_they_were_sent(nccl: _Nccl) 
     (got,), version = receiver.recv("act", 2, 0, what="the activations")
     assert version == 5 and torch.equal(got, activations)
     assert nccl.outstanding() == 0 and not receiver._arrived
+
+
+def test_on_nccl_a_sender_far_ahead_is_not_held_by_its_headers(nccl: _Nccl) -> None:
+    """The receiver announces its next messages (as the executor does before it computes) and
+    the sender sends them all and reclaims its sends past ``MAX_SENDS_IN_FLIGHT``. The
+    headers' receives are posted ahead, so reclaiming a header send does not wait for the
+    receiver's host to reach that message (here it would never return)."""
+    sender, receiver = _nccl_p2p(0), _nccl_p2p(1)
+    count = comm.MAX_SENDS_IN_FLIGHT  # a header and a tensor each: twice the parts allowed
+    for mb in range(count):
+        receiver.post_recv("act", mb, 0)
+    for mb in range(count):
+        sender.send("act", mb, 1, [torch.full((2,), float(mb))], mb)
+    sender.poll()
+    assert len(sender._outgoing) == comm.MAX_SENDS_IN_FLIGHT
+    for mb in range(count):
+        (got,), version = receiver.recv("act", mb, 0, what="test")
+        assert version == mb and torch.equal(got, torch.full((2,), float(mb)))
+    sender.drain(what="test")
+    assert nccl.outstanding() == 0 and not receiver._headers_ahead[0]
+
+
+def test_on_nccl_header_receives_posted_ahead_are_never_more_than_the_messages(
+    nccl: _Nccl,
+) -> None:
+    """Header receives are numbered, not named, and gloo cannot take one back: a message
+    announced twice, or once its header is read (by the receive of a later message), must not
+    post another, or the last would wait forever for a header that never comes."""
+    sender, receiver = _nccl_p2p(0), _nccl_p2p(1)
+    for mb in range(3):
+        sender.send("act", mb, 1, [torch.full((2,), float(mb))], mb)
+    receiver.post_recv("act", 1, 0)
+    receiver.post_recv("act", 1, 0)  # once more: no second receive
+    (got,), _ = receiver.recv("act", 1, 0, what="test")  # reads the headers of 0 and 1
+    receiver.post_recv("act", 0, 0)  # read already: nothing to post
+    receiver.post_recv("act", 2, 0)
+    for mb in (0, 2):
+        (got,), version = receiver.recv("act", mb, 0, what="test")
+        assert version == mb and torch.equal(got, torch.full((2,), float(mb)))
+    assert nccl.outstanding() == 0 and not receiver._announced
 
 
 def test_on_nccl_each_direction_has_a_group_of_its_own(nccl: _Nccl) -> None:
