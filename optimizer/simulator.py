@@ -29,10 +29,11 @@ with profiled costs instead of tensors:
 * the runtime posts its receives ahead (on gloo), a few before each action by the rule of
   :mod:`~pipedream.schedules.posting`; posting one holds the receiving rank ``recv_ms`` there,
   an ``R`` event;
-* before each action a rank waits until at most
-  :data:`~pipedream.schedules.posting.MAX_SENDS_IN_FLIGHT` parts of its sent messages (each a
-  header and one tensor here: :data:`SEND_PARTS`) have not left it, as the runtime reclaims
-  its send buffers; a message leaves its sender when its transfer ends; a ``W`` event;
+* before each action a rank waits until at most ``messages_in_flight`` of its sent messages
+  have not left it, as the runtime reclaims its send buffers (the plan's
+  :class:`~pipedream.schedules.Posting`, as the runtime chooses it:
+  :func:`~pipedream.schedules.plan_posting`); a message leaves its sender when its transfer
+  ends; a ``W`` event;
 * ``A``: the replicas of a stage wait for each other, then spend a hierarchical ring allreduce
   ``sum over levels of 4 (k - 1) / k * P / (bandwidth * workers below)``, ``k`` the replicas'
   units at that level (one level: the cost model's ``4 (r - 1) P / (bandwidth r)``).
@@ -80,12 +81,13 @@ from pipedream.optimizer.messages import MessageTime, message_kind
 from pipedream.optimizer.stage_messages import stage_messages, stages_of_layers
 from pipedream.optimizer.transfers import Transfer, TransferPool
 from pipedream.schedules import (
-    MAX_SENDS_IN_FLIGHT,
     RECEIVE_WINDOW,
     Action,
     Op,
     PipelineSpec,
+    Posting,
     build_tables,
+    plan_posting,
     receives_posted_before,
     spec_from_plan,
     version_use,
@@ -407,30 +409,22 @@ def _period(plan: Plan) -> int:
     return math.lcm(*(stage.replicas for stage in plan.stages))
 
 
-def _margin(plan: Plan, network: Network | None = None) -> int:
+def _margin(plan: Plan, network: Network | None = None, window: int = RECEIVE_WINDOW) -> int:
     """Minibatches of the pipeline's fill, and of its drain: ``S`` times the replica period.
 
     That bounds the minibatches in flight (``r`` replicas of the input stage with
     ``ceil(W / r)`` each under PipeDream), whose absence at the end of a run changes the
     completions before them: on VGG-16 over 4 workers, a 3-1 split, the last 6 minibatches
     complete faster than the steady state. Where posting a receive costs time, the ranks post
-    none in their tables' last :data:`~pipedream.schedules.posting.RECEIVE_WINDOW` actions,
-    which a longer run would fill: those actions lie within ``ceil(RECEIVE_WINDOW / 2m)``
-    periods (every rank runs a forward and a backward per microbatch of at least one
-    minibatch per period), added to the margin.
+    none in their tables' last ``window`` actions (the posting's), which a longer run would
+    fill: those actions lie within ``ceil(window / 2m)`` periods (every rank runs a forward and
+    a backward per microbatch of at least one minibatch per period), added to the margin.
     """
     margin = plan.num_stages * _period(plan)
     if network is not None and network.recv_ms > 0:
-        margin += _period(plan) * math.ceil(RECEIVE_WINDOW / (2 * plan.microbatches))
+        margin += _period(plan) * math.ceil(window / (2 * plan.microbatches))
     return margin
 
-
-SEND_PARTS = 2
-"""Parts of one simulated message the runtime waits on: its header and one tensor (the profile
-gives a stage's output as bytes, not as tensors)."""
-
-_MESSAGES_IN_FLIGHT = MAX_SENDS_IN_FLIGHT // SEND_PARTS
-"""Messages a rank leaves unwaited when an action starts, at most."""
 
 STEADY_TOLERANCE = 1e-3
 """Relative difference below which repetitions of a cycle count as taking the same time."""
@@ -560,16 +554,18 @@ def _simulate(
     spread: PassSpread | None = None,
     seed: int = 0,
 ) -> Timeline:
-    spec = spec_from_plan(plan, 0, num_minibatches, pipeline_edges(work), tied_pairs(work))
+    edges, tied = pipeline_edges(work), tied_pairs(work)
+    spec = spec_from_plan(plan, 0, num_minibatches, edges, tied)
     tables = build_tables(spec)
-    run = _Run(tables, work, network, spec, spread, random.Random(seed))
+    posting = plan_posting(plan, [num_minibatches], in_order=False, edges=edges, tied=tied)
+    run = _Run(tables, work, network, spec, spread, random.Random(seed), posting)
     run.execute()
     m = plan.microbatches
     completions = []
     for t in range(num_minibatches):
         ends = [run.backward_end[(0, t * m + j)] for j in range(m)]
         completions.append(max(ends))
-    margin, period = _margin(plan, network), _period(plan)
+    margin, period = _margin(plan, network, posting.window), _period(plan)
     drawn = _drawn(spread, network)
     window = None if drawn else steady_window(completions, margin, period)
     last = num_minibatches - 1 - margin
@@ -609,8 +605,10 @@ class _Run:
         spec: PipelineSpec,
         spread: PassSpread | None = None,
         rng: random.Random | None = None,
+        posting: Posting | None = None,
     ) -> None:
         self.tables, self.work, self.network = tables, work, network
+        self.posting = posting or Posting()
         self.spec = spec
         self.spread, self.rng = spread, rng or random.Random(0)
         self.position = {rank: 0 for rank in tables}
@@ -634,7 +632,8 @@ class _Run:
             for stage in {action.stage for action in table}
         }
         self.updates_done = dict.fromkeys(self.uses, 0)
-        self.posts = {rank: receives_posted_before(table) for rank, table in tables.items()}
+        window = self.posting.window
+        self.posts = {r: receives_posted_before(table, window) for r, table in tables.items()}
         # each rank's messages sent and not yet waited on, oldest first, and when each left it
         self.unwaited: dict[int, deque[Message]] = {r: deque() for r in tables}
         self.left: dict[Message, float] = {}
@@ -695,7 +694,8 @@ class _Run:
         of them is still moving, with no end known yet)."""
         unwaited = self.unwaited[rank]
         ready = self.clock[rank]
-        for key in itertools.islice(unwaited, max(0, len(unwaited) - _MESSAGES_IN_FLIGHT)):
+        in_flight = self.posting.messages_in_flight
+        for key in itertools.islice(unwaited, max(0, len(unwaited) - in_flight)):
             left = self.left.get(key)
             if left is None:
                 return None
@@ -705,7 +705,7 @@ class _Run:
     def _reclaim(self, rank: int) -> None:
         """Forget the sends ``rank`` waited for before the action it starts now."""
         unwaited = self.unwaited[rank]
-        while len(unwaited) > _MESSAGES_IN_FLIGHT:
+        while len(unwaited) > self.posting.messages_in_flight:
             del self.left[unwaited.popleft()]
 
     def _schedule_pool(self) -> None:

@@ -37,9 +37,10 @@ payload receives once the channel's reference is known (for the messages already
 becomes known, at that moment). Only the slow payload of a message whose specs differ from the
 reference waits for its header. On NCCL only headers are posted ahead (below). Sends are never
 waited on until their buffers must be reclaimed (:meth:`P2P.poll` keeps at most
-``MAX_SENDS_IN_FLIGHT``) or the run ends (:meth:`P2P.drain`). On the CPU, payloads are received
-into reused storage (:class:`~pipedream.runtime.receive_buffers.ReceiveBuffers`), so that gloo
-does not fault in fresh pages while it reads a large message.
+``messages_in_flight`` messages, each whole) or the run ends (:meth:`P2P.drain`). On the CPU,
+payloads are received into reused storage
+(:class:`~pipedream.runtime.receive_buffers.ReceiveBuffers`), so that gloo does not fault in
+fresh pages while it reads a large message.
 
 Ranks that share GPUs (``--device cuda-shared``) talk over gloo, which moves host memory only:
 their messages are *staged* (``staged=True``): copied to pinned host memory before they are
@@ -89,7 +90,7 @@ from torch import Tensor
 
 from pipedream.errors import RunFailure
 from pipedream.runtime.receive_buffers import ReceiveBuffers
-from pipedream.schedules import MAX_SENDS_IN_FLIGHT
+from pipedream.schedules import MESSAGES_IN_FLIGHT
 
 __all__ = [
     "CHANGED",
@@ -292,6 +293,7 @@ class P2P:
         nccl: bool = False,
         header_group: Any = None,
         payload_groups: Mapping[tuple[int, int], Any] | None = None,
+        messages_in_flight: int = MESSAGES_IN_FLIGHT,
     ):
         self.rank = rank
         self.device = device
@@ -323,8 +325,10 @@ class P2P:
         self._header_device = torch.device("cpu") if header_group is not None else self.wire
         self._incoming: dict[tuple[str, int, int], _Incoming] = {}
         self._buffers = ReceiveBuffers(self.wire, pin=staged and torch.cuda.is_available())
-        self._outgoing: list[tuple[Any, list[Tensor], bool]] = []
-        """Sends in flight: the work, the tensors it reads, whether it is waited on the host."""
+        self.messages_in_flight = messages_in_flight
+        self._outgoing: deque[list[tuple[Any, Tensor, bool]]] = deque()
+        """Messages in flight, oldest first: each part's work, the tensor it reads, and whether
+        it is waited on the host."""
         # (kind, peer) -> the specs of the first message sent to / received from the peer
         self._sent_reference: dict[tuple[str, int], list[Spec]] = {}
         self._received_reference: dict[tuple[str, int], list[Spec]] = {}
@@ -374,16 +378,18 @@ class P2P:
         return _Receives(buffers, works)
 
     def poll(self) -> None:
-        """Reclaim the oldest sends beyond ``MAX_SENDS_IN_FLIGHT``.
+        """Reclaim the oldest messages beyond ``messages_in_flight``, each whole.
 
         gloo reports a send complete only once it is waited on, so sends are bounded by waiting
         on the oldest: otherwise every sent activation would stay alive until the end. (Nothing
         is learnt from polling receives: gloo's ``is_completed`` stays False until ``wait``, and
-        on NCCL no payload is posted ahead.)
+        on NCCL no payload is posted ahead.) The bound counts messages, not tensors: a message
+        of many tensors does not make its sender wait sooner (``pipedream.schedules.host_waits``
+        checks, per plan, that these waits cannot close a cycle between ranks).
         """
-        while len(self._outgoing) > MAX_SENDS_IN_FLIGHT:
-            work, _, on_host = self._outgoing.pop(0)
-            self._wait(work, "an earlier send", on_host=on_host)
+        while len(self._outgoing) > self.messages_in_flight:
+            for work, _, on_host in self._outgoing.popleft():
+                self._wait(work, "an earlier send", on_host=on_host)
 
     def recv(self, kind: str, microbatch: int, peer: int, *, what: str) -> tuple[list[Tensor], int]:
         """Wait for a message; returns its tensors and version tag."""
@@ -499,6 +505,7 @@ class P2P:
         self._sent_reference.setdefault(channel, specs)
         header = header.to(self._header_device)
         header_tag = message_tag(kind, microbatch, 0)
+        self._outgoing.append([])
         self._isend(header, peer, header_tag, group=self.header_group, on_host=True)
         tags = payload_tags(kind, microbatch, len(specs), fast=flags == FAST)
         for tensor, tag in zip(tensors, tags):
@@ -522,6 +529,7 @@ class P2P:
         number = self._sent_count.get(peer, 0)
         self._sent_count[peer] = number + 1
         tag = _in_order_tag(number, 0)
+        self._outgoing.append([])
         self._isend(header, peer, tag, group=self.header_group, on_host=True)
         for part, tensor in enumerate(tensors):
             self._isend(tensor, peer, _in_order_tag(number, 1 + part), group=group)
@@ -544,15 +552,16 @@ class P2P:
     def _isend(
         self, tensor: Tensor, peer: int, tag: int, group: Any = None, on_host: bool | None = None
     ) -> None:
-        """Start a send; ``on_host``: whether it is waited on the host (default: unless the
-        tensor is an NCCL payload)."""
+        """Start a send, a part of the newest message in flight; ``on_host``: whether it is
+        waited on the host (default: unless the tensor is an NCCL payload)."""
         work = dist.isend(tensor, dst=peer, tag=tag, group=group)
-        self._outgoing.append((work, [tensor], not self.nccl if on_host is None else on_host))
+        self._outgoing[-1].append((work, tensor, not self.nccl if on_host is None else on_host))
 
     def drain(self, *, what: str) -> None:
         """Wait for every outstanding send (end of run, checkpoints)."""
-        for work, _, on_host in self._outgoing:
-            self._wait(work, what, on_host=on_host)
+        for message in self._outgoing:
+            for work, _, on_host in message:
+                self._wait(work, what, on_host=on_host)
         self._outgoing.clear()
 
     def _wait(self, work: Any, what: str, *, on_host: bool) -> None:

@@ -47,9 +47,11 @@ from pipedream.runtime.stage_worker import StageWorker, WorkerConfig
 from pipedream.runtime.summary import RankStats, peak_memory_bytes, report
 from pipedream.schedules import (
     Action,
+    Posting,
     build_tables,
     lookup,
     message_routes,
+    plan_posting,
     spec_from_plan,
     validate_plan_schedule,
 )
@@ -241,6 +243,8 @@ class _RankJob:
         if self.in_order:
             routes = message_routes(plan, edges=layout.edges, tied=layout.tied_pairs)
             self.payload_groups = {route: dist.new_group(sorted(route)) for route in routes}
+        self.posting = Posting()
+        """How far ahead receives are posted and how many sends stay in flight (set by run)."""
         self.stage_indices = plan.stages_of_rank(self.rank)
         """The stages this rank runs: one, or several (interleaved and V schedules)."""
         self.last_stage = plan.num_stages - 1
@@ -316,7 +320,7 @@ class _RankJob:
             f"pipedream: {plan.workload} on {self.placement.describe(plan.world_size)}, "
             f"{plan.num_stages} stages, schedule {plan.schedule}, {self.options.steps} "
             f"minibatches of {plan.microbatches} x {plan.microbatch_size} samples; "
-            f"run dir {self.run_dir}",
+            f"{_posting_note(self.posting)}run dir {self.run_dir}",
             file=sys.stderr,
             flush=True,
         )
@@ -377,6 +381,13 @@ class _RankJob:
         return compute_s, elapsed_s
 
     def run(self, todo: list[tuple[int, int]], resume_from: Path | None) -> int:
+        self.posting = plan_posting(
+            self.plan,
+            {count for _, count in todo},
+            in_order=self.in_order,
+            edges=self.layout.edges,
+            tied=self.layout.tied_pairs,
+        )
         first, count = todo[0]
         table = self._table(first, count)
         workers = {stage: self._worker(stage, table, first) for stage in self.stage_indices}
@@ -491,14 +502,26 @@ class _RankJob:
                 nccl=self.in_order,
                 header_group=self.header_group,
                 payload_groups=self.payload_groups if self.in_order else None,
+                messages_in_flight=self.posting.messages_in_flight,
             ),
             rank=self.rank,
             lanes=lanes,
             check_versions=lookup(plan.schedule).vertical_sync,
+            receive_window=self.posting.window,
             timeout=self.options.timeout,
             on_update=on_update,
             trace=trace,
         )
+
+
+def _posting_note(posting: Posting) -> str:
+    """The start line's note of a posting raised above the default (none for the default)."""
+    if posting == Posting():
+        return ""
+    return (
+        f"receives posted {posting.window} actions ahead and {posting.messages_in_flight} "
+        "messages in flight (raised: with fewer a rank could wait forever for its sends); "
+    )
 
 
 def _agree_on_run_dir(requested: str | None) -> Path:

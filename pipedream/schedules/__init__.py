@@ -9,7 +9,8 @@ what the planner and the runtime need of it; :func:`build_tables` turns a
 executor, the simulator and the profiler's overhead measurement all run;
 :func:`validate_tables` checks tables before anything runs; :func:`receives_posted_before` and
 :func:`version_use` are the rules the executor and the simulator share for posting receives
-ahead and stashing weight versions.
+ahead and stashing weight versions, and :func:`posting_for` sizes the posting (a
+:class:`Posting`) so that no rank's host waits forever for its sends.
 """
 
 from pipedream.schedules.actions import (
@@ -21,14 +22,21 @@ from pipedream.schedules.actions import (
     Op,
     parse_action,
 )
+from pipedream.schedules.host_waits import host_stall, posting_for
 from pipedream.schedules.plan_spec import (
     VALIDATION_MINIBATCHES,
     message_routes,
+    plan_posting,
     spec_from_plan,
     validate_plan_schedule,
     validation_bound,
 )
-from pipedream.schedules.posting import MAX_SENDS_IN_FLIGHT, RECEIVE_WINDOW, receives_posted_before
+from pipedream.schedules.posting import (
+    MESSAGES_IN_FLIGHT,
+    RECEIVE_WINDOW,
+    Posting,
+    receives_posted_before,
+)
 from pipedream.schedules.registry import SCHEDULES, lookup
 from pipedream.schedules.schedule import Schedule
 from pipedream.schedules.spec import PipelineSpec, warmup_depth
@@ -38,7 +46,7 @@ from pipedream.schedules.versions import VersionUse, version_use
 
 __all__ = [
     "MATCHING_RECEIVE",
-    "MAX_SENDS_IN_FLIGHT",
+    "MESSAGES_IN_FLIGHT",
     "MESSAGE_KIND",
     "RECEIVES",
     "RECEIVE_WINDOW",
@@ -48,15 +56,19 @@ __all__ = [
     "Action",
     "Op",
     "PipelineSpec",
+    "Posting",
     "Schedule",
     "VersionUse",
     "build_tables",
     "compute_order",
     "format_grid",
     "forward_versions",
+    "host_stall",
     "lookup",
     "message_routes",
     "parse_action",
+    "plan_posting",
+    "posting_for",
     "receives_posted_before",
     "simulate_dependencies",
     "spec_from_plan",

@@ -14,6 +14,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from pipedream.errors import ScheduleError
+from pipedream.schedules.host_waits import posting_for
+from pipedream.schedules.posting import Posting
 from pipedream.schedules.spec import PipelineSpec
 from pipedream.schedules.tables import build_tables
 from pipedream.schedules.validate import validate_tables
@@ -24,6 +26,7 @@ if TYPE_CHECKING:  # the plan format validates schedules with this package
 __all__ = [
     "VALIDATION_MINIBATCHES",
     "message_routes",
+    "plan_posting",
     "spec_from_plan",
     "validate_plan_schedule",
     "validation_bound",
@@ -102,3 +105,23 @@ def message_routes(
         if action.op.is_send and action.peer is not None and action.peer != rank
     }
     return sorted(routes)
+
+
+def plan_posting(
+    plan: Plan,
+    counts: Iterable[int],
+    *,
+    in_order: bool,
+    edges: tuple[tuple[int, int], ...] | None = None,
+    tied: tuple[tuple[int, int], ...] = (),
+) -> Posting:
+    """The posting the runtime runs segments of each of ``counts`` minibatches with: the
+    default, or the first doubling of it under which no rank's host waits forever for its sends
+    (:func:`~pipedream.schedules.host_waits.posting_for`; ``in_order``: NCCL's discipline),
+    read from tables of at most :func:`validation_bound` minibatches, as they are validated."""
+    bound = validation_bound(plan)
+    posting = Posting()
+    for count in sorted(set(counts)):
+        spec = spec_from_plan(plan, 0, min(count, bound), edges, tied)
+        posting = posting_for(build_tables(spec), in_order=in_order, start=posting)
+    return posting

@@ -10,28 +10,47 @@ time (more while a large message streams in on the same pair, whose transport th
 reading it), which the simulator charges where the runtime spends it.
 
 Sends are not waited on when they are posted, but their buffers must be reclaimed: before each
-action the executor waits for its oldest sends until at most :data:`MAX_SENDS_IN_FLIGHT`
-message parts (a message's header and each of its tensors) are left unwaited
+action the executor waits for its oldest sent messages (each whole: its header and every
+tensor) until at most ``messages_in_flight`` are left unwaited
 (:meth:`pipedream.runtime.comm.P2P.poll`; gloo reports a send complete only once waited on). A
 rank whose messages move slower than it computes therefore stops there until the oldest has
-left, which the simulator models as well.
+left, which the simulator models as well. The bound counts messages, not tensors, so how many
+tensors a stage boundary carries does not change when a rank waits.
+
+The two numbers are a :class:`Posting`. The defaults suit every built-in schedule; a plan whose
+ranks exchange many messages per microbatch (dense skip connections) may need more, which
+:func:`~pipedream.schedules.host_waits.posting_for` finds from the tables.
 Pure Python: no torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from pipedream.schedules.actions import Action
 
-__all__ = ["MAX_SENDS_IN_FLIGHT", "RECEIVE_WINDOW", "receives_posted_before"]
+__all__ = ["MESSAGES_IN_FLIGHT", "RECEIVE_WINDOW", "Posting", "receives_posted_before"]
 
 RECEIVE_WINDOW = 32
-"""Actions ahead of the current one within which the executor has posted every receive."""
+"""Actions ahead of the current one within which the executor has posted every receive
+(the default)."""
 
-MAX_SENDS_IN_FLIGHT = 16
-"""Message parts (headers and tensors) sent but not yet waited on when an action starts, at
-most."""
+MESSAGES_IN_FLIGHT = 8
+"""Messages sent but not yet waited on when an action starts, at most (the default)."""
+
+
+@dataclass(frozen=True)
+class Posting:
+    """How far ahead the executor posts receives, and how many sends it leaves in flight."""
+
+    window: int = RECEIVE_WINDOW
+    """Actions ahead of the current one within which every receive is posted."""
+    messages_in_flight: int = MESSAGES_IN_FLIGHT
+    """Messages sent and not yet waited on when an action starts, at most."""
+
+    def __post_init__(self) -> None:
+        assert self.window >= 1 and self.messages_in_flight >= 0, self
 
 
 def receives_posted_before(

@@ -7,7 +7,8 @@ under NCCL's rules, with the worst case where the rules allow a choice:
   issued before it on that stream are done, and once the work queued on the rank's compute
   stream when it was issued is done (ProcessGroupNCCL makes its stream wait for the current
   one). That work includes every transfer the compute stream was made to wait for: a received
-  payload (its receive action) and a send reclaimed by ``poll`` past ``MAX_SENDS_IN_FLIGHT``.
+  payload (its receive action) and a send reclaimed by ``poll`` past ``MESSAGES_IN_FLIGHT``
+  messages.
 - The k-th send from rank a to rank b on a communicator is paired with b's k-th receive from a
   on it, whatever the tags, and a pair completes only once both have started (a send larger
   than NCCL's buffers waits for its receive).
@@ -25,7 +26,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pipedream.schedules import MAX_SENDS_IN_FLIGHT, MESSAGE_KIND, Action, Op
+from pipedream.schedules import MESSAGE_KIND, MESSAGES_IN_FLIGHT, Action, Op
 
 __all__ = ["NcclOutcome", "run_on_nccl"]
 
@@ -81,7 +82,7 @@ class _Rank:
         self.ops: list[_Op] = []
         self.waited: list[_Op] = []
         self.last: dict[tuple, _Op] = {}
-        self.outgoing: list[_Op | None] = []  # None: a header (gloo, waited on the host)
+        self.outgoing: list[_Op] = []  # the payloads of the messages in flight
 
     def issue(self, stream: tuple, what: str, message: tuple, ends: tuple[int, int] | None) -> _Op:
         op = _Op(self.rank, stream, what, message, ends, len(self.waited), self.last.get(stream))
@@ -91,10 +92,8 @@ class _Rank:
         return op
 
     def poll(self) -> None:
-        while len(self.outgoing) > MAX_SENDS_IN_FLIGHT:
-            part = self.outgoing.pop(0)
-            if part is not None:
-                self.waited.append(part)
+        while len(self.outgoing) > MESSAGES_IN_FLIGHT:  # its header is waited on the host
+            self.waited.append(self.outgoing.pop(0))
 
 
 def run_on_nccl(
@@ -127,7 +126,7 @@ def run_on_nccl(
             if action.op.is_send and peer != rank:
                 assert peer is not None
                 op = state.issue(stream(rank, peer), "send", _message(action), (rank, peer))
-                state.outgoing += [None, op]
+                state.outgoing.append(op)
             elif action.op.is_receive and peer != rank:
                 assert peer is not None
                 message = _message(action)

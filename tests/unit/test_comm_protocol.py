@@ -217,6 +217,23 @@ def test_speculative_receives_round_trip_and_leave_nothing_outstanding(
     assert loopback.outstanding() == 0 and not receiver._incoming
 
 
+def test_a_message_of_many_tensors_counts_once_among_the_sends_in_flight(
+    loopback: _Loopback,
+) -> None:
+    """The executor's bound on sends in flight counts messages: a stage boundary of many
+    tensors does not make its sender wait sooner (with a bound on tensors a message of 20 was
+    waited on right away, for a receive its peer posts only when it gets there; with dense
+    skip connections or changing shapes that closed cycles between ranks)."""
+    p2p = P2P(rank=0, device=torch.device("cpu"), timeout=1, post_early=True)
+    p2p.send("act", 0, 1, [torch.zeros(())] * 20, 0)
+    p2p.poll()  # one message in flight: nothing to wait for (no receive is posted here)
+    for mb in range(1, p2p.messages_in_flight + 1):
+        p2p.send("act", mb, 1, [torch.zeros(2)], mb)
+    with pytest.raises(AssertionError, match="block forever"):
+        p2p.poll()  # one message too many: it waits for the oldest, whole
+    assert len(p2p._outgoing) == p2p.messages_in_flight
+
+
 def test_speculative_buffers_have_the_reference_specs(loopback: _Loopback) -> None:
     sender = P2P(rank=0, device=torch.device("cpu"), timeout=1, post_early=True)
     receiver = P2P(rank=1, device=torch.device("cpu"), timeout=1, post_early=True)
@@ -338,17 +355,17 @@ def test_on_nccl_payloads_are_received_in_the_order_they_were_sent(nccl: _Nccl) 
 
 def test_on_nccl_a_sender_far_ahead_is_not_held_by_its_headers(nccl: _Nccl) -> None:
     """The receiver announces its next messages (as the executor does before it computes) and
-    the sender sends them all and reclaims its sends past ``MAX_SENDS_IN_FLIGHT``. The
+    the sender sends them all and reclaims its messages past ``messages_in_flight``. The
     headers' receives are posted ahead, so reclaiming a header send does not wait for the
     receiver's host to reach that message (here it would never return)."""
     sender, receiver = _nccl_p2p(0), _nccl_p2p(1)
-    count = comm.MAX_SENDS_IN_FLIGHT  # a header and a tensor each: twice the parts allowed
+    count = 2 * sender.messages_in_flight
     for mb in range(count):
         receiver.post_recv("act", mb, 0)
     for mb in range(count):
         sender.send("act", mb, 1, [torch.full((2,), float(mb))], mb)
     sender.poll()
-    assert len(sender._outgoing) == comm.MAX_SENDS_IN_FLIGHT
+    assert len(sender._outgoing) == sender.messages_in_flight
     for mb in range(count):
         (got,), version = receiver.recv("act", mb, 0, what="test")
         assert version == mb and torch.equal(got, torch.full((2,), float(mb)))

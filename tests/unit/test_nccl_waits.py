@@ -43,7 +43,7 @@ def test_nccl_payloads_are_stream_waits_and_headers_host_waits() -> None:
     payload, header, send, header_send = _Work(), _Work(), _Work(), _Work()
     p2p._wait_all(_Receives([torch.zeros(1)], [payload]), "a payload")
     p2p._wait(header, "a header", on_host=True)
-    p2p._outgoing += [(send, [], False), (header_send, [], True)]
+    p2p._outgoing.append([(header_send, torch.zeros(1), True), (send, torch.zeros(1), False)])
     p2p.drain(what="the sends")
     assert payload.waits == [{}] and send.waits == [{}]
     assert header.waits == [{"timeout": timedelta(seconds=7)}] == header_send.waits
