@@ -9,6 +9,7 @@ joining the process group, so an invalid action table never reaches the network.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -123,5 +124,12 @@ def plan_posting(
     posting = Posting()
     for count in sorted(set(counts)):
         spec = spec_from_plan(plan, 0, min(count, bound), edges, tied)
-        posting = posting_for(build_tables(spec), in_order=in_order, start=posting)
+        posting = _spec_posting(spec, in_order, posting)
     return posting
+
+
+@functools.lru_cache(maxsize=256)
+def _spec_posting(spec: PipelineSpec, in_order: bool, start: Posting) -> Posting:
+    """:func:`posting_for` of ``spec``'s tables, remembered: the simulator asks for the same
+    plans' again and again."""
+    return posting_for(build_tables(spec), in_order=in_order, start=start)
