@@ -98,11 +98,13 @@ class _HostRun:
                     route = self.in_send_order.setdefault(_route(message), [])
                     self.number[message] = len(route)
                     route.append(message)
-        # NCCL: header receives posted and headers read, per (sender, receiver)
+        # NCCL, per (sender, receiver): header receives posted, those of them posted ahead and
+        # not read yet, and headers read
         self.headers_posted: Counter[tuple[int, int]] = Counter()
+        self.headers_ahead: Counter[tuple[int, int]] = Counter()
         self.headers_read: Counter[tuple[int, int]] = Counter()
         self.announced: set[Message] = set()
-        """Messages whose header receive was posted ahead (or that were read)."""
+        """Messages announced (a header receive posted ahead for each) or read."""
         self.replicas: dict[int, set[int]] = {}
         for rank, table in tables.items():
             for action in table:
@@ -160,19 +162,24 @@ class _HostRun:
         return True
 
     def _announce(self, message: Message) -> None:
-        """NCCL: a receive within the window posts the next header receive of its direction."""
+        """NCCL: a receive within the window, unless announced or read already, posts the next
+        header receive of its direction (``P2P.post_recv``)."""
         if self.in_order and message not in self.announced:
             self.announced.add(message)
             self.headers_posted[_route(message)] += 1
+            self.headers_ahead[_route(message)] += 1
 
     def _read_up_to(self, message: Message) -> None:
-        """NCCL: read the direction's headers up to ``message``'s (each one posted by then)."""
+        """NCCL: read the direction's headers up to ``message``'s, each with a receive posted
+        ahead if one is pending, else posted then (``P2P._take_next``)."""
         route = _route(message)
         first, last = self.headers_read[route], self.number[message]
         for earlier in self.in_send_order[route][first : last + 1]:
             self.headers_read[route] += 1
-            if earlier not in self.announced:  # read before its receive was within the window
-                self.announced.add(earlier)
+            self.announced.add(earlier)
+            if self.headers_ahead[route]:
+                self.headers_ahead[route] -= 1
+            else:
                 self.headers_posted[route] += 1
             assert self.headers_posted[route] >= self.headers_read[route]
 
