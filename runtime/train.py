@@ -51,7 +51,6 @@ from pipedream.schedules import (
     build_tables,
     lookup,
     message_routes,
-    plan_posting,
     spec_from_plan,
     validate_plan_schedule,
 )
@@ -170,16 +169,17 @@ def train(options: TrainOptions) -> int:
         )
         return 0
     todo = segments(options.steps, options.checkpoint_every, start)
-    validate_plan_schedule(
+    placement = device_and_backend(env, options.device)
+    device, backend = placement.device, placement.backend
+    posting = validate_plan_schedule(
         plan,
         {count for _, count in todo},
         source=source,
         edges=layout.edges,
         tied=layout.tied_pairs,
+        in_order=_in_order(backend),
     )
 
-    placement = device_and_backend(env, options.device)
-    device, backend = placement.device, placement.backend
     timeout = timedelta(seconds=options.timeout)
     if env.under_torchrun:
         # torchrun's store outlives worker restarts (--max-restarts): a namespace per attempt
@@ -198,7 +198,7 @@ def train(options: TrainOptions) -> int:
             "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )
     try:
-        job = _RankJob(options, plan, env, workload, layout, placement=placement)
+        job = _RankJob(options, plan, env, workload, layout, placement=placement, posting=posting)
         return job.run(todo, resume_from)
     finally:
         gc.collect()  # drop lingering gloo work objects (in cycles) while the interpreter lives
@@ -218,6 +218,7 @@ class _RankJob:
         layout: StageLayout,
         *,
         placement: Placement,
+        posting: Posting,
     ) -> None:
         self.options = options
         self.plan = plan
@@ -236,15 +237,15 @@ class _RankJob:
                 self.groups[index] = dist.new_group(list(stage.ranks))
         # NCCL payloads: their headers go over gloo, so reading one never waits for the GPU,
         # and each direction between two ranks has a communicator (and a stream) of its own
-        self.in_order = self.backend == "nccl" or os.environ.get(IN_ORDER_ENV) == "1"
+        self.in_order = _in_order(self.backend)
         """Messages follow NCCL's discipline (on gloo too where IN_ORDER_ENV asks for it)."""
         self.header_group = dist.new_group(backend="gloo") if self.in_order else None
         self.payload_groups: dict[tuple[int, int], Any] = {}
         if self.in_order:
             routes = message_routes(plan, edges=layout.edges, tied=layout.tied_pairs)
             self.payload_groups = {route: dist.new_group(sorted(route)) for route in routes}
-        self.posting = Posting()
-        """How far ahead receives are posted and how many sends stay in flight (set by run)."""
+        self.posting = posting
+        """How far ahead receives are posted and how many sends stay in flight."""
         self.stage_indices = plan.stages_of_rank(self.rank)
         """The stages this rank runs: one, or several (interleaved and V schedules)."""
         self.last_stage = plan.num_stages - 1
@@ -381,13 +382,6 @@ class _RankJob:
         return compute_s, elapsed_s
 
     def run(self, todo: list[tuple[int, int]], resume_from: Path | None) -> int:
-        self.posting = plan_posting(
-            self.plan,
-            {count for _, count in todo},
-            in_order=self.in_order,
-            edges=self.layout.edges,
-            tied=self.layout.tied_pairs,
-        )
         first, count = todo[0]
         table = self._table(first, count)
         workers = {stage: self._worker(stage, table, first) for stage in self.stage_indices}
@@ -512,6 +506,12 @@ class _RankJob:
             on_update=on_update,
             trace=trace,
         )
+
+
+def _in_order(backend: str) -> bool:
+    """Whether messages follow NCCL's discipline: on NCCL, and on gloo where ``IN_ORDER_ENV``
+    asks for it."""
+    return backend == "nccl" or os.environ.get(IN_ORDER_ENV) == "1"
 
 
 def _posting_note(posting: Posting) -> str:

@@ -72,20 +72,27 @@ def validate_plan_schedule(
     source: str,
     edges: tuple[tuple[int, int], ...] | None = None,
     tied: tuple[tuple[int, int], ...] = (),
-) -> None:
-    """Validate every rank's action table for segments of each of ``counts`` minibatches.
+    in_order: bool = False,
+) -> Posting:
+    """Validate every rank's action table for segments of each of ``counts`` minibatches, and
+    return the posting the runtime runs them with (as :func:`plan_posting`, from the same
+    tables; ``in_order``: NCCL's discipline).
 
     Tables are shift-invariant in the minibatch index and periodic after the warm-up, so a
     segment longer than :func:`validation_bound` is validated at that bound: the check covers the
     exact plan and schedule without building millions of actions.
     """
     bound = validation_bound(plan)
+    posting = Posting()
     for count in sorted(set(counts)):
         spec = spec_from_plan(plan, 0, min(count, bound), edges, tied)
         try:
-            validate_tables(spec, build_tables(spec))
+            tables = build_tables(spec)
+            validate_tables(spec, tables)
         except ScheduleError as exc:
             raise ScheduleError(f"{source}: the action tables are invalid: {exc}") from None
+        posting = posting_for(tables, in_order=in_order, start=posting)
+    return posting
 
 
 def message_routes(
@@ -119,7 +126,8 @@ def plan_posting(
     """The posting the runtime runs segments of each of ``counts`` minibatches with: the
     default, or the first doubling of it under which no rank's host waits forever for its sends
     (:func:`~pipedream.schedules.host_waits.posting_for`; ``in_order``: NCCL's discipline),
-    read from tables of at most :func:`validation_bound` minibatches, as they are validated."""
+    read from tables of at most :func:`validation_bound` minibatches, as they are validated
+    (:func:`validate_plan_schedule` returns it, from the tables it checks)."""
     bound = validation_bound(plan)
     posting = Posting()
     for count in sorted(set(counts)):
