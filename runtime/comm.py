@@ -71,8 +71,8 @@ whatever the tags, and a send may wait on the GPU until its receive runs. So:
   with messages larger than NCCL's buffers neither send could finish.
 - A payload's ``wait`` is a stream wait: the rank's stream waits for the transfer, the host
   goes on (``Work.wait`` with a timeout would block the host until the transfer is done); a
-  transfer that never completes is ended by the process group's own timeout, which
-  ``pipedream train`` sets from ``--timeout``.
+  transfer that never completes is ended by its process group's timeout, which
+  ``pipedream train`` sets from ``--timeout`` for every group it creates.
 """
 
 from __future__ import annotations

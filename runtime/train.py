@@ -229,21 +229,13 @@ class _RankJob:
         self.device = placement.device
         self.backend = placement.backend
         self.rank = env.rank
-        self.groups: dict[int, Any] = {}
         self.buckets: dict[int, GradientBuckets] = {}
         """Per replicated stage of this rank: its allreduce in buckets (set up by run)."""
-        for index, stage in enumerate(plan.stages):  # every rank creates every group, in order
-            if stage.replicas > 1:
-                self.groups[index] = dist.new_group(list(stage.ranks))
-        # NCCL payloads: their headers go over gloo, so reading one never waits for the GPU,
-        # and each direction between two ranks has a communicator (and a stream) of its own
         self.in_order = _in_order(self.backend)
         """Messages follow NCCL's discipline (on gloo too where IN_ORDER_ENV asks for it)."""
-        self.header_group = dist.new_group(backend="gloo") if self.in_order else None
-        self.payload_groups: dict[tuple[int, int], Any] = {}
-        if self.in_order:
-            routes = message_routes(plan, edges=layout.edges, tied=layout.tied_pairs)
-            self.payload_groups = {route: dist.new_group(sorted(route)) for route in routes}
+        self.groups, self.header_group, self.payload_groups = _new_groups(
+            plan, layout, in_order=self.in_order, timeout=timedelta(seconds=options.timeout)
+        )
         self.posting = posting
         """How far ahead receives are posted and how many sends stay in flight."""
         self.stage_indices = plan.stages_of_rank(self.rank)
@@ -506,6 +498,28 @@ class _RankJob:
             on_update=on_update,
             trace=trace,
         )
+
+
+def _new_groups(
+    plan: Plan, layout: StageLayout, *, in_order: bool, timeout: timedelta
+) -> tuple[dict[int, Any], Any, dict[tuple[int, int], Any]]:
+    """The process groups besides the default one: each replicated stage's (its allreduce), and
+    under NCCL's discipline the headers' (gloo, so reading one never waits for the GPU) and one
+    per direction between two ranks (a communicator and a stream of its own). Every rank
+    creates every group, in the same order. Each waits ``timeout`` (``--timeout``) for a peer,
+    as the default group does: ``new_group``'s own default is 30 minutes on gloo and 10 on
+    NCCL, and on NCCL the groups' timeout is what ends a transfer that never completes."""
+    replicas = {
+        index: dist.new_group(list(stage.ranks), timeout=timeout)
+        for index, stage in enumerate(plan.stages)
+        if stage.replicas > 1
+    }
+    if not in_order:
+        return replicas, None, {}
+    header = dist.new_group(backend="gloo", timeout=timeout)
+    routes = message_routes(plan, edges=layout.edges, tied=layout.tied_pairs)
+    payloads = {route: dist.new_group(sorted(route), timeout=timeout) for route in routes}
+    return replicas, header, payloads
 
 
 def _in_order(backend: str) -> bool:

@@ -8,6 +8,7 @@ that record how they were waited on (no NCCL here)."""
 from __future__ import annotations
 
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -77,3 +78,44 @@ def test_replica_allreduces_are_stream_waits_on_nccl_and_timed_host_waits_on_glo
         wait_collective(_TimedOut(), "the allreduce", rank=3, nccl=False, timeout=7)
     with pytest.raises(PeerTimeoutError, match="rank 3: the allreduce failed: connection reset"):
         wait_collective(_Failed(), "the allreduce", rank=3, nccl=True, timeout=7)
+
+
+def test_every_group_waits_the_runs_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream wait ends only by its group's timeout, and ``new_group`` does not inherit the
+    default group's: left alone, a replica's allreduce or a payload that never completes would
+    hold an NCCL run for torch's 10 minutes (30 on gloo) instead of ``--timeout``."""
+    from pipedream.formats.plan import Plan
+    from pipedream.runtime import train
+
+    made: list[tuple[Any, dict[str, Any]]] = []
+
+    def new_group(ranks: Any = None, **kwargs: Any) -> int:
+        made.append((ranks, kwargs))
+        return len(made)
+
+    monkeypatch.setattr(train.dist, "new_group", new_group)
+    plan = Plan.from_dict(
+        {
+            "format": "pipedream/plan@1",
+            "workload": "mlp",
+            "workload_args": {},
+            "schedule": "1f1b",
+            "microbatch_size": 4,
+            "microbatches": 2,
+            "world_size": 4,
+            "stages": [
+                {"first_layer": f"l{i}", "last_layer": f"l{i}", "replicas": len(r), "ranks": r}
+                for i, r in enumerate([[0], [1, 2], [3]])
+            ],
+        }
+    )
+    layout: Any = SimpleNamespace(edges=None, tied_pairs=())
+    seven = timedelta(seconds=7)
+    replicas, header, payloads = train._new_groups(plan, layout, in_order=True, timeout=seven)
+    assert replicas == {1: 1} and header == 2
+    assert sorted(payloads) == [(0, 1), (0, 2), (1, 0), (1, 3), (2, 0), (2, 3), (3, 1), (3, 2)]
+    assert made[:2] == [([1, 2], {"timeout": seven}), (None, {"backend": "gloo", "timeout": seven})]
+    assert all(kwargs == {"timeout": seven} for _, kwargs in made[2:]) and len(made) == 10
+    made.clear()
+    assert train._new_groups(plan, layout, in_order=False, timeout=seven) == ({1: 1}, None, {})
+    assert made == [([1, 2], {"timeout": seven})]
