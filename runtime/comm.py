@@ -383,9 +383,11 @@ class P2P:
         gloo reports a send complete only once it is waited on, so sends are bounded by waiting
         on the oldest: otherwise every sent activation would stay alive until the end. (Nothing
         is learnt from polling receives: gloo's ``is_completed`` stays False until ``wait``, and
-        on NCCL no payload is posted ahead.) The bound counts messages, not tensors: a message
-        of many tensors does not make its sender wait sooner (``pipedream.schedules.host_waits``
-        checks, per plan, that these waits cannot close a cycle between ranks).
+        on NCCL no payload is posted ahead.) On NCCL the payloads' waits are stream waits: the
+        host goes on, but the rank's stream waits until the receiver has read the header and
+        issued the receive. The bound counts messages, not tensors: a message of many tensors
+        does not make its sender wait sooner (``pipedream.schedules.host_waits`` sizes it per
+        plan so that these waits cannot close a cycle between ranks, on hosts or GPUs).
         """
         while len(self._outgoing) > self.messages_in_flight:
             for work, _, on_host in self._outgoing.popleft():

@@ -529,12 +529,14 @@ def _in_order(backend: str) -> bool:
 
 
 def _posting_note(posting: Posting) -> str:
-    """The start line's note of a posting raised above the default (none for the default)."""
+    """The start line's note of a bound on sends in flight raised above the default (none for
+    the default; the runtime raises nothing else)."""
+    assert posting.window == Posting().window, posting
     if posting == Posting():
         return ""
     return (
-        f"receives posted {posting.window} actions ahead and {posting.messages_in_flight} "
-        "messages in flight (raised: with fewer a rank could wait forever for its sends); "
+        f"{posting.messages_in_flight} sent messages in flight (raised: with fewer, ranks could "
+        "wait for each other's sends forever); "
     )
 
 

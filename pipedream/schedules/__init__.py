@@ -10,7 +10,7 @@ executor, the simulator and the profiler's overhead measurement all run;
 :func:`validate_tables` checks tables before anything runs; :func:`receives_posted_before` and
 :func:`version_use` are the rules the executor and the simulator share for posting receives
 ahead and stashing weight versions, and :func:`posting_for` sizes the posting (a
-:class:`Posting`) so that no rank's host waits forever for its sends.
+:class:`Posting`) so that no rank waits forever for its sends.
 """
 
 from pipedream.schedules.actions import (

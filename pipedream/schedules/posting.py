@@ -18,8 +18,8 @@ left, which the simulator models as well. The bound counts messages, not tensors
 tensors a stage boundary carries does not change when a rank waits.
 
 The two numbers are a :class:`Posting`. The defaults suit every built-in schedule; a plan whose
-ranks exchange many messages per microbatch (dense skip connections) may need more, which
-:func:`~pipedream.schedules.host_waits.posting_for` finds from the tables.
+ranks exchange many messages per microbatch (dense skip connections) may need more messages in
+flight, which :func:`~pipedream.schedules.host_waits.posting_for` finds from the tables.
 Pure Python: no torch.
 """
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipedream.data import MicrobatchStream
 from pipedream.formats import load_plan
@@ -14,10 +15,11 @@ from pipedream.graph.stages import stage_ios
 from pipedream.optimizer.measured import message_times
 from pipedream.profiler.graph_profile import layer_graph
 from pipedream.runtime.checkpoint import load_full_state_dict
+from pipedream.runtime.train import IN_ORDER_ENV
 from pipedream.workload import load_workload
 
 from launching import write_plan
-from oracles import stale_oracle
+from oracles import plain_training, stale_oracle
 from runs import max_rel_diff
 from workers import run_plan
 
@@ -102,4 +104,55 @@ def test_traced_model_in_three_stages_equals_paper_rule(tmp_path: Path, name: st
         optimizer=fresh.optimizer,
     )
     want = {**fresh.model.state_dict(), **want_params}  # buffers (batch-norm statistics) too
+    assert max_rel_diff(got, want) < 1e-5
+
+
+def test_densely_connected_model_in_six_stages_under_nccls_discipline(tmp_path: Path) -> None:
+    """Every stage sends to every later one: under 1F1B the ranks send so many messages between
+    their receives that with the default bound on sends in flight two ranks wait for each other
+    forever (rank 0 for its activations to reach rank 5, rank 5 for its gradient to reach rank
+    0). Under NCCL's discipline, here on gloo, the wait is the host's; on GPUs it would be the
+    streams'. The runtime raises the bound, says so, and trains what a plain loop does."""
+    microbatch, microbatches, steps = 4, 6, 2
+    workload = load_workload("dense_mlp:build", {}, microbatch_size=microbatch)
+    graph = layer_graph(workload.model, workload.example_input, depth=2)
+    layers = graph.layers
+    assert layers == [*(f"blocks.{k}" for k in range(6)), "head"]
+    ranges = [(k, k) for k in range(5)] + [(5, 6)]
+    ios = stage_ios(graph, ranges)
+    assert [[c for c, _ in io.consumers] for io in ios] == [[*range(s + 1, 6)] for s in range(6)]
+    plan = {
+        "format": "pipedream/plan@1",
+        "workload": "dense_mlp:build",
+        "workload_args": {},
+        "schedule": "1f1b",
+        "microbatch_size": microbatch,
+        "microbatches": microbatches,
+        "world_size": 6,
+        "layers": layers,
+        "stages": [
+            {"first_layer": layers[a], "last_layer": layers[b], "replicas": 1, "ranks": [s]}
+            for s, (a, b) in enumerate(ranges)
+        ],
+    }
+    path = write_plan(plan, tmp_path / "plan.yaml")
+    run = tmp_path / "run"
+    args = ("--steps", str(steps), "--run-dir", str(run), "--timeout", "60", "--no-progress")
+    result = run_plan(path, *args, env={IN_ORDER_ENV: "1"})
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "; 16 sent messages in flight (raised: " in result.stderr
+    got = load_full_state_dict(run / "checkpoints" / f"step-{steps:06d}")
+
+    fresh = load_workload("dense_mlp:build", {}, microbatch_size=microbatch)
+    data = MicrobatchStream(fresh.dataset, microbatch, 0)
+    want = plain_training(
+        fresh.model,
+        num_updates=steps,
+        batch=lambda k: tuple(  # type: ignore[arg-type]
+            torch.cat(p)
+            for p in zip(*(data.microbatch(k * microbatches + j) for j in range(microbatches)))
+        ),
+        loss_fn=fresh.loss_fn,
+        optimizer=fresh.optimizer,
+    )
     assert max_rel_diff(got, want) < 1e-5

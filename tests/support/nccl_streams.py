@@ -7,8 +7,8 @@ under NCCL's rules, with the worst case where the rules allow a choice:
   issued before it on that stream are done, and once the work queued on the rank's compute
   stream when it was issued is done (ProcessGroupNCCL makes its stream wait for the current
   one). That work includes every transfer the compute stream was made to wait for: a received
-  payload (its receive action) and a send reclaimed by ``poll`` past ``MESSAGES_IN_FLIGHT``
-  messages.
+  payload (its receive action) and a send reclaimed by ``poll`` past the messages in flight
+  the posting allows.
 - The k-th send from rank a to rank b on a communicator is paired with b's k-th receive from a
   on it, whatever the tags, and a pair completes only once both have started (a send larger
   than NCCL's buffers waits for its receive).
@@ -77,8 +77,9 @@ def _message(action: Action) -> Message:
 class _Rank:
     """One rank's issue order: its streams and what its compute stream waited for."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, in_flight: int) -> None:
         self.rank = rank
+        self.in_flight = in_flight
         self.ops: list[_Op] = []
         self.waited: list[_Op] = []
         self.last: dict[tuple, _Op] = {}
@@ -92,17 +93,21 @@ class _Rank:
         return op
 
     def poll(self) -> None:
-        while len(self.outgoing) > MESSAGES_IN_FLIGHT:  # its header is waited on the host
+        while len(self.outgoing) > self.in_flight:  # its header is waited on the host
             self.waited.append(self.outgoing.pop(0))
 
 
 def run_on_nccl(
-    tables: Mapping[int, Sequence[Action]], *, stream_per_direction: bool, read_ahead: bool
+    tables: Mapping[int, Sequence[Action]],
+    *,
+    stream_per_direction: bool,
+    read_ahead: bool,
+    messages_in_flight: int = MESSAGES_IN_FLIGHT,
 ) -> NcclOutcome:
     """Replay ``tables`` as the NCCL transport issues them: payloads on one communicator per
     direction between two ranks (``stream_per_direction``) or one per pair of ranks, received
     in the sender's order (``read_ahead``: reading headers ahead) or in the receiver's table
-    order."""
+    order, and sends reclaimed past ``messages_in_flight``."""
 
     def stream(sender: int, receiver: int) -> tuple:
         if stream_per_direction:
@@ -117,7 +122,7 @@ def run_on_nccl(
                 sent.setdefault((rank, action.peer), []).append(_message(action))
     ops: list[_Op] = []
     for rank, table in tables.items():
-        state = _Rank(rank)
+        state = _Rank(rank, messages_in_flight)
         received: dict[Message, _Op] = {}
         taken: Counter[int] = Counter()
         for action in table:

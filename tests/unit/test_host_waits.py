@@ -1,14 +1,16 @@
 """The executor's waits for its sends, run over whole tables (``pipedream.schedules.host_waits``).
 
 A rank waits for its oldest sent messages beyond the posting's bound, and a send is done only
-once its peer has posted the receive: with dense skip connections the ranks can end up waiting
-for each other forever, which :func:`simulate_dependencies` (sends never wait) cannot see. The
-runtime then raises the posting (:func:`plan_posting`); every built-in schedule runs at the
-default."""
+once its peer has issued the receive: with dense skip connections the ranks can end up waiting
+for each other forever, which :func:`simulate_dependencies` (sends never wait) cannot see. On
+gloo the hosts wait; on NCCL the GPUs do, and the model agrees with the replay of NCCL's
+streams (``tests/support/nccl_streams.py``). The runtime then raises the bound
+(:func:`plan_posting`); every built-in schedule runs at the default."""
 
 from __future__ import annotations
 
 import pytest
+from nccl_streams import run_on_nccl
 
 from pipedream.formats.plan import Plan
 from pipedream.schedules import (
@@ -32,10 +34,11 @@ def _dense_spec(microbatches: int = 6) -> PipelineSpec:
     return PipelineSpec("1f1b", stage_ranks, microbatches, 1, edges=_all_pairs(6))
 
 
-def test_dense_skip_connections_wait_forever_at_the_default_posting() -> None:
+@pytest.mark.parametrize("in_order", [False, True], ids=["gloo", "nccl"])
+def test_dense_skip_connections_wait_forever_at_the_default_posting(in_order: bool) -> None:
     tables = build_tables(_dense_spec())
     simulate_dependencies(tables)  # no cycle between actions
-    assert host_stall(tables, Posting(), in_order=False) == (
+    assert host_stall(tables, Posting(), in_order=in_order) == (
         "rank 0 before 0SF4 waits for its send of act 2 (stage 0 to 5) to rank 5 (9 messages in "
         "flight); rank 1 before 1RB0 waits for its send of act 2 (stage 1 to 5) to rank 5 (9 "
         "messages in flight); rank 2 before 2RB1 waits for its send of act 2 (stage 2 to 5) to "
@@ -44,11 +47,9 @@ def test_dense_skip_connections_wait_forever_at_the_default_posting() -> None:
         "flight)"
     )
     # rank 5 receives act 2 after it sends grad 1, and rank 0 receives grad 0 after it sends
-    # act 4: each waits for the other to get there
-    assert posting_for(tables, in_order=False) == Posting(window=64, messages_in_flight=16)
-    assert host_stall(tables, Posting(64, 16), in_order=False) is None
-    # NCCL's headers are posted ahead and its payloads never hold the host: no wait here
-    assert host_stall(tables, Posting(), in_order=True) is None
+    # act 4: each waits for the other to get there (on NCCL, each one's GPU)
+    assert posting_for(tables, in_order=in_order) == Posting(messages_in_flight=16)
+    assert host_stall(tables, Posting(messages_in_flight=16), in_order=in_order) is None
 
 
 def test_a_sends_bound_of_zero_waits_for_every_receive() -> None:
@@ -62,8 +63,9 @@ def test_a_sends_bound_of_zero_waits_for_every_receive() -> None:
         "flight); rank 1 before 1RF1 waits for its send of act 0 (stage 2 to 3) to rank 0 (1 "
         "messages in flight)"
     )
-    # from there the posting doubles (a bound of 0 to 1) until no rank waits forever
-    assert posting_for(tables, in_order=False, start=Posting(1, 0)) == Posting(4, 2)
+    # from there the bound doubles (0 to 1) until no rank waits forever; how far ahead
+    # receives are posted changes no worst case
+    assert posting_for(tables, in_order=False, start=Posting(1, 0)) == Posting(1, 2)
 
 
 SPECS = [
@@ -118,16 +120,32 @@ def _plan(stages: int, microbatches: int) -> Plan:
 def test_the_runtime_raises_the_posting_only_where_it_must() -> None:
     plan = _plan(6, 6)
     assert plan_posting(plan, [1, 100], in_order=False) == Posting()
-    raised = plan_posting(plan, [1, 100], in_order=False, edges=_all_pairs(6))
-    assert raised == Posting(window=64, messages_in_flight=16)
-    assert plan_posting(plan, [1, 100], in_order=True, edges=_all_pairs(6)) == Posting()
+    raised = Posting(messages_in_flight=16)
+    assert plan_posting(plan, [1, 100], in_order=False, edges=_all_pairs(6)) == raised
+    assert plan_posting(plan, [1, 100], in_order=True, edges=_all_pairs(6)) == raised
 
 
 def test_the_start_line_says_when_the_posting_is_raised() -> None:
     from pipedream.runtime.train import _posting_note
 
     assert _posting_note(Posting()) == ""
-    assert _posting_note(Posting(64, 16)) == (
-        "receives posted 64 actions ahead and 16 messages in flight (raised: with fewer a rank "
-        "could wait forever for its sends); "
+    assert _posting_note(Posting(messages_in_flight=16)) == (
+        "16 sent messages in flight (raised: with fewer, ranks could wait for each other's "
+        "sends forever); "
     )
+
+
+@pytest.mark.parametrize("bound", [0, 1, 2, 8])
+def test_on_nccl_the_model_agrees_with_the_replay_of_its_streams(bound: int) -> None:
+    """On NCCL a reclaimed send is a wait of the rank's stream, done once the receiver has read
+    the message's header and so issued its receive. ``run_on_nccl`` replays the streams with
+    that rule; both must find the same tables stuck, or the runtime could keep a bound under
+    which the GPUs wait for each other forever."""
+    specs = [*SPECS, _dense_spec(), PipelineSpec("zbv", ((0,), (1,), (1,), (0,)), 4, 1)]
+    for spec in specs:
+        tables = build_tables(spec)
+        stall = host_stall(tables, Posting(messages_in_flight=bound), in_order=True)
+        replay = run_on_nccl(
+            tables, stream_per_direction=True, read_ahead=True, messages_in_flight=bound
+        )
+        assert (stall is not None) == bool(replay.stuck), (spec, bound, stall, replay.stuck[:3])
