@@ -41,6 +41,32 @@ CASES = {
 }
 
 
+def _plan(
+    workload: str,
+    args: dict[str, str],
+    schedule: str,
+    microbatch: int,
+    microbatches: int,
+    layers: list[str],
+    ranges: list[tuple[int, int]],
+) -> dict[str, object]:
+    """A plan of one rank per stage, stage ``s`` the layers ``ranges[s]`` (inclusive)."""
+    return {
+        "format": "pipedream/plan@1",
+        "workload": workload,
+        "workload_args": args,
+        "schedule": schedule,
+        "microbatch_size": microbatch,
+        "microbatches": microbatches,
+        "world_size": len(ranges),
+        "layers": layers,
+        "stages": [
+            {"first_layer": layers[a], "last_layer": layers[b], "replicas": 1, "ranks": [s]}
+            for s, (a, b) in enumerate(ranges)
+        ],
+    }
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_traced_model_in_three_stages_equals_paper_rule(tmp_path: Path, name: str) -> None:
     args, depth, cuts = CASES[name]
@@ -55,21 +81,10 @@ def test_traced_model_in_three_stages_equals_paper_rule(tmp_path: Path, name: st
         assert [c for c, _ in ios[0].consumers] == [1, 2]
     else:  # the residual stream crosses every cut
         assert all(len(io.inputs) >= 2 for io in ios[1:])
-    plan = {
-        "format": "pipedream/plan@1",
-        "workload": name,
-        "workload_args": args,
-        "schedule": "pipedream",
-        "microbatch_size": microbatch,
-        "world_size": 3,
-        "layers": layers,
-        "stages": [
-            {"first_layer": layers[a], "last_layer": layers[b], "replicas": 1, "ranks": [s]}
-            for s, (a, b) in enumerate(ranges)
-        ],
-    }
     steps = 7
-    path = write_plan(plan, tmp_path / "plan.yaml")
+    path = write_plan(
+        _plan(name, args, "pipedream", microbatch, 1, layers, ranges), tmp_path / "plan.yaml"
+    )
     result = run_plan(
         path,
         "--steps",
@@ -121,20 +136,7 @@ def test_densely_connected_model_in_six_stages_under_nccls_discipline(tmp_path: 
     ranges = [(k, k) for k in range(5)] + [(5, 6)]
     ios = stage_ios(graph, ranges)
     assert [[c for c, _ in io.consumers] for io in ios] == [[*range(s + 1, 6)] for s in range(6)]
-    plan = {
-        "format": "pipedream/plan@1",
-        "workload": "dense_mlp:build",
-        "workload_args": {},
-        "schedule": "1f1b",
-        "microbatch_size": microbatch,
-        "microbatches": microbatches,
-        "world_size": 6,
-        "layers": layers,
-        "stages": [
-            {"first_layer": layers[a], "last_layer": layers[b], "replicas": 1, "ranks": [s]}
-            for s, (a, b) in enumerate(ranges)
-        ],
-    }
+    plan = _plan("dense_mlp:build", {}, "1f1b", microbatch, microbatches, layers, ranges)
     path = write_plan(plan, tmp_path / "plan.yaml")
     run = tmp_path / "run"
     args = ("--steps", str(steps), "--run-dir", str(run), "--timeout", "60", "--no-progress")
