@@ -18,12 +18,13 @@ The model, per transport, in the worst case the transport allows:
   receive action, so a send is done once its receiver has started that action.
 - NCCL (``in_order``, ``runtime/comm.py``): a payload's receive is issued when its header is
   read, and headers are read in the order they were sent: a send is done once its receiver
-  has started the receive of that message or of a later one from the same sender. There the
-  wait is the GPU's, not the host's: reclaiming a send makes the rank's stream wait for it,
-  and the NCCL send completes only once its receive runs, which in turn waits for the
-  receiver's stream to get there. The cycle is the same, closed on the GPUs instead of the
-  hosts. (The tests' ``PIPEDREAM_IN_ORDER_P2P=1`` runs this discipline over gloo, where these
-  waits do hold the host.)
+  has started the receive of that message or of a later one from the same sender (a receiver
+  waiting for a later message reads every header sent before it). There the wait is the
+  GPU's, not the host's: reclaiming a send makes the rank's stream wait for it, and the NCCL
+  send completes only once its receive runs, which in turn waits for the receiver's stream to
+  get there. The cycle is the same, closed on the GPUs instead of the hosts. (The tests'
+  ``PIPEDREAM_IN_ORDER_P2P=1`` runs this discipline over gloo, where these waits do hold the
+  host.)
 
 How far ahead receives are posted changes neither worst case, so only the bound on messages in
 flight matters here. A send done sooner never makes a rank wait longer, so tables that finish
@@ -89,6 +90,8 @@ class _Run:
         """Each message's receiver and the position of its receive there."""
         self.number: dict[Message, int] = {}
         """Each message's place among those its sender sends to its receiver."""
+        self.sent_on: Counter[tuple[int, int]] = Counter()
+        """Messages sent so far, per (sender, receiver)."""
         self.read: Counter[tuple[int, int]] = Counter()
         """NCCL: headers read, per (sender, receiver)."""
         sends: Counter[tuple[int, int]] = Counter()
@@ -140,12 +143,15 @@ class _Run:
             message = message_of(rank, action)
             if action.op.is_send:
                 self.sent.add(message)
+                self.sent_on[_route(message)] += 1
                 self.unwaited[rank].append(message)
-            elif message not in self.sent:
-                return False
-            elif self.in_order:  # reads the direction's headers up to this message's
-                route = _route(message)
-                self.read[route] = max(self.read[route], self.number[message] + 1)
+            else:
+                if self.in_order:  # reads the headers up to this message's, as far as sent
+                    route = _route(message)
+                    upto = min(self.number[message] + 1, self.sent_on[route])
+                    self.read[route] = max(self.read[route], upto)
+                if message not in self.sent:
+                    return False
         elif action.op is Op.ALLREDUCE:
             group = self.arrived.setdefault((action.stage, action.index), set())
             group.add(rank)
