@@ -50,6 +50,12 @@ def test_dense_skip_connections_wait_forever_at_the_default_posting(in_order: bo
     # act 4: each waits for the other to get there (on NCCL, each one's GPU)
     assert posting_for(tables, in_order=in_order) == Posting(messages_in_flight=16)
     assert host_stall(tables, Posting(messages_in_flight=16), in_order=in_order) is None
+    if in_order:  # the replay of NCCL's streams: stuck at the default, not at the raised bound
+        for bound, stuck in ((8, True), (16, False)):
+            replay = run_on_nccl(
+                tables, stream_per_direction=True, read_ahead=True, messages_in_flight=bound
+            )
+            assert bool(replay.stuck) is stuck and replay.swapped == []
 
 
 def test_a_sends_bound_of_zero_waits_for_every_receive() -> None:
