@@ -17,7 +17,8 @@ under NCCL's rules, with the worst case where the rules allow a choice:
 The host never waits for the GPU on NCCL (headers travel over gloo, and ``validate_tables``
 already checks that the hosts cannot deadlock), so each rank's issue order follows from its
 table alone. :func:`run_on_nccl` returns the messages whose payloads went to the wrong receive
-and the operations that could never complete.
+and the operations that could never complete. ``pipedream.schedules.host_waits`` sizes the
+bound on sends in flight with a model of its own, which must find the same tables stuck.
 """
 
 from __future__ import annotations
