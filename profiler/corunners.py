@@ -105,6 +105,8 @@ class Corunners:
         self.start_timeout = start_timeout
         self.processes: list[subprocess.Popen[bytes]] = []
         self._errors: list[IO[bytes]] = []
+        self._ready: set[int] = set()
+        """The pids of the co-runners that said they are ready (training)."""
 
     def __enter__(self) -> Corunners:
         try:
@@ -171,6 +173,7 @@ class Corunners:
                     if READY.encode() in buffer.splitlines():
                         selector.unregister(key.fd)
                         del pending[key.fd]
+                        self._ready.add(proc.pid)
 
     def _failure(self, proc: subprocess.Popen[bytes]) -> str:
         """The co-runner's error line and exit status (it is waited for, killed after 10 s)."""
@@ -196,7 +199,9 @@ class Corunners:
 
     def stop(self) -> str:
         """Close every co-runner's input and wait for them to finish their microbatch (all
-        together at most :data:`STOP_TIMEOUT` s, then killed); release their files.
+        together at most :data:`STOP_TIMEOUT` s, then killed); one that never said it was ready
+        is still starting, with no microbatch to finish, and is killed at once. Release their
+        files.
 
         Returns what became of the first co-runner that had stopped on its own before (its
         error line and exit status), or an empty string when all were still training.
@@ -212,6 +217,8 @@ class Corunners:
                     pass
         deadline = time.monotonic() + STOP_TIMEOUT
         for proc in self.processes:
+            if proc.pid not in self._ready and proc.poll() is None:
+                proc.kill()
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -221,7 +228,7 @@ class Corunners:
                 proc.stdout.close()
         for errors in self._errors:
             errors.close()
-        self.processes, self._errors = [], []
+        self.processes, self._errors, self._ready = [], [], set()
         return died
 
 

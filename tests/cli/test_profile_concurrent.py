@@ -17,7 +17,7 @@ import torch
 from pipedream.cli import main
 from pipedream.errors import RunFailure
 from pipedream.formats.profile import load_profile
-from pipedream.profiler import command
+from pipedream.profiler import command, corunners
 from pipedream.profiler.command import profile_workload
 from pipedream.profiler.corunners import Corunners, CorunnerSpec
 from pipedream.profiler.measure import ProfilerError
@@ -196,8 +196,13 @@ def test_a_corunner_that_dies_during_the_measurement_fails_the_profile(tmp_path:
     assert _corunner_children() == []
 
 
-def test_a_corunner_that_is_not_ready_in_time_is_stopped(tmp_path: Path) -> None:
-    _workload_module(tmp_path, "time.sleep(60)\n")
+def test_a_corunner_that_is_not_ready_in_time_is_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A co-runner still starting has no microbatch to finish: it is killed at once, not
+    given the grace a training one gets to stop (here a minute)."""
+    monkeypatch.setattr(corunners, "STOP_TIMEOUT", 60.0)
+    _workload_module(tmp_path, "time.sleep(120)\n")
     spec = _spec("tiny_workload:factory", str(tmp_path))
     start = time.monotonic()
     with pytest.raises(RunFailure, match=r"1 co-runner\(s\) not ready after 2 s"):
