@@ -15,10 +15,10 @@ payload only when its receive action runs: a large activation then lies entirely
 path. Receives are therefore posted *speculatively* with the shape of a *reference* message. But
 gloo cannot cancel a posted receive (``Work`` has no abort), so a guess must never be left
 dangling: the sender makes sure that every speculative receive gets a matching send. Per
-channel (kind and peer, one direction) both sides keep a reference: the specs (dtypes and
-shapes) of the first message on the channel in this :class:`P2P`'s lifetime (a channel's
-messages are sent and received in the same order: the tables are built consistently). The
-header's flags say how the payload travels:
+channel (kind, stage pair and peer, one direction) both sides keep a reference: the specs
+(dtypes and shapes) of the first message on the channel in this :class:`P2P`'s lifetime (a
+channel's messages are sent and received in the same order: the tables are built
+consistently). The header's flags say how the payload travels:
 
 - ``DEFINES_REFERENCE``: the sender's first message on the channel; payload on the slow tags.
   The receiver has no reference yet, so it posted nothing speculatively.
@@ -90,11 +90,12 @@ from torch import Tensor
 
 from pipedream.errors import RunFailure
 from pipedream.runtime.receive_buffers import ReceiveBuffers
-from pipedream.schedules import MESSAGES_IN_FLIGHT
+from pipedream.schedules import MAX_STAGES_PER_RANK, MESSAGES_IN_FLIGHT
 
 __all__ = [
     "CHANGED",
     "LANES",
+    "MICROBATCH_TAGS",
     "DEFINES_REFERENCE",
     "FAST",
     "HEADER_LEN",
@@ -110,6 +111,7 @@ __all__ = [
     "channel_kind",
     "payload_tags",
     "specs_of",
+    "stage_lane",
 ]
 
 HEADER_LEN = 64
@@ -157,24 +159,37 @@ class PeerTimeoutError(RunFailure):
 
 
 # -- tags and headers ------------------------------------------------------------------------
-LANES = 16
-"""Channels of one kind between two ranks (``kind@lane``): a rank that runs several stages
-receives each of its stages' messages on a lane of its own (the stage's place among the rank's
-stages), so two stage pairs between the same two ranks never share a tag or a reference."""
+LANES = MAX_STAGES_PER_RANK**2
+"""Channels of one kind between two ranks (``kind@lane``), one per pair of stages: a rank
+that runs several stages sends and receives each stage pair's messages on a lane of its own
+(:func:`stage_lane`), so two stage pairs between the same two ranks never share a tag, a
+reference or a header's name, even where one stage receives from two stages of one peer (skip
+connections, an attention mask sent to every stage, under interleaved and V schedules)."""
+MICROBATCH_TAGS = 1 << 15
+"""Tags tell microbatches apart modulo this (far more than can be in flight at once)."""
+
+
+def stage_lane(receiver_place: int, sender_place: int) -> int:
+    """The lane of the messages to a stage from a stage, given each one's place among the
+    stages of its rank (0 where a rank runs one stage: every lane is 0 then)."""
+    assert 0 <= receiver_place < MAX_STAGES_PER_RANK, receiver_place
+    assert 0 <= sender_place < MAX_STAGES_PER_RANK, sender_place
+    return receiver_place * MAX_STAGES_PER_RANK + sender_place
 
 
 def channel_kind(kind: str, lane: int) -> str:
     """The kind of lane ``lane``'s messages: ``act``, ``act@1``, ..."""
-    assert 0 <= lane < LANES, f"lane {lane} out of range: at most {LANES} stages per rank"
+    assert 0 <= lane < LANES, f"lane {lane} out of range"
     return kind if lane == 0 else f"{kind}@{lane}"
 
 
 def message_tag(kind: str, microbatch: int, part: int) -> int:
     """A tag unique among the messages that can be in flight between two ranks (< 2**31):
-    microbatch modulo 2**19, lane, kind and part."""
+    microbatch modulo :data:`MICROBATCH_TAGS`, lane, kind and part."""
     assert 0 <= part < PARTS, f"part {part} out of range"
     base, _, lane = kind.partition("@")
-    return (((microbatch % (1 << 19)) * LANES + int(lane or 0)) * 4 + _KINDS[base]) * PARTS + part
+    lane_kind = (microbatch % MICROBATCH_TAGS) * LANES + int(lane or 0)
+    return (lane_kind * 4 + _KINDS[base]) * PARTS + part
 
 
 def payload_tags(kind: str, microbatch: int, count: int, *, fast: bool) -> list[int]:

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from pipedream.formats.trace import TracedAction
 from pipedream.graph.layers import StageIO
-from pipedream.runtime.comm import P2P, PeerTimeoutError, channel_kind
+from pipedream.runtime.comm import P2P, PeerTimeoutError, channel_kind, stage_lane
 from pipedream.runtime.compute_clock import ComputeClock
 from pipedream.runtime.grad_buckets import GradientBuckets
 from pipedream.runtime.routing import (
@@ -75,9 +75,9 @@ class Executor:
 
     A rank runs one stage, or several under interleaved and V schedules: every action names
     its stage, and the messages between two stages of this rank are handed over in memory.
-    The messages a rank receives travel on the lane of their receiving stage
-    (:func:`~pipedream.runtime.comm.channel_kind`), so two stage pairs between the same two
-    ranks never mix.
+    The messages between two stages travel on the lane of that stage pair
+    (:func:`~pipedream.runtime.comm.stage_lane`), so two stage pairs between the same two ranks
+    never mix.
     """
 
     def __init__(
@@ -87,7 +87,7 @@ class Executor:
         p2p: P2P,
         *,
         rank: int,
-        lanes: Mapping[int, int] | None = None,
+        places: Mapping[int, int] | None = None,
         check_versions: bool = False,
         receive_window: int = RECEIVE_WINDOW,
         timeout: float = 300.0,
@@ -98,7 +98,7 @@ class Executor:
         self.table = table
         self.p2p = p2p
         self.rank = rank
-        self.lanes = lanes or {}
+        self.places = places or {}
         """Stage -> its place among its rank's stages (absent: 0, one stage per rank)."""
         self.check_versions = check_versions
         self.receive_window = receive_window
@@ -114,9 +114,10 @@ class Executor:
         first = next(iter(stages.values()))
         self._clock = ComputeClock(first.worker.config.device)
 
-    def _lane(self, kind: str, stage: int) -> str:
-        """The channel of ``kind`` messages received by ``stage``."""
-        return channel_kind(kind, self.lanes.get(stage, 0))
+    def _lane(self, kind: str, receiver: int, sender: int) -> str:
+        """The channel of ``kind`` messages to stage ``receiver`` from stage ``sender``."""
+        lane = stage_lane(self.places.get(receiver, 0), self.places.get(sender, 0))
+        return channel_kind(kind, lane)
 
     @property
     def compute_s(self) -> float:
@@ -130,7 +131,8 @@ class Executor:
             for ahead in (self.table[p] for p in posts[position]):
                 assert ahead.peer is not None
                 if ahead.peer != self.rank:  # a local message is handed over, not received
-                    kind = self._lane(MESSAGE_KIND[ahead.op], ahead.stage)
+                    assert ahead.peer_stage is not None
+                    kind = self._lane(MESSAGE_KIND[ahead.op], ahead.stage, ahead.peer_stage)
                     self.p2p.post_recv(kind, ahead.index, ahead.peer)
             reclaiming = time.perf_counter()
             self.p2p.poll()
@@ -157,7 +159,10 @@ class Executor:
                 return
             kind = _RECVS[op]
             tensors, tag = self.p2p.recv(
-                self._lane(kind, action.stage), action.index, action.peer, what=_what(action)
+                self._lane(kind, action.stage, action.peer_stage),
+                action.index,
+                action.peer,
+                what=_what(action),
             )
             self._deliver((action.stage, kind, action.index), action.peer_stage, tensors, tag)
         elif op in _SENDS:
@@ -172,7 +177,7 @@ class Executor:
                 receiver = (action.peer_stage, key[1], action.index)
                 self._deliver(receiver, action.stage, tensors, tag)
             else:
-                kind = self._lane(key[1], action.peer_stage)
+                kind = self._lane(key[1], action.peer_stage, action.stage)
                 self.p2p.send(kind, action.index, action.peer, tensors, tag)
         elif op is Op.FORWARD:
             assert action.version is not None

@@ -472,7 +472,7 @@ class _RankJob:
             for stage, worker in workers.items()
         }
         plan = self.plan
-        lanes = {
+        places = {
             stage: plan.stages_of_rank(ranks.ranks[0]).index(stage)
             for stage, ranks in enumerate(plan.stages)
         }
@@ -491,7 +491,7 @@ class _RankJob:
                 messages_in_flight=self.posting.messages_in_flight,
             ),
             rank=self.rank,
-            lanes=lanes,
+            places=places,
             check_versions=lookup(plan.schedule).vertical_sync,
             receive_window=self.posting.window,
             timeout=self.options.timeout,

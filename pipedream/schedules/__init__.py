@@ -24,6 +24,7 @@ from pipedream.schedules.actions import (
 )
 from pipedream.schedules.host_waits import host_stall, posting_for
 from pipedream.schedules.plan_spec import (
+    MAX_STAGES_PER_RANK,
     VALIDATION_MINIBATCHES,
     message_routes,
     plan_posting,
@@ -52,6 +53,7 @@ __all__ = [
     "RECEIVE_WINDOW",
     "SCHEDULES",
     "SENDS",
+    "MAX_STAGES_PER_RANK",
     "VALIDATION_MINIBATCHES",
     "Action",
     "Op",

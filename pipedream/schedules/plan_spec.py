@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # the plan format validates schedules with this package
     from pipedream.formats.plan import Plan
 
 __all__ = [
+    "MAX_STAGES_PER_RANK",
     "VALIDATION_MINIBATCHES",
     "message_routes",
     "plan_posting",
@@ -35,6 +36,10 @@ __all__ = [
 
 VALIDATION_MINIBATCHES = 64
 """Segments longer than this (rounded up to the replica multiple) are validated at this length."""
+
+MAX_STAGES_PER_RANK = 16
+"""Stages one rank may run (the runtime's message tags have room for this many squared stage
+pairs between two ranks)."""
 
 
 def spec_from_plan(
@@ -82,6 +87,12 @@ def validate_plan_schedule(
     segment longer than :func:`validation_bound` is validated at that bound: the check covers the
     exact plan and schedule without building millions of actions.
     """
+    for rank in range(plan.world_size):
+        if len(plan.stages_of_rank(rank)) > MAX_STAGES_PER_RANK:
+            raise ScheduleError(
+                f"{source}: rank {rank} runs {len(plan.stages_of_rank(rank))} stages; the "
+                f"runtime takes at most {MAX_STAGES_PER_RANK} per rank (fewer, larger stages)"
+            )
     bound = validation_bound(plan)
     posting = Posting()
     for count in sorted(set(counts)):

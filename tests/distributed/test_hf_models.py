@@ -244,3 +244,39 @@ def test_attention_mask_reaches_every_stage_under_1f1b(tmp_path: Path) -> None:
     assert masks  # a boolean mask made on stage 0 goes straight to stages 1 and 2, no gradient back
     losses = _train(tmp_path, path, steps)
     _equals_single_process(tmp_path, args, steps, m, losses)
+
+
+def test_attention_mask_under_interleaved_1f1b_equals_single_process(tmp_path: Path) -> None:
+    """Two stages per rank: stage 3 (rank 1) takes the hidden states from stage 2 and the mask
+    (and the rotary embeddings) from stage 0, both on rank 0. Each stage pair has its own lane
+    of tags; keyed by the receiving stage alone, the two messages swapped payloads."""
+    args = {"config": "llama", **SIZE, "layers": "4", **SGD, "padding": "true", "tie": "false"}
+    m, steps = 4, 3
+    layers = [
+        "model.embed_tokens",
+        "model.rotary_emb",
+        *(f"model.layers.{i}" for i in range(4)),
+        "model.norm",
+        "lm_head",
+    ]
+    groups = [layers[:3], layers[3:4], layers[4:5], layers[5:]]
+    plan = {
+        "format": "pipedream/plan@1",
+        "workload": "hf-lm",
+        "workload_args": args,
+        "schedule": "interleaved-1f1b",
+        "microbatch_size": B,
+        "microbatches": m,
+        "world_size": 2,
+        "layers": layers,
+        "stages": [
+            {"first_layer": g[0], "last_layer": g[-1], "replicas": 1, "ranks": [s % 2]}
+            for s, g in enumerate(groups)
+        ],
+    }
+    path = write_plan(plan, tmp_path / "plan.yaml")
+    workload = load_workload("hf-lm", args, microbatch_size=B)
+    ios = stage_layout(workload, load_plan(path), source="plan").ios
+    assert [producer for producer, _ in ios[3].producers] == [0, 2]
+    losses = _train(tmp_path, path, steps)
+    _equals_single_process(tmp_path, args, steps, m, losses)

@@ -21,6 +21,7 @@ from pipedream.runtime.comm import (
     HEADER_LEN,
     LANES,
     MAX_TENSORS,
+    MICROBATCH_TAGS,
     P2P,
     PLACEHOLDER,
     channel_kind,
@@ -29,7 +30,9 @@ from pipedream.runtime.comm import (
     message_tag,
     payload_tags,
     specs_of,
+    stage_lane,
 )
+from pipedream.schedules import MAX_STAGES_PER_RANK
 
 D, F, P, C = DEFINES_REFERENCE, FAST, PLACEHOLDER, CHANGED
 
@@ -69,8 +72,8 @@ def test_more_than_31_tensors_are_refused_naming_the_count() -> None:
 
 
 def test_tag_ranges_are_disjoint_and_fit_in_31_bits() -> None:
-    """Across kinds, lanes (the receiving stage's place on its rank) and microbatches."""
-    microbatches = [*range(64), (1 << 19) - 1]
+    """Across kinds, lanes (one per stage pair between two ranks) and microbatches."""
+    microbatches = [*range(64), MICROBATCH_TAGS - 1]
     seen: set[int] = set()
     kinds = [channel_kind(k, lane) for k in ("act", "grad") for lane in (0, 1, LANES - 1)]
     assert kinds[:2] == ["act", "act@1"]
@@ -88,6 +91,21 @@ def test_tag_ranges_are_disjoint_and_fit_in_31_bits() -> None:
     assert max(seen) < 2**31
     with pytest.raises(AssertionError):
         message_tag("act", 0, 64)
+
+
+def test_every_stage_pair_between_two_ranks_has_a_lane_of_its_own() -> None:
+    """Under interleaved and V schedules one stage can receive from two stages of one peer: a
+    skip connection, or an attention mask the first stage sends to every later one. Stage 3
+    (rank 1's second stage) takes activations from stages 0 and 2, both on rank 0: keyed by
+    the receiving stage alone, the two messages shared tags and swapped payloads."""
+    places = {0: 0, 1: 0, 2: 1, 3: 1}  # interleaved on 2 ranks: stages 0, 2 and 1, 3
+    pairs = [(3, 0), (3, 2), (2, 1), (1, 0), (2, 0)]  # (receiver, sender)
+    lanes = [stage_lane(places[r], places[s]) for r, s in pairs]
+    assert lanes == [16, 17, 16, 0, 16]
+    # the pairs from rank 0 to rank 1 (receivers 3, 3, 1) and from rank 1 to rank 0 (2) differ
+    assert len({lanes[0], lanes[1], lanes[3]}) == 3
+    assert stage_lane(0, 0) == 0  # one stage per rank: every message on lane 0, as before
+    assert stage_lane(MAX_STAGES_PER_RANK - 1, MAX_STAGES_PER_RANK - 1) == LANES - 1
 
 
 # -- the protocol over a fake transport ------------------------------------------------------

@@ -161,3 +161,36 @@ def test_split_backwards_are_checked() -> None:
     both.insert(-1, dataclasses.replace(both[-2], op=Op.BACKWARD))
     with pytest.raises(ScheduleError, match="both whole and in halves"):
         validate_tables(spec, {**tables, 1: both})
+
+
+def test_a_plan_may_put_at_most_16_stages_on_a_rank() -> None:
+    """The runtime gives every pair of stages between two ranks a lane of message tags of its
+    own, room for 16 stages per rank: a plan with more is refused before anything starts."""
+    from pipedream.formats.plan import Plan
+    from pipedream.schedules import MAX_STAGES_PER_RANK, validate_plan_schedule
+
+    def plan(chunks: int) -> Plan:
+        return Plan.from_dict(
+            {
+                "format": "pipedream/plan@1",
+                "workload": "mlp",
+                "workload_args": {},
+                "schedule": "interleaved-1f1b",
+                "microbatch_size": 4,
+                "microbatches": 2,
+                "world_size": 2,
+                "stages": [
+                    {"first_layer": f"l{s}", "last_layer": f"l{s}", "replicas": 1, "ranks": [s % 2]}
+                    for s in range(2 * chunks)
+                ],
+            }
+        )
+
+    assert MAX_STAGES_PER_RANK == 16
+    validate_plan_schedule(plan(16), [1], source="plan.yaml")
+    with pytest.raises(ScheduleError) as error:
+        validate_plan_schedule(plan(17), [1], source="plan.yaml")
+    assert str(error.value) == (
+        "plan.yaml: rank 0 runs 17 stages; the runtime takes at most 16 per rank (fewer, "
+        "larger stages)"
+    )
