@@ -27,6 +27,7 @@ from pipedream.errors import RunFailure
 from pipedream.graph.placement import place_module
 from pipedream.model_io import ModelIO, to_device
 from pipedream.runtime.backward_split import BackwardSplit, Deferred, weight_gradients
+from pipedream.runtime.forward_buffers import ForwardBuffers
 from pipedream.runtime.parameter_swap import ParameterSwap
 from pipedream.runtime.rng_state import RngState, capture, replayed
 from pipedream.runtime.weight_versions import WeightVersions, accumulate_grads
@@ -175,6 +176,8 @@ class StageWorker:
             stage=self.config.stage,
         )
         self._stash: dict[int, _Stashed] = {}
+        self._buffers = ForwardBuffers(self.module)
+        """With recomputation: the buffers a forward updates, kept by the recomputed one."""
         self._grad_listener: Callable[[nn.Parameter], None] | None = None
         self.max_in_flight = 0
         self.skipped: set[int] = set()
@@ -292,7 +295,8 @@ class StageWorker:
             stash.rng = capture(self.config.device)
             params = None if live else {**self.versions.get(action.version), **stash.copies}
             with torch.no_grad():
-                outputs = self._run(params, inputs)
+                with self._buffers.watching():
+                    outputs = self._run(params, inputs)
                 if self.config.is_last:
                     stash.targets = self._read_targets(action.index)
                     loss = self._loss(action.index, outputs, stash.targets)
@@ -406,7 +410,7 @@ class StageWorker:
                 stash.params = self._leaf_params(stash.version, stash.copies)
             assert stash.rng is not None
             with replayed(stash.rng):  # the forward's random draws (dropout masks) again
-                with self._recording() as record:
+                with self._recording() as record, self._buffers.kept():
                     stash.outputs = self._run(None if stash.live else stash.params, stash.inputs)
                 stash.record = record
                 if self.config.is_last:

@@ -331,3 +331,32 @@ def test_a_recomputed_forward_draws_what_the_forward_drew(
         assert not torch.equal(weights[recompute]["0.weight"], dropout_model()[0].weight)
     for name, expected in weights[False].items():
         torch.testing.assert_close(weights[True][name], expected, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "microbatches", "cut"), [("1f1b", 3, 2), ("pipedream", 1, None)]
+)
+def test_a_recomputed_forward_leaves_the_running_statistics_alone(
+    schedule: str, microbatches: int, cut: int | None
+) -> None:
+    """Batch norm updates its running mean and variance in each training forward: the forward
+    that ``--recompute`` runs again for the backward must not update them a second time (it
+    did: the running statistics took two steps per microbatch and the count of batches
+    doubled). Training then equals training without recomputation, bit for bit, buffers
+    included."""
+
+    def batch_norm_model() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2))
+
+    states = {}
+    for recompute in (False, True):
+        model = batch_norm_model()
+        workers, tables = _workers(
+            model, schedule, _cut(model, cut), microbatches, 3, recompute=recompute
+        )
+        run_reference(tables, workers, sequential_ios(len(tables)))
+        states[recompute] = model.state_dict()
+    assert int(states[False]["1.num_batches_tracked"]) == 3 * microbatches
+    for name, expected in states[False].items():
+        torch.testing.assert_close(states[True][name], expected, rtol=0, atol=0, msg=name)
