@@ -88,10 +88,11 @@ def validate_plan_schedule(
     exact plan and schedule without building millions of actions.
     """
     for rank in range(plan.world_size):
-        if len(plan.stages_of_rank(rank)) > MAX_STAGES_PER_RANK:
+        stages = len(plan.stages_of_rank(rank))
+        if stages > MAX_STAGES_PER_RANK:
             raise ScheduleError(
-                f"{source}: rank {rank} runs {len(plan.stages_of_rank(rank))} stages; the "
-                f"runtime takes at most {MAX_STAGES_PER_RANK} per rank (fewer, larger stages)"
+                f"{source}: rank {rank} runs {stages} stages; the runtime takes at most "
+                f"{MAX_STAGES_PER_RANK} per rank (fewer, larger stages)"
             )
     bound = validation_bound(plan)
     posting = Posting()
