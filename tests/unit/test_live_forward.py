@@ -304,59 +304,36 @@ def test_a_frozen_tied_parameter_takes_no_gradient_from_its_copies() -> None:
     assert torch.equal(model[0].weight.grad, torch.ones(8, 4))
 
 
+def _recompute_model(layer: str) -> nn.Sequential:
+    torch.manual_seed(0)
+    middle = nn.Dropout(0.5) if layer == "dropout" else nn.BatchNorm1d(8)
+    return nn.Sequential(nn.Linear(4, 8), middle, nn.Tanh(), nn.Linear(8, 2))
+
+
+@pytest.mark.parametrize("layer", ["dropout", "batch norm"])
 @pytest.mark.parametrize(
     ("schedule", "microbatches", "cut"), [("1f1b", 3, 2), ("pipedream", 1, None)]
 )
-def test_a_recomputed_forward_draws_what_the_forward_drew(
-    schedule: str, microbatches: int, cut: int | None
+def test_a_recomputed_forward_does_what_the_forward_did(
+    layer: str, schedule: str, microbatches: int, cut: int | None
 ) -> None:
-    """``--recompute`` runs each forward again for its backward: with dropout, the recomputed
+    """``--recompute`` runs each forward again for its backward. With dropout, the recomputed
     forward must draw the masks the forward drew (it drew new ones, so the gradients were those
     of another network than the one whose outputs were sent), and leave the generator where the
-    forward left it. Training then equals training without recomputation, bit for bit."""
-
-    def dropout_model() -> nn.Sequential:
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Tanh(), nn.Linear(8, 2))
-
-    weights = {}
+    forward left it. With batch norm, it must not step the running mean and variance a second
+    time (it did: two steps per microbatch, and the count of batches doubled). Training then
+    equals training without recomputation, bit for bit, buffers included."""
+    states = {}
     for recompute in (False, True):
-        model = dropout_model()
+        model = _recompute_model(layer)
         workers, tables = _workers(
             model, schedule, _cut(model, cut), microbatches, 3, recompute=recompute
         )
         torch.manual_seed(7)
         run_reference(tables, workers, sequential_ios(len(tables)))
-        weights[recompute] = model.state_dict()
-        assert not torch.equal(weights[recompute]["0.weight"], dropout_model()[0].weight)
-    for name, expected in weights[False].items():
-        torch.testing.assert_close(weights[True][name], expected, rtol=0, atol=0, msg=name)
-
-
-@pytest.mark.parametrize(
-    ("schedule", "microbatches", "cut"), [("1f1b", 3, 2), ("pipedream", 1, None)]
-)
-def test_a_recomputed_forward_leaves_the_running_statistics_alone(
-    schedule: str, microbatches: int, cut: int | None
-) -> None:
-    """Batch norm updates its running mean and variance in each training forward: the forward
-    that ``--recompute`` runs again for the backward must not update them a second time (it
-    did: the running statistics took two steps per microbatch and the count of batches
-    doubled). Training then equals training without recomputation, bit for bit, buffers
-    included."""
-
-    def batch_norm_model() -> nn.Sequential:
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2))
-
-    states = {}
-    for recompute in (False, True):
-        model = batch_norm_model()
-        workers, tables = _workers(
-            model, schedule, _cut(model, cut), microbatches, 3, recompute=recompute
-        )
-        run_reference(tables, workers, sequential_ios(len(tables)))
         states[recompute] = model.state_dict()
-    assert int(states[False]["1.num_batches_tracked"]) == 3 * microbatches
+    assert not torch.equal(states[False]["0.weight"], _recompute_model(layer)[0].weight)
+    if layer == "batch norm":
+        assert int(states[False]["1.num_batches_tracked"]) == 3 * microbatches
     for name, expected in states[False].items():
         torch.testing.assert_close(states[True][name], expected, rtol=0, atol=0, msg=name)
