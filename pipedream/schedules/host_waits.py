@@ -85,13 +85,13 @@ class _Run:
         self.started = dict.fromkeys(tables, 0)
         """Actions each rank has started (past the wait for its sends)."""
         self.unwaited: dict[int, deque[Message]] = {rank: deque() for rank in tables}
-        self.sent: set[Message] = set()
         self.receive_at: dict[Message, tuple[int, int]] = {}
         """Each message's receiver and the position of its receive there."""
         self.number: dict[Message, int] = {}
         """Each message's place among those its sender sends to its receiver."""
         self.sent_on: Counter[tuple[int, int]] = Counter()
-        """Messages sent so far, per (sender, receiver)."""
+        """Messages sent so far, per (sender, receiver): a message is sent once its number is
+        below its route's count (each route's messages are sent in their numbers' order)."""
         self.read: Counter[tuple[int, int]] = Counter()
         """NCCL: headers read, per (sender, receiver)."""
         sends: Counter[tuple[int, int]] = Counter()
@@ -141,16 +141,15 @@ class _Run:
         action = table[position]
         if action.op.is_comm and action.peer != rank:
             message = message_of(rank, action)
+            route = _route(message)
             if action.op.is_send:
-                self.sent.add(message)
-                self.sent_on[_route(message)] += 1
+                self.sent_on[route] += 1
                 self.unwaited[rank].append(message)
             else:
                 if self.in_order:  # reads the headers up to this message's, as far as sent
-                    route = _route(message)
                     upto = min(self.number[message] + 1, self.sent_on[route])
                     self.read[route] = max(self.read[route], upto)
-                if message not in self.sent:
+                if self.sent_on[route] <= self.number[message]:  # not sent yet
                     return False
         elif action.op is Op.ALLREDUCE:
             group = self.arrived.setdefault((action.stage, action.index), set())
