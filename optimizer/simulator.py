@@ -620,6 +620,7 @@ class _Run:
         self.backward_end: dict[tuple[int, int], float] = {}
         self.waiting: set[int] = set()  # ranks inside an allreduce that others have not reached
         self.heap: list[tuple[float, int]] = [(0.0, rank) for rank in sorted(tables)]
+        self.queued = set(self.heap)  # a rank queued twice for one time would be asked twice
         self.pool = None
         if any(x is not None for x in (network.unit_capacity, network.duplex, network.per_rank)):
             per_unit = math.inf if network.unit_capacity is None else network.unit_capacity / 1e3
@@ -649,11 +650,12 @@ class _Run:
                 if -1 - rank == self.pool_version:  # not superseded by a later start
                     self._transfers_done(when)
                 continue
+            self.queued.discard((when, rank))
             ready = self._ready(rank)
             if ready is None:
                 continue  # parked: a send or the allreduce's last replica requeues it
             if ready > when:  # a stale entry: wait for its turn, to keep links first come
-                heapq.heappush(self.heap, (ready, rank))
+                self._queue(ready, rank)
                 continue
             self._run_next(rank, ready)
         stuck = [r for r, pos in self.position.items() if pos < len(self.tables[r])]
@@ -728,7 +730,13 @@ class _Run:
     def _wake(self, rank: int) -> None:
         ready = self._ready(rank)
         if ready is not None:
-            heapq.heappush(self.heap, (ready, rank))
+            self._queue(ready, rank)
+
+    def _queue(self, when: float, rank: int) -> None:
+        """Ask again at ``when`` whether ``rank`` can run its next action."""
+        if (when, rank) not in self.queued:
+            self.queued.add((when, rank))
+            heapq.heappush(self.heap, (when, rank))
 
     def _run_next(self, rank: int, now: float) -> None:
         """Run ``rank``'s next action at ``now``."""

@@ -70,6 +70,10 @@ class Op(enum.Enum):
     SEND_WEIGHTS = "SW"
     RECV_WEIGHTS = "RW"
 
+    # Members are singletons that compare by identity, so the identity's hash serves; Enum's own
+    # hashes the name in Python, and a simulation hashes actions and messages millions of times.
+    __hash__ = object.__hash__
+
     @property
     def is_compute(self) -> bool:
         return self in (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
