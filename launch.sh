@@ -56,10 +56,17 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 
-# Validate the plan and work out processes per node before starting anything: a bad plan or a
-# world size that does not match gives one line and exit code 2, not a torchrun error report.
+for arg in "${train_args[@]+"${train_args[@]}"}"; do
+  if [[ "$arg" == -h || "$arg" == --help ]]; then
+    exec "$python_bin" -m pipedream.cli train --help
+  fi
+done
+
+# Validate the plan and the options for `pipedream train`, and work out processes per node,
+# before starting anything: a bad plan, a bad option or a world size that does not match gives
+# one line and exit code 2, not one per rank and a torchrun error report.
 nproc=$("$python_bin" -m pipedream.runtime.launch_check "$plan" --nnodes "${nnodes:-1}" \
-          ${nproc:+--nproc-per-node "$nproc"})
+          ${nproc:+--nproc-per-node "$nproc"} -- "${train_args[@]+"${train_args[@]}"}")
 
 # Pin the run directory here, so that workers restarted by torchrun (--max-restarts) find the
 # checkpoints of the run they continue.

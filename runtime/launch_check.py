@@ -1,6 +1,8 @@
-"""``python -m pipedream.runtime.launch_check PLAN [--nnodes N] [--nproc-per-node P]``.
+"""``python -m pipedream.runtime.launch_check PLAN [--nnodes N] [--nproc-per-node P]
+[-- TRAIN_OPTIONS...]``.
 
-Used by ``launch.sh`` before torchrun starts: validates the plan and its action tables and
+Used by ``launch.sh`` before torchrun starts: validates the plan, its action tables and the
+options for ``pipedream train`` (as every rank would, and a checkpoint to resume from), and
 prints the number of processes per node, or prints the error and exits with status 2.
 """
 
@@ -11,10 +13,11 @@ import sys
 from collections.abc import Sequence
 
 from pipedream.errors import LaunchError, PipedreamError
-from pipedream.formats.plan import load_plan
+from pipedream.formats.plan import Plan, load_plan
+from pipedream.runtime.train_options import check_options
 from pipedream.schedules import validate_plan_schedule, validation_bound
 
-__all__ = ["main", "processes_per_node"]
+__all__ = ["check_train_options", "main", "processes_per_node"]
 
 
 def processes_per_node(world_size: int, *, nnodes: int, nproc_per_node: int | None) -> int:
@@ -38,12 +41,29 @@ def processes_per_node(world_size: int, *, nnodes: int, nproc_per_node: int | No
     return nproc_per_node
 
 
+def check_train_options(plan_path: str, plan: Plan, train_args: Sequence[str]) -> None:
+    """What every rank would refuse in ``pipedream train PLAN TRAIN_ARGS`` before it joins the
+    others: its options (argparse's usage errors exit 2 here) and the checkpoint to resume
+    from. ``--resume auto`` needs the run directory given, not launch.sh's fresh default."""
+    from pipedream.cli import build_parser
+    from pipedream.runtime.command import train_options
+
+    options = train_options(build_parser().parse_args(["train", plan_path, *train_args]))
+    check_options(options, plan)
+    if options.resume is not None and (options.resume != "auto" or options.run_dir is None):
+        from pipedream.runtime.checkpoint_protocol import resume_point  # imports torch
+
+        resume_point(options.resume, options.run_dir, plan)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser(prog="launch.sh")
     parser.add_argument("plan")
     parser.add_argument("--nnodes", default="1")
     parser.add_argument("--nproc-per-node", default=None)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv[:split])
     try:
         plan = load_plan(args.plan)
         try:
@@ -56,6 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ) from None
         count = processes_per_node(plan.world_size, nnodes=nnodes, nproc_per_node=nproc)
         validate_plan_schedule(plan, [validation_bound(plan)], source=args.plan)
+        check_train_options(args.plan, plan, argv[split + 1 :])
         print(count)
     except PipedreamError as exc:
         print(f"launch.sh: error: {exc}", file=sys.stderr)

@@ -14,7 +14,6 @@ import gc
 import os
 import sys
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from pipedream.data import MicrobatchStream
-from pipedream.errors import LaunchError, RunFailure
+from pipedream.errors import RunFailure
 from pipedream.formats.plan import Plan, load_plan
 from pipedream.formats.trace import TracedAction, write_trace
 from pipedream.host_memory import configure_host_memory
@@ -45,6 +44,7 @@ from pipedream.runtime.routing import input_needs_grad
 from pipedream.runtime.stage_layout import StageLayout, stage_layout
 from pipedream.runtime.stage_worker import StageWorker, WorkerConfig
 from pipedream.runtime.summary import RankStats, peak_memory_bytes, report
+from pipedream.runtime.train_options import TrainOptions, check_options, segments
 from pipedream.schedules import (
     Action,
     Posting,
@@ -56,72 +56,16 @@ from pipedream.schedules import (
 )
 from pipedream.workload import Workload, load_workload
 
-__all__ = ["IN_ORDER_ENV", "TrainOptions", "make_deterministic", "segments", "train"]
+__all__ = [
+    "IN_ORDER_ENV",
+    "make_deterministic",
+    "train",
+]
 
 IN_ORDER_ENV = "PIPEDREAM_IN_ORDER_P2P"
 """Set to 1, gloo ranks exchange messages as NCCL ranks do (headers on a group of their own,
 read in the order they were sent; payloads on a group per direction, not posted ahead):
 the tests run the NCCL transport's protocol on machines without GPUs."""
-
-
-@dataclass(frozen=True)
-class TrainOptions:
-    """Options of ``pipedream train`` (see ``pipedream train --help``)."""
-
-    plan_path: str
-    steps: int
-    run_dir: str | None = None
-    seed: int = 0
-    checkpoint_every: int = 0
-    resume: str | None = None
-    keep: int = 0
-    on_nonfinite: str = "stop"
-    trace: bool = False
-    precision: str = "fp32"
-    recompute: bool = False
-    device: str = "auto"
-    deterministic: bool = False
-    timeout: float = 300.0
-    progress: bool = True
-
-
-def segments(steps: int, every: int, start: int = 0) -> list[tuple[int, int]]:
-    """(first minibatch, count) of each stretch between checkpoints, from ``start`` on.
-
-    Boundaries are multiples of ``every`` counted from 0, so a resumed run drains and
-    checkpoints at exactly the same minibatches as an uninterrupted one.
-    """
-    bounds = sorted({*range(every, steps, every)} if every > 0 else set()) + [steps]
-    out, current = [], start
-    for bound in bounds:
-        if bound > current:
-            out.append((current, bound - current))
-            current = bound
-    return out
-
-
-def _check_options(options: TrainOptions, plan: Plan) -> None:
-    if options.steps < 1:
-        raise LaunchError(f"--steps must be >= 1, got {options.steps}; give the minibatches to run")
-    if options.checkpoint_every < 0:
-        raise LaunchError(
-            f"--checkpoint-every must be >= 0, got {options.checkpoint_every}; "
-            "0 means only at the end"
-        )
-    if options.keep < 0:
-        raise LaunchError(f"--keep must be >= 0, got {options.keep}; 0 keeps every checkpoint")
-    if options.timeout <= 0:
-        raise LaunchError(
-            f"--timeout must be > 0 seconds, got {options.timeout}; e.g. --timeout 300"
-        )
-    for start, count in segments(options.steps, options.checkpoint_every):
-        for index, stage in enumerate(plan.stages):
-            if count % stage.replicas:
-                raise LaunchError(
-                    f"stage {index} has {stage.replicas} replicas, so --steps and "
-                    f"--checkpoint-every must be multiples of {stage.replicas} "
-                    f"(a segment of {count} minibatches starts at {start})"
-                )
 
 
 def make_deterministic() -> None:
@@ -146,7 +90,7 @@ def train(options: TrainOptions) -> int:
         make_deterministic()
     plan = load_plan(options.plan_path)
     source = options.plan_path
-    _check_options(options, plan)
+    check_options(options, plan)
     env = read_launch_env(plan, source=source)
     if env.restart_count > 0 and options.resume is None:
         # torchrun restarted the workers (--max-restarts): continue from the last checkpoint

@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 import yaml
 
+from pipedream.runtime import launch_check
+
 from launching import launch, run_main, straight_plan, write_plan
 
 # The default mlp with layers=2 has the layers "0", "1" (Linear+ReLU blocks) and "2" (the head).
@@ -272,6 +274,59 @@ def test_train_bad_option(
     path = _plan(tmp_path, plan)
     line = _one_line(run_main("train", str(path), *options), "pipedream train: error: ")
     assert message in line
+
+
+REPLICATED = straight_plan("mlp", [["0", "2"]], replicas=[2], workload_args=MLP_ARGS)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        pytest.param(
+            ["--steps", "3"],
+            "launch.sh: error: stage 0 has 2 replicas, so --steps and --checkpoint-every must be "
+            "multiples of 2 (a segment of 3 minibatches starts at 0)",
+            id="steps-vs-replicas",
+        ),
+        pytest.param(
+            ["--steps", "many"],
+            "pipedream train: error: argument --steps: invalid int value: 'many'",
+            id="steps-not-int",
+        ),
+        pytest.param(
+            ["--steps", "2", "--resume", "auto"],  # launch.sh's default run dir would be new
+            "launch.sh: error: --resume auto needs --run-dir (the run whose checkpoints to use)",
+            id="resume-auto-without-run-dir",
+        ),
+        pytest.param(
+            ["--steps", "2", "--resume", "nowhere"],
+            "launch.sh: error: nowhere: no manifest.yaml (not a checkpoint directory, or an "
+            "incomplete one); pass a runs/<run>/checkpoints/step-NNNNNN directory",
+            id="resume-path",
+        ),
+    ],
+)
+def test_launch_check_refuses_the_options_every_rank_would(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], options: list[str], message: str
+) -> None:
+    """What launch.sh runs before torchrun (the wiring: the next test)."""
+    path = _plan(tmp_path, REPLICATED)
+    try:
+        code = launch_check.main([str(path), "--", *options])
+    except SystemExit as exit_:  # argparse's usage errors
+        code = exit_.code
+    captured = capsys.readouterr()
+    assert (code, captured.out, captured.err) == (2, "", message + "\n")
+
+
+def test_launch_sh_checks_the_train_options_before_torchrun(tmp_path: Path) -> None:
+    """Without the check, each of the 2 ranks printed the error and torchrun its report."""
+    result = launch(_plan(tmp_path, REPLICATED), "--steps", "3", "--no-progress", timeout=60)
+    line = _one_line(result, "launch.sh: error: stage 0 has 2 replicas")
+    assert line.endswith("(a segment of 3 minibatches starts at 0)")
+    assert result.stdout == ""  # torchrun never started
+    helped = launch(_plan(tmp_path, REPLICATED), "--steps", "2", "--help", timeout=60)
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: pipedream train")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,74 @@
+"""The options of ``pipedream train`` and the checks that need no process group: each rank
+makes them, and ``launch.sh`` makes them before it starts any rank, so that a bad option ends
+with one line rather than one per rank and torchrun's failure report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipedream.errors import LaunchError
+from pipedream.formats.plan import Plan
+
+__all__ = ["TrainOptions", "check_options", "segments"]
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """Options of ``pipedream train`` (see ``pipedream train --help``)."""
+
+    plan_path: str
+    steps: int
+    run_dir: str | None = None
+    seed: int = 0
+    checkpoint_every: int = 0
+    resume: str | None = None
+    keep: int = 0
+    on_nonfinite: str = "stop"
+    trace: bool = False
+    precision: str = "fp32"
+    recompute: bool = False
+    device: str = "auto"
+    deterministic: bool = False
+    timeout: float = 300.0
+    progress: bool = True
+
+
+def segments(steps: int, every: int, start: int = 0) -> list[tuple[int, int]]:
+    """(first minibatch, count) of each stretch between checkpoints, from ``start`` on.
+
+    Boundaries are multiples of ``every`` counted from 0, so a resumed run drains and
+    checkpoints at exactly the same minibatches as an uninterrupted one.
+    """
+    bounds = sorted({*range(every, steps, every)} if every > 0 else set()) + [steps]
+    out, current = [], start
+    for bound in bounds:
+        if bound > current:
+            out.append((current, bound - current))
+            current = bound
+    return out
+
+
+def check_options(options: TrainOptions, plan: Plan) -> None:
+    """Options that cannot work with ``plan`` (each rank checks them, and ``launch.sh`` before
+    it starts any)."""
+    if options.steps < 1:
+        raise LaunchError(f"--steps must be >= 1, got {options.steps}; give the minibatches to run")
+    if options.checkpoint_every < 0:
+        raise LaunchError(
+            f"--checkpoint-every must be >= 0, got {options.checkpoint_every}; "
+            "0 means only at the end"
+        )
+    if options.keep < 0:
+        raise LaunchError(f"--keep must be >= 0, got {options.keep}; 0 keeps every checkpoint")
+    if options.timeout <= 0:
+        raise LaunchError(
+            f"--timeout must be > 0 seconds, got {options.timeout}; e.g. --timeout 300"
+        )
+    for start, count in segments(options.steps, options.checkpoint_every):
+        for index, stage in enumerate(plan.stages):
+            if count % stage.replicas:
+                raise LaunchError(
+                    f"stage {index} has {stage.replicas} replicas, so --steps and "
+                    f"--checkpoint-every must be multiples of {stage.replicas} "
+                    f"(a segment of {count} minibatches starts at {start})"
+                )
