@@ -291,7 +291,10 @@ def placed_candidates(
             problems.append(str(error))
             continue
         cuts = [cut for v in options for cut in candidate_cuts(costs, cluster, v * per_copy)]
-        for spans in cuts:
+        kept = [spans for spans in cuts if not _splits_a_tie(profile, spans)]
+        if cuts and not kept:
+            problems.append(_tie_problem(profile, schedule))
+        for spans in kept:
             candidate = _candidate(
                 profile,
                 topology,
@@ -324,6 +327,27 @@ def placed_candidates(
         )
     return [], (
         f"schedule {schedule!r} on {workers} workers is too big to simulate; use fewer microbatches"
+    )
+
+
+def _splits_a_tie(profile: Profile, spans: Sequence[tuple[int, int]]) -> bool:
+    """Whether ``spans`` put the layers of one of the profile's tied parameters in several
+    stages (which these schedules do not take yet)."""
+    index = {name: i for i, name in enumerate(profile.layer_names)}
+    for tied in profile.tied:
+        layers = [index[layer] for layer in tied.layers]
+        if not any(first <= min(layers) and max(layers) <= last for first, last in spans):
+            return True
+    return False
+
+
+def _tie_problem(profile: Profile, schedule: str) -> str:
+    tied = next(t for t in profile.tied if len(t.layers) > 1)
+    others = [name for name in SCHEDULES if lookup(name).placement is None]
+    return (
+        f"schedule {schedule!r} does not take tied parameters across stages yet, and every "
+        f"split puts the layers that use {tied.name} ({', '.join(tied.layers)}) in different "
+        f"stages; use another schedule ({', '.join(others)}) or auto"
     )
 
 

@@ -9,12 +9,15 @@ ms, ZB-H1 ``m (F + B) + (S - 1)(F + I - W)`` with I = W = B / 2.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from test_optimizer_schedules import profile_of
 
 from pipedream.errors import PlanningError
-from pipedream.formats import Topology
+from pipedream.formats import Profile, Topology
+from pipedream.formats.profile import TiedParameter
 from pipedream.optimizer.placed import balanced_spans, copy_counts, default_placed_microbatches
 from pipedream.optimizer.planner import PlanOptions, plan_profile
 from pipedream.optimizer.report import format_summary
@@ -147,3 +150,33 @@ def test_copies_of_the_pipeline_when_the_allreduce_is_cheap() -> None:
     slow = Topology.single_level(4, 1e5)
     plan = plan_profile(profile, topology=slow, options=PlanOptions("zbv", 4)).plan
     assert [s.ranks for s in plan.stages] == [(r,) for r in (0, 1, 2, 3, 3, 2, 1, 0)]
+
+
+def _tied(*layers: str) -> Profile:
+    return replace(EIGHT, tied=(TiedParameter("embed.weight", layers, 0),))
+
+
+def test_a_tie_across_every_split_rules_out_placed_schedules_and_auto_says_so() -> None:
+    head_and_tail = _tied("l0", "l7")  # a language model's tied embedding and output head
+    with pytest.raises(PlanningError) as error:
+        plan_profile(head_and_tail, topology=TWO_WORKERS, options=PlanOptions(schedule="zbv"))
+    assert str(error.value) == (
+        "schedule 'zbv' does not take tied parameters across stages yet, and every split puts "
+        "the layers that use embed.weight (l0, l7) in different stages; use another schedule "
+        "(pipedream, pipedream-vs, 2bw, 1f1b, gpipe, zb-h1) or auto"
+    )
+    # auto used to stop on that error from the simulator; now it tries the rest
+    result = plan_profile(
+        head_and_tail, topology=TWO_WORKERS, options=PlanOptions(schedule="auto", microbatches=4)
+    )
+    ruled_out = {c.schedule: c.problem for c in result.candidates if c.tree is None}
+    assert set(ruled_out) == {"interleaved-1f1b", "zbv"}
+    assert all("does not take tied parameters" in problem for problem in ruled_out.values())
+    assert result.plan.schedule not in ruled_out
+
+
+def test_a_tie_inside_one_stage_keeps_the_placed_schedules() -> None:
+    plan = plan_profile(
+        _tied("l2", "l3"), topology=TWO_WORKERS, options=PlanOptions(schedule="zbv")
+    ).plan
+    assert [(s.first_layer, s.last_layer) for s in plan.stages][1] == ("l2", "l3")
