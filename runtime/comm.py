@@ -147,6 +147,21 @@ _DTYPES = [
     torch.uint8,
     torch.bool,
 ]
+_NCCL_DTYPES = frozenset(
+    {
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    }
+)
+"""The dtypes ProcessGroupNCCL sends and receives; a payload of another (int16) travels as its
+bytes (:func:`_nccl_payload`)."""
 _KINDS = {"act": 0, "grad": 1, "tied-grad": 2, "weights": 3}
 """Message kinds (see ``actions.MESSAGE_KIND``); a tag has room for four."""
 
@@ -202,6 +217,12 @@ def payload_tags(kind: str, microbatch: int, count: int, *, fast: bool) -> list[
 def _check_count(count: int) -> None:
     if count > MAX_TENSORS:
         raise ValueError(f"a message carries at most {MAX_TENSORS} tensors, not {count}")
+
+
+def _nccl_payload(tensor: Tensor) -> Tensor:
+    """``tensor`` (contiguous) as NCCL can move it: itself, or a flat view of its bytes where
+    NCCL has no such dtype (a receive into that view fills the tensor)."""
+    return tensor if tensor.dtype in _NCCL_DTYPES else tensor.reshape(-1).view(torch.uint8)
 
 
 def _in_order_tag(number: int, part: int) -> int:
@@ -483,7 +504,9 @@ class P2P:
         buffers = [self._buffers.empty(dtype, shape) for dtype, shape in header.specs]
         group = self.payload_groups[(peer, self.rank)]
         works = [
-            dist.irecv(buffer, src=peer, tag=_in_order_tag(number, 1 + part), group=group)
+            dist.irecv(
+                _nccl_payload(buffer), src=peer, tag=_in_order_tag(number, 1 + part), group=group
+            )
             for part, buffer in enumerate(buffers)
         ]
         key = (header.kind, header.microbatch, peer)
@@ -549,7 +572,7 @@ class P2P:
         self._outgoing.append([])
         self._isend(header, peer, tag, group=self.header_group, on_host=True)
         for part, tensor in enumerate(tensors):
-            self._isend(tensor, peer, _in_order_tag(number, 1 + part), group=group)
+            self._isend(_nccl_payload(tensor), peer, _in_order_tag(number, 1 + part), group=group)
 
     def _send_placeholder(self, kind: str, microbatch: int, peer: int, specs: list[Spec]) -> None:
         """Zeros of the reference ``specs`` on the fast tags, for the receiver's speculation."""

@@ -47,15 +47,16 @@ def _expected_flags(post_early: bool, nccl: bool) -> dict[str, list[int]]:
 
 def _messages(seed: int) -> list[Message]:
     """Two channels from rank 0 to rank 1, interleaved. act: shapes A, A, A, B, A, B', A, then
-    A as float64 (a dtype change), a 0-d bool, A; grad: C, C, a float64 (1,), an empty
-    message, C. Versions are distinct."""
+    A as float64 (a dtype change), a 0-d bool with a 0-d int16 (a dtype NCCL lacks), A; grad:
+    C, C, a float64 (1,), an empty message, C. Versions are distinct."""
     gen = torch.Generator().manual_seed(seed)
     a = [torch.randn(3, 4, generator=gen), torch.arange(6).view(2, 3)]
     b = [torch.randn(2, 5, 7, generator=gen)]
     b2 = [torch.randn(3, 4, generator=gen), torch.arange(6).view(3, 2)]
     c = [torch.randn(3, 4, generator=gen).to(torch.bfloat16)]
     acts = [a, [t + 1 for t in a], [t + 2 for t in a], b, [t * 3 for t in a], b2]
-    acts += [[t - 1 for t in a], [a[0].double(), a[1]], [torch.tensor(True)], [t - 2 for t in a]]
+    flags = [torch.tensor(True), torch.tensor(-300, dtype=torch.int16)]
+    acts += [[t - 1 for t in a], [a[0].double(), a[1]], flags, [t - 2 for t in a]]
     grads = [c, [c[0] + 1], [torch.randn(1, generator=gen).double()], [], [c[0] * 2]]
     out: list[Message] = []
     for mb, tensors in enumerate(acts):
@@ -137,21 +138,24 @@ def _flags_by_channel(messages: list[Message], flags: list[int]) -> dict[str, li
 def _groups_of_parts(header_group, payload_group) -> list[str]:  # pragma: no cover - child
     """Record, for every isend/irecv of this process, whether its part (header or payload)
     went on the group it belongs on: headers on ``header_group``, payloads on
-    ``payload_group`` (both None: the default group)."""
+    ``payload_group`` (both None: the default group), and on NCCL's payload group only in a
+    dtype NCCL has (ProcessGroupNCCL refuses int16)."""
     wrong: list[str] = []
     isend, irecv = dist.isend, dist.irecv
 
-    def check(name: str, tag: int, group) -> None:
+    def check(name: str, tensor: torch.Tensor, tag: int, group) -> None:
         header = tag % comm.PARTS == 0
         if group is not (header_group if header else payload_group):
             wrong.append(f"{name} tag {tag} on {group}")
+        if payload_group is not None and not header and tensor.dtype == torch.int16:
+            wrong.append(f"{name} tag {tag}: an int16 payload, which NCCL cannot move")
 
     def checked_isend(tensor, dst, group=None, tag=0):
-        check("isend", tag, group)
+        check("isend", tensor, tag, group)
         return isend(tensor, dst=dst, group=group, tag=tag)
 
     def checked_irecv(tensor, src, group=None, tag=0):
-        check("irecv", tag, group)
+        check("irecv", tensor, tag, group)
         return irecv(tensor, src=src, group=group, tag=tag)
 
     dist.isend, dist.irecv = checked_isend, checked_irecv
