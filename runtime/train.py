@@ -375,6 +375,9 @@ class _RankJob:
                 edges=self.layout.edges,
                 tied=self.layout.tied_pairs,
             )
+        # the others are done: they must not wait, under the run's timeout, for the report's
+        # evaluation of the whole model on this rank
+        dist.barrier()
         if logger is not None:
             assert self.last_checkpoint is not None
             report(
@@ -389,7 +392,6 @@ class _RankJob:
                 device=self.device,
             )
             logger.close()
-        dist.barrier()
         return 0
 
     def _executor(

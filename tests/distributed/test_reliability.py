@@ -126,6 +126,8 @@ def test_killed_worker_ends_the_job_and_a_restart_resumes_it(tmp_path: Path) -> 
 
 
 NAN_WORKLOAD = """
+import time
+
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -133,21 +135,30 @@ from torch.utils.data import TensorDataset
 from pipedream.workload import Workload
 
 
-def make(poison: int = 5, microbatch_size: int = 4) -> Workload:
+def make(poison: int = 5, pause: float = 0.0, microbatch_size: int = 4) -> Workload:
     torch.manual_seed(0)
     inputs = torch.randn(40, 3)
     inputs[poison] = float("nan")
+
+    def evaluate(model: nn.Module) -> dict[str, float]:
+        time.sleep(pause)  # a held-out set that takes its time
+        return {"test_loss": 0.25}
+
     return Workload(
         model=nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1)),
         example_input=inputs[:microbatch_size],
         loss_fn=nn.functional.mse_loss,
         dataset=TensorDataset(inputs, inputs.sum(1, keepdim=True)),
         optimizer=lambda params: torch.optim.SGD(params, lr=0.05),
+        evaluate=evaluate,
     )
 """
 
 
 def test_non_finite_loss_stops_or_is_skipped(tmp_path: Path) -> None:
+    """Also: the run that skips ends well although its evaluation of the whole model, on the
+    reporting rank after training, takes longer than --timeout (the other rank used to wait
+    for it in a barrier bound by the timeout, failing a finished run)."""
     (tmp_path / "nan_workload.py").write_text(textwrap.dedent(NAN_WORKLOAD))
     env = {"PYTHONPATH": str(tmp_path)}
     order = MicrobatchStream(list(range(40)), 4, 0)  # type: ignore[arg-type]
@@ -156,7 +167,7 @@ def test_non_finite_loss_stops_or_is_skipped(tmp_path: Path) -> None:
         "nan_workload:make",
         [["0", "1"], ["2"]],
         microbatch_size=4,
-        workload_args={"poison": str(order.sample_indices(poisoned)[0])},
+        workload_args={"poison": str(order.sample_indices(poisoned)[0]), "pause": "3"},
     )
     path = write_plan(plan, tmp_path / "plan.yaml")
 
@@ -187,7 +198,7 @@ def test_non_finite_loss_stops_or_is_skipped(tmp_path: Path) -> None:
         "--run-dir",
         str(tmp_path / "skip"),
         "--timeout",
-        "30",
+        "2",
         "--no-progress",
         "--on-nonfinite",
         "skip",
@@ -195,6 +206,7 @@ def test_non_finite_loss_stops_or_is_skipped(tmp_path: Path) -> None:
     )
     assert skip.returncode == 0, skip.stderr[-3000:]
     assert "skipped 1 microbatches with a non-finite loss" in skip.stderr
+    assert "evaluation: test_loss 0.2500" in skip.stdout + skip.stderr
     final = load_full_state_dict(tmp_path / "skip" / "checkpoints" / "step-000010")
     assert all(torch.isfinite(v).all() for v in final.values())
 
