@@ -47,6 +47,8 @@ FAMILIES = ("gpt2", "llama", "mistral", "qwen2")
 """Config families ``config=`` accepts."""
 IGNORE = -100
 """Target of a position that does not count in the loss (padding)."""
+DEFAULT_SEQ = 64
+"""Tokens per training window, where neither the options nor the model's context say less."""
 _EVAL_CHUNK = 32
 """Held-out sequences evaluated at once."""
 
@@ -245,7 +247,7 @@ def build(
     kv_heads: int = 0,
     ffn: int = 0,
     vocab: int = 256,
-    seq: int = 64,
+    seq: int = DEFAULT_SEQ,
     tie: bool = True,
     padding: bool = False,
     tokens: str = "",
@@ -302,7 +304,7 @@ def build(
 def wrap(
     model: nn.Module,
     *,
-    seq: int = 64,
+    seq: int | None = None,
     padding: bool = False,
     tokens: str = "",
     samples: int = 2048,
@@ -313,7 +315,8 @@ def wrap(
     data_seed: int = 0,
     microbatch_size: int = 8,
 ) -> Workload:
-    """A workload that trains ``model``, a ``transformers`` causal LM, on the token stream."""
+    """A workload that trains ``model``, a ``transformers`` causal LM, on the token stream, in
+    windows of ``seq`` tokens (default: 64, or the model's context where it is shorter)."""
     config = getattr(model, "config", None)
     vocab = getattr(config, "vocab_size", None)
     if not isinstance(vocab, int):
@@ -324,9 +327,12 @@ def wrap(
     if config is not None and getattr(config, "use_cache", False):
         config.use_cache = False  # a cache is state across calls: nothing a pipeline can cut
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if seq is None:
+        seq = min(DEFAULT_SEQ, limit) if isinstance(limit, int) else DEFAULT_SEQ
     if isinstance(limit, int) and seq > limit:
         raise WorkloadError(
-            f"hf-lm: seq={seq} is longer than the model's {limit} positions; pass a smaller seq"
+            f"hf-lm: seq={seq} is longer than the model's {limit} positions; pass "
+            f"--workload-arg seq={limit} or less"
         )
     if samples < 1 or test_samples < 1 or microbatch_size < 1:
         raise WorkloadError("hf-lm: samples, test_samples and microbatch_size must be >= 1")

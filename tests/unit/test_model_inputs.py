@@ -215,6 +215,16 @@ def test_a_function_returning_a_transformers_model_is_wrapped() -> None:
     with pytest.raises(WorkloadError, match="has no option 'width'"):
         load_workload(name, {"width": "8"})
 
+    def short_context() -> nn.Module:  # a context shorter than the default window of 64
+        config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=32)
+        return transformers.GPT2LMHeadModel(config)
+
+    module.short_context = short_context  # type: ignore[attr-defined]
+    name = f"{__name__}:short_context"
+    assert load_workload(name, {"samples": "4"}, microbatch_size=2).example_input.shape == (2, 32)
+    with pytest.raises(WorkloadError, match="seq=33 is longer than the model's 32 positions"):
+        load_workload(name, {"seq": "33"})
+
 
 def test_gpt_builds_a_gpt2_sized_vocabulary_sparsely() -> None:
     generator = torch.Generator().manual_seed(0)
