@@ -13,7 +13,9 @@ each side (whether a gap is the runtime's own host work), each side's loss after
 and how far apart their losses were at any step (the curves go to ``--out``'s ``.json`` beside
 it). Each precision is compared ``--rounds`` times (default 2), the plain loop first in odd
 rounds and last in even ones, so that every ratio is measured twice against its peer in one
-run. No assertions: speed is measured, not tested.
+run. A comparison that fails (a launch that does not finish, an out-of-memory error) is named
+under the table and the others still run; the exit status is then 1. No assertions: speed is
+measured, not tested.
 
 A bf16 step of this model is bound by the host's kernel launches, so its time depends on where
 the host threads run: unpinned on a 16-core host the same loop took anywhere from 24 to 39 ms
@@ -35,6 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,6 +117,10 @@ def plain_loop(
     return Side(ms, _median_gap_ms(cpu), [float(x) for x in losses])
 
 
+class LaunchFailed(RuntimeError):
+    """The runtime's side of a comparison did not finish; says why, with its output."""
+
+
 def one_stage(
     precision: str, *, device: str, args: dict[str, str], warmup: int, steps: int, folder: Path
 ) -> tuple[Side, float]:
@@ -145,7 +152,7 @@ def one_stage(
     ]
     result = run_command(command, timeout=300, env={"PYTHONPATH": str(REPO)})
     if result.returncode != 0:
-        raise SystemExit(f"pipedream train failed:\n{result.output[-3000:]}")
+        raise LaunchFailed(f"pipedream train failed:\n{result.output[-3000:]}")
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     timed = lines[warmup - 1 :]  # from the last warm-up update's issue to the last one's
     ms = (timed[-1]["time_s"] - timed[0]["time_s"]) * 1000 / steps
@@ -225,13 +232,16 @@ HEADER = (
 )
 
 
-def report(title: str, comparisons: dict[str, list[Comparison]]) -> str:
-    """The printed table: ``title``, a row per precision and round, what the columns mean, and
-    each precision's ratios round by round."""
+def report(
+    title: str, comparisons: dict[str, list[Comparison]], failures: Sequence[str] = ()
+) -> str:
+    """The printed table: ``title``, a row per precision and round, what the columns mean,
+    each precision's ratios round by round, and the comparisons that failed."""
     rows = [c.row for done in comparisons.values() for c in done]
     ratios = "; ".join(
         f"{precision} " + ", ".join(f"{c.ratio:.3f}" for c in done)
         for precision, done in comparisons.items()
+        if done
     )
     return "\n".join(
         [
@@ -249,6 +259,7 @@ def report(title: str, comparisons: dict[str, list[Comparison]]) -> str:
             "ones.",
             "",
             f"stage / plain by round: {ratios}",
+            *(f"FAILED: {failure}" for failure in failures),
         ]
     )
 
@@ -269,11 +280,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("gpu_speed.py: no CUDA GPU here")
     cpus = pin_to(args.cpus)
     comparisons: dict[str, list[Comparison]] = {"fp32": [], "bf16": []}
+    failures: list[str] = []
     with tempfile.TemporaryDirectory() as folder:
         for round_ in range(1, args.rounds + 1):
             for precision, done in comparisons.items():
-                done.append(
-                    compare(
+                try:
+                    comparison = compare(
                         precision,
                         device="cuda",
                         args=ARGS,
@@ -282,19 +294,24 @@ def main(argv: list[str] | None = None) -> int:
                         folder=Path(folder),
                         round_=round_,
                     )
-                )
+                except Exception as error:  # a GPU session runs this once: keep the rest
+                    print(f"{precision} round {round_}: {error}", file=sys.stderr)
+                    first = next(iter(str(error).splitlines()), "")
+                    failures.append(f"{precision} round {round_}: {type(error).__name__}: {first}")
+                    continue
+                done.append(comparison)
     title = (
         f"gpt 12x768, seq 256, vocab 256, microbatch {MICROBATCH}, Adam; {args.warmup} "
         f"warm-up + {args.steps} timed steps on {torch.cuda.get_device_name()} "
         f"(torch {torch.__version__}); both sides on cores {cpus}, one torch thread each"
     )
-    table = report(title, comparisons)
+    table = report(title, comparisons, failures)
     print(table)
     if args.out is not None:
         args.out.write_text(table + "\n")
         curves = {p: [c.curves for c in done] for p, done in comparisons.items()}
         args.out.with_suffix(".json").write_text(json.dumps(curves, indent=1) + "\n")
-    return 0
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -62,3 +62,29 @@ def test_the_report_gives_every_round_and_each_precisions_ratios() -> None:
     assert lines[2:4] == gpu_speed.HEADER.splitlines()
     assert lines[4:8] == ["| fp32 | 1 |", "| fp32 | 2 |", "| bf16 | 1 |", "| bf16 | 2 |"]
     assert lines[-1] == "stage / plain by round: fp32 0.998, 1.002; bf16 1.248, 1.012"
+
+
+def test_a_failed_comparison_costs_only_its_row(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The GPU session runs the script once: a launch that fails must not take the table of
+    the others with it."""
+
+    def compare(precision: str, *, round_: int, **_: object) -> gpu_speed.Comparison:
+        if (precision, round_) == ("bf16", 1):
+            raise gpu_speed.LaunchFailed("pipedream train failed:\nCUDA out of memory")
+        return gpu_speed.Comparison(f"| {precision} | {round_} |", 1.0 + round_ / 100, {})
+
+    monkeypatch.setattr(gpu_speed, "compare", compare)
+    monkeypatch.setattr(gpu_speed, "pin_to", lambda count: "0")
+    monkeypatch.setattr(gpu_speed.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_speed.torch.cuda, "get_device_name", lambda: "a GPU")
+    assert gpu_speed.main([]) == 1
+    out = capsys.readouterr()
+    lines = out.out.splitlines()
+    assert lines[4:7] == ["| fp32 | 1 |", "| fp32 | 2 |", "| bf16 | 2 |"]
+    assert lines[-2:] == [
+        "stage / plain by round: fp32 1.010, 1.020; bf16 1.020",
+        "FAILED: bf16 round 1: LaunchFailed: pipedream train failed:",
+    ]
+    assert "CUDA out of memory" in out.err
