@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from pipedream.data import MicrobatchStream
 from pipedream.formats.profile import ActionOverhead
-from pipedream.model_io import map_tensors
+from pipedream.model_io import map_tensors, to_device
 from pipedream.profiler.measure import OptimizerFactory, sync_device
 from pipedream.runtime.stage_worker import StageWorker, WorkerConfig
 from pipedream.schedules import Op, PipelineSpec, build_tables
@@ -203,15 +203,12 @@ def measure_data_reads(
     stream: MicrobatchStream, *, device: torch.device, warmup: int = 3, repeats: int = 10
 ) -> tuple[float, float]:
     """Milliseconds to read one microbatch's inputs and its targets onto ``device`` (medians),
-    as the first and the last stage do on every forward; a different microbatch each time."""
+    as the first and the last stage do on every forward (on a GPU through pinned memory, as
+    they do); a different microbatch each time."""
     sync = functools.partial(sync_device, device)
     count = warmup + max(repeats, 5)
-
-    def to_device(value: Any) -> Any:
-        return map_tensors(lambda t: t.to(device), value)
-
-    inputs = [_ms(lambda i=i: to_device(stream.inputs(i)), sync) for i in range(count)]
-    targets = [_ms(lambda i=i: to_device(stream.targets(i)), sync) for i in range(count)]
+    inputs = [_ms(lambda i=i: to_device(stream.inputs(i), device), sync) for i in range(count)]
+    targets = [_ms(lambda i=i: to_device(stream.targets(i), device), sync) for i in range(count)]
     return statistics.median(inputs[warmup:]), statistics.median(targets[warmup:])
 
 
@@ -226,12 +223,14 @@ def measure_loss(
 ) -> tuple[float, float]:
     """Milliseconds of the workload's loss on ``output`` (one microbatch's output of the model)
     and the targets of a different microbatch each time, with the check for a non-finite loss
-    that the runtime's last stage makes, and of the loss's gradient with respect to ``output``
-    (medians; 0 for the gradient of a loss that does not depend on the output)."""
+    that the runtime's last stage makes on the CPU (on a GPU it reads the losses in batches,
+    ``runtime/loss_log.py``), and of the loss's gradient with respect to ``output`` (medians; 0
+    for the gradient of a loss that does not depend on the output)."""
     sync = functools.partial(sync_device, device)
     count = warmup + max(repeats, 5)
+    check = device.type == "cpu"
     times = [
-        _loss_ms(loss_fn, output, map_tensors(lambda t: t.to(device), stream.targets(index)), sync)
+        _loss_ms(loss_fn, output, to_device(stream.targets(index), device), sync, check=check)
         for index in range(count)
     ]
     forward = statistics.median(f for f, _ in times[warmup:])
@@ -243,9 +242,12 @@ def _loss_ms(
     output: Any,
     targets: Any,
     sync: Callable[[], None],
+    *,
+    check: bool,
 ) -> tuple[float, float]:
-    """One timed loss and its gradient (see :func:`measure_loss`); ``output`` is the model's
-    output, one tensor or a structure of them."""
+    """One timed loss (read on the host to ``check`` that it is finite) and its gradient (see
+    :func:`measure_loss`); ``output`` is the model's output, one tensor or a structure of
+    them."""
     leaves: list[Tensor] = []
 
     def fresh(tensor: Tensor) -> Tensor:
@@ -259,7 +261,8 @@ def _loss_ms(
 
     def loss() -> None:
         computed = loss_fn(value, targets)
-        bool(torch.isfinite(computed.detach()))
+        if check:
+            bool(torch.isfinite(computed.detach()))
         losses.append(computed)
 
     forward = _ms(loss, sync)

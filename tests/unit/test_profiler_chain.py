@@ -11,6 +11,8 @@ import pytest
 import torch
 from torch import nn
 
+from pipedream import model_io
+from pipedream.profiler import overhead
 from pipedream.profiler.chain import ChainLayer, _backward_ms, time_chain
 from pipedream.profiler.measure import UpdateTimer, measure_sequential
 from pipedream.profiler.overhead import measure_data_reads, measure_loss, measure_overhead
@@ -240,7 +242,7 @@ def test_last_level_cache_is_the_highest_level_in_sysfs(tmp_path, monkeypatch) -
     assert module.last_level_cache_bytes(torch.device("cpu")) == 32 * 2**20  # the default
 
 
-def test_data_reads_are_timed_on_the_workloads_dataset() -> None:
+def test_data_reads_are_timed_on_the_workloads_dataset(monkeypatch: pytest.MonkeyPatch) -> None:
     reads: list[tuple[str, int]] = []
 
     class Stream:
@@ -252,6 +254,13 @@ def test_data_reads_are_timed_on_the_workloads_dataset() -> None:
             reads.append(("targets", index))
             return torch.zeros(4)
 
+    moved: list[torch.device] = []
+
+    def to_device(value: Any, device: torch.device) -> Any:
+        moved.append(device)
+        return model_io.to_device(value, device)
+
+    monkeypatch.setattr(overhead, "to_device", to_device)
     inputs_ms, targets_ms = measure_data_reads(
         Stream(),  # type: ignore[arg-type]
         device=torch.device("cpu"),
@@ -261,6 +270,27 @@ def test_data_reads_are_timed_on_the_workloads_dataset() -> None:
     # a different microbatch each time: 1 warm-up read and 5 timed ones of each
     assert reads == [("inputs", i) for i in range(6)] + [("targets", i) for i in range(6)]
     assert 0.0 < inputs_ms < 50.0 and 0.0 < targets_ms < 50.0
+    # each read as the runtime reads it (on a GPU: through pinned memory, without waiting)
+    assert moved == [torch.device("cpu")] * 12
+
+
+def test_the_loss_is_read_on_the_host_only_where_the_runtime_reads_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the CPU the last stage checks every loss; on a GPU it reads them in batches, so the
+    loss's time there must not hold a wait for the GPU."""
+    checked: list[bool] = []
+    isfinite = torch.isfinite
+    monkeypatch.setattr(torch, "isfinite", lambda t: checked.append(True) or isfinite(t))
+    for check in (True, False):
+        overhead._loss_ms(
+            lambda output, target: (output - target).pow(2).mean(),
+            torch.ones(3),
+            torch.zeros(3),
+            lambda: None,
+            check=check,
+        )
+    assert checked == [True]
 
 
 class _SlowLoss(torch.autograd.Function):
