@@ -22,11 +22,16 @@ import torch
 import torch.distributed as dist
 
 from pipedream.data import MicrobatchStream
-from pipedream.errors import RunFailure
+from pipedream.errors import CheckpointError, RunFailure
 from pipedream.formats.plan import Plan, load_plan
 from pipedream.formats.trace import TracedAction, write_trace
 from pipedream.host_memory import configure_host_memory
-from pipedream.runtime.checkpoint import load_manifest, restore_stage, step_dir_name
+from pipedream.runtime.checkpoint import (
+    load_manifest,
+    restore_stage,
+    step_dir_name,
+    step_directories,
+)
 from pipedream.runtime.checkpoint_protocol import resume_point, write_checkpoint
 from pipedream.runtime.comm import P2P
 from pipedream.runtime.environment import (
@@ -141,13 +146,35 @@ def train(options: TrainOptions) -> int:
         dist.init_process_group(
             "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )
+    job: _RankJob | None = None
     try:
         job = _RankJob(options, plan, env, workload, layout, placement=placement, posting=posting)
         return job.run(todo, resume_from)
+    except KeyboardInterrupt:  # Ctrl-C: torchrun passes it to every rank
+        if job is None:
+            raise
+        if env.rank == 0:
+            print(f"pipedream train: interrupted; {_how_to_continue(job.run_dir)}", file=sys.stderr)
+        return 1
     finally:
         gc.collect()  # drop lingering gloo work objects (in cycles) while the interpreter lives
         dist.destroy_process_group()
         gc.collect()
+
+
+def _how_to_continue(run_dir: Path) -> str:
+    """Where an interrupted run can continue from: its newest checkpoint with a manifest (one
+    written to the end; ``--resume auto`` checks its files)."""
+    for step in reversed(step_directories(run_dir / "checkpoints")):
+        try:
+            manifest = load_manifest(step)
+        except CheckpointError:
+            continue
+        return (
+            f"its newest checkpoint is {step} (step {manifest['step']}): continue with "
+            f"--resume auto --run-dir {run_dir}"
+        )
+    return "no checkpoint was written yet (--checkpoint-every N lets a run continue)"
 
 
 class _RankJob:

@@ -15,8 +15,9 @@ import torch
 
 from pipedream.data import MicrobatchStream
 from pipedream.runtime.checkpoint import load_full_state_dict
+from pipedream.runtime.train import _how_to_continue
 
-from launching import start_launch, stop, straight_plan, write_plan
+from launching import run_cli, start_launch, stop, straight_plan, write_plan
 from workers import run_plan
 
 pytestmark = pytest.mark.slow  # launches processes: not in the fast lane (-m "not slow")
@@ -209,6 +210,54 @@ def test_non_finite_loss_stops_or_is_skipped(tmp_path: Path) -> None:
     assert "evaluation: test_loss 0.2500" in skip.stdout + skip.stderr
     final = load_full_state_dict(tmp_path / "skip" / "checkpoints" / "step-000010")
     assert all(torch.isfinite(v).all() for v in final.values())
+
+
+INTERRUPTED_WORKLOAD = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from pipedream.workload import Workload
+
+
+def make(interrupt_at: int = 7, microbatch_size: int = 4) -> Workload:
+    torch.manual_seed(0)
+    inputs = torch.randn(64, 3)
+    calls = []
+
+    def loss_fn(output, target):
+        calls.append(1)
+        if len(calls) == interrupt_at:
+            raise KeyboardInterrupt  # the user's Ctrl-C, in the middle of minibatch 6
+        return nn.functional.mse_loss(output, target)
+
+    return Workload(
+        model=nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1)),
+        example_input=inputs[:microbatch_size],
+        loss_fn=loss_fn,
+        dataset=TensorDataset(inputs, inputs.sum(1, keepdim=True)),
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.05),
+    )
+"""
+
+
+def test_an_interrupted_run_says_where_it_can_continue(tmp_path: Path) -> None:
+    (tmp_path / "interrupted_workload.py").write_text(textwrap.dedent(INTERRUPTED_WORKLOAD))
+    plan = straight_plan("interrupted_workload:make", [["0", "2"]], microbatch_size=4)
+    run = tmp_path / "run"
+    result = run_cli(
+        "train", str(write_plan(plan, tmp_path / "plan.yaml")), "--steps", "10",
+        "--checkpoint-every", "2", "--run-dir", str(run), "--no-progress",
+        env={"PYTHONPATH": str(tmp_path)},
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stderr.splitlines()[-1] == (
+        f"pipedream train: interrupted; its newest checkpoint is {run}/checkpoints/step-000006 "
+        f"(step 6): continue with --resume auto --run-dir {run}"
+    )
+    assert _how_to_continue(tmp_path / "new") == (
+        "no checkpoint was written yet (--checkpoint-every N lets a run continue)"
+    )
 
 
 def test_keep_prunes_old_checkpoints(tmp_path: Path) -> None:
