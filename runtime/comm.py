@@ -147,21 +147,9 @@ _DTYPES = [
     torch.uint8,
     torch.bool,
 ]
-_NCCL_DTYPES = frozenset(
-    {
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.float64,
-        torch.int64,
-        torch.int32,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-    }
-)
-"""The dtypes ProcessGroupNCCL sends and receives; a payload of another (int16) travels as its
-bytes (:func:`_nccl_payload`)."""
+_NCCL_DTYPES = frozenset(_DTYPES) - {torch.int16}
+"""The header's dtypes that ProcessGroupNCCL sends and receives (it has no int16); a payload of
+another travels as its bytes (:func:`_nccl_payload`)."""
 _KINDS = {"act": 0, "grad": 1, "tied-grad": 2, "weights": 3}
 """Message kinds (see ``actions.MESSAGE_KIND``); a tag has room for four."""
 
