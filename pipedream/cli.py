@@ -155,7 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="where metrics and checkpoints go (default runs/<timestamp>)",
     )
-    train.add_argument("--seed", type=int, default=0, help="data order seed")
+    train.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the data order and of the random draws (dropout)",
+    )
     train.add_argument(
         "--checkpoint-every",
         type=int,

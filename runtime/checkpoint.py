@@ -5,7 +5,7 @@ Layout (docs/formats.md, "Checkpoints")::
     checkpoints/step-000100/
         stage-00.pt      {"model": slice of the model's state_dict (the model's own keys),
         stage-01.pt       "optimizer": {"state": {param name: {...}}, "param_groups": [...]},
-        ...               "step", "rng", ["cuda_rng",] "data_position", "stage", "layers"}
+        ...               "step", "data_position", "stage", "layers"}
         manifest.yaml    format, step, stages with their files and sha256 checksums, and
                          ``tied``: the names of each tensor the model reaches under several
 
@@ -34,7 +34,6 @@ from torch import nn
 
 from pipedream.errors import CheckpointError
 from pipedream.formats.yamlio import atomic_write_text
-from pipedream.runtime.rng_state import capture
 from pipedream.ties import expand_aliases
 
 __all__ = [
@@ -220,14 +219,11 @@ def stage_payload(
     data_position: int,
     param_names: Sequence[str] | None = None,
     omit: Collection[str] = (),
-    device: torch.device | None = None,
 ) -> dict[str, Any]:
     """A stage file's contents: the module's state dict but for the names in ``omit`` (tied
-    tensors another stage stores), the optimizer's state keyed by ``param_names`` (the
-    names of its parameters in its order; default: all of the module's), and the random
-    generators' state: the CPU's, and on a GPU (``device``) that GPU's, which its dropout
-    draws from."""
-    rng = capture(device if device is not None else torch.device("cpu"))
+    tensors another stage stores) and the optimizer's state keyed by ``param_names`` (the
+    names of its parameters in its order; default: all of the module's). No random
+    generator state: the ranks seed theirs at every segment (``runtime/rng_state.py``)."""
     if param_names is None:
         param_names = [name for name, _ in module.named_parameters()]
     return {
@@ -243,8 +239,6 @@ def stage_payload(
             if optimizer is None
             else optimizer_state_by_name(optimizer, list(param_names))
         ),
-        "rng": rng.cpu,
-        **({} if rng.cuda is None else {"cuda_rng": rng.cuda}),
         "data_position": data_position,
     }
 
@@ -282,12 +276,9 @@ def restore_stage(
     module: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     *,
-    stage: int,
     param_names: Sequence[str] | None = None,
-    device: torch.device | None = None,
 ) -> None:
-    """Load this stage's slice of weights and optimizer state from any checkpoint layout, and
-    its random generators' state (the GPU's too, on ``device``, where the file has it).
+    """Load this stage's slice of weights and optimizer state from any checkpoint layout.
 
     The checkpoint may come from a different plan: tensors and optimizer state are matched by
     the model's parameter names (any of a tied tensor's names), not by stage. ``param_names``
@@ -297,14 +288,11 @@ def restore_stage(
     model: dict[str, torch.Tensor] = {}
     opt_state: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
-    rng = cuda_rng = None
-    for index, entry in enumerate(manifest["stages"]):
+    for entry in manifest["stages"]:
         payload = load_stage_file(directory, entry)
         model.update(payload["model"])
         opt_state.update(payload["optimizer"]["state"])
         groups = groups or payload["optimizer"]["param_groups"]
-        if index == stage:
-            rng, cuda_rng = payload.get("rng"), payload.get("cuda_rng")
     model = expand_aliases(model, tied_names(manifest))
     opt_state = expand_aliases(opt_state, tied_names(manifest))
     wanted = module.state_dict()
@@ -326,7 +314,3 @@ def restore_stage(
             param_names = [name for name, _ in module.named_parameters()]
         saved = {"state": opt_state, "param_groups": groups}
         load_optimizer_by_name(optimizer, list(param_names), saved)
-    if isinstance(rng, torch.Tensor):
-        torch.set_rng_state(rng)
-    if isinstance(cuda_rng, torch.Tensor) and device is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(cuda_rng, device)

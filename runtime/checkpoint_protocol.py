@@ -60,7 +60,6 @@ def write_checkpoint(
             data_position=step * plan.microbatches,
             param_names=worker.param_names,
             omit=omit,
-            device=worker.config.device,
         )
         entries.append((stage, *save_stage_file(directory, stage, payload)))
     gathered: list[Any] = [None] * plan.world_size

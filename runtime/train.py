@@ -45,6 +45,7 @@ from pipedream.runtime.gc_freeze import frozen_heap
 from pipedream.runtime.grad_buckets import GradientBuckets
 from pipedream.runtime.loss_log import LossLog
 from pipedream.runtime.metrics import MetricsLogger
+from pipedream.runtime.rng_state import seed_segment
 from pipedream.runtime.routing import input_needs_grad
 from pipedream.runtime.stage_layout import StageLayout, stage_layout
 from pipedream.runtime.stage_worker import StageWorker, WorkerConfig
@@ -313,6 +314,7 @@ class _RankJob:
                 for stage, worker in workers.items():
                     replicas = self.plan.stages[stage].replicas
                     worker.start_segment(table, initial_version=first // replicas)
+            seed_segment(self.options.seed, self.rank, first)  # what a resumed run draws too
             executor = self._executor(workers, loss_log, trace)
             start = time.perf_counter()
             try:
@@ -349,14 +351,12 @@ class _RankJob:
         table = self._table(first, count)
         workers = {stage: self._worker(stage, table, first) for stage in self.stage_indices}
         if resume_from is not None:
-            for stage, worker in workers.items():
+            for worker in workers.values():
                 restore_stage(
                     resume_from,
                     worker.module,
                     worker.optimizer,
-                    stage=stage,
                     param_names=worker.param_names,
-                    device=worker.config.device,
                 )
                 # the first version must be taken of the restored weights, not the initial ones
                 worker.start_segment(

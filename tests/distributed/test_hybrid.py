@@ -85,6 +85,52 @@ def test_replicas_resume_bit_exact_with_their_bucketed_allreduce(tmp_path: Path)
     assert max_rel_diff(whole, want) < 1e-5
 
 
+DROPOUT_WORKLOAD = """
+import os
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from pipedream.workload import Workload
+
+
+def make(microbatch_size: int = 4) -> Workload:
+    torch.manual_seed(0)
+    inputs = torch.randn(64, 6)
+    model = nn.Sequential(nn.Linear(6, 32), nn.Dropout(0.5), nn.Linear(32, 1))
+    # every process's generator elsewhere, as in processes torchrun starts (these are forked
+    # from one server, with its state) once a model was built under fork_rng (transformers')
+    torch.manual_seed(os.getpid())
+    return Workload(
+        model=model,
+        example_input=inputs[:microbatch_size],
+        loss_fn=nn.functional.mse_loss,
+        dataset=TensorDataset(inputs, inputs.sum(1, keepdim=True)),
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.05),
+    )
+"""
+
+
+def test_replicas_with_dropout_resume_bit_exact(tmp_path: Path) -> None:
+    """Both replicas of a stage with dropout: a run stopped at 2 and resumed to 4 equals one
+    run to 4. A checkpoint used to carry replica 0's generator state, which every replica
+    restored (and the ranks were never seeded, so no two runs drew the same masks)."""
+    (tmp_path / "dropout_workload.py").write_text(DROPOUT_WORKLOAD)
+    common = {
+        "workload": "dropout_workload:make", "workload_args": {}, "schedule": "1f1b",
+        "microbatch_size": 4, "microbatches": 2, "replicas": [2],
+        "env": {"PYTHONPATH": str(tmp_path)},
+    }  # fmt: skip
+    stages = [["0", "2"]]
+    whole = train_and_load(tmp_path, stages, steps=4, extra=("--checkpoint-every", "2"), **common)
+    train_and_load(tmp_path, stages, steps=2, name="halves", **common)
+    resumed = train_and_load(
+        tmp_path, stages, steps=4, name="halves", extra=("--resume", "auto"), **common
+    )
+    assert max_rel_diff(resumed, whole) == 0.0
+
+
 @pytest.mark.parametrize(("schedule", "placement"), [("interleaved-1f1b", [0, 1, 0, 1])])
 def test_two_copies_of_a_pipeline_of_several_stages_per_rank(
     tmp_path: Path, schedule: str, placement: list[int]

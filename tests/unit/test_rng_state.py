@@ -1,22 +1,13 @@
-"""The random generators a stage draws from: replayed for a recomputed forward, and kept in its
-checkpoint file, the GPU's included (a GPU's dropout draws from the GPU's generator; a resumed
-run that restarted it would repeat the masks of the run's first steps)."""
+"""The random generators a stage draws from: replayed for a recomputed forward, and seeded at
+every segment from the run's seed, the rank and the segment's first minibatch."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
 import torch
 from torch import nn
 
-from pipedream.runtime.checkpoint import (
-    restore_stage,
-    save_stage_file,
-    stage_payload,
-    write_manifest,
-)
-from pipedream.runtime.rng_state import capture, replayed
+from pipedream.runtime.checkpoint import stage_payload
+from pipedream.runtime.rng_state import capture, replayed, seed_segment, segment_seed
 
 CPU = torch.device("cpu")
 
@@ -33,42 +24,24 @@ def test_a_replayed_block_draws_again_and_leaves_the_generator_where_it_was() ->
     assert state.cuda is None
 
 
-class _FakeGpuGenerator:
-    """``torch.cuda``'s generator functions for GPU 1, on a machine without a GPU."""
+def test_each_segment_of_each_rank_has_its_own_seed_from_the_runs() -> None:
+    """What a rank draws in a segment depends on the run's seed, the rank and where the
+    segment starts, not on what ran before: a resumed run draws what the uninterrupted one
+    drew, and the replicas of a stage draw different dropout masks."""
 
-    def __init__(self) -> None:
-        self.state = torch.tensor([11, 22], dtype=torch.uint8)
-        self.set_to: list[tuple[torch.Tensor, object]] = []
+    def draws(seed: int, rank: int, first: int) -> torch.Tensor:
+        torch.rand(7)  # whatever ran before
+        seed_segment(seed, rank, first)
+        return torch.rand(4)
 
-    def get_rng_state(self, device: object) -> torch.Tensor:
-        assert device == 1
-        return self.state.clone()
-
-    def set_rng_state(self, state: torch.Tensor, device: object) -> None:
-        self.set_to.append((state, device))
+    assert torch.equal(draws(0, 1, 4), draws(0, 1, 4))
+    others = [draws(1, 1, 4), draws(0, 2, 4), draws(0, 1, 6)]
+    assert not any(torch.equal(draws(0, 1, 4), other) for other in others)
+    assert segment_seed(0, 1, 4) == segment_seed(0, 1, 4) < 2**63
 
 
-def test_a_gpu_stage_checkpoints_and_restores_its_gpus_generator(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    fake = _FakeGpuGenerator()
-    monkeypatch.setattr(torch.cuda, "get_rng_state", fake.get_rng_state)
-    monkeypatch.setattr(torch.cuda, "set_rng_state", fake.set_rng_state)
-    gpu = torch.device("cuda", 1)
-    module = nn.Linear(2, 2)
-    torch.manual_seed(3)
-    cpu_state = torch.get_rng_state()
-    payload = stage_payload(module, None, stage=0, step=4, data_position=4, device=gpu)
-    assert torch.equal(payload["cuda_rng"], fake.state)
-    assert torch.equal(payload["rng"], cpu_state)
-    assert "cuda_rng" not in stage_payload(module, None, stage=0, step=4, data_position=4)
-
-    name, digest = save_stage_file(tmp_path, 0, payload)
-    write_manifest(tmp_path, step=4, files=[(name, digest)], extra={})
-    torch.rand(3)  # the generators move on after the checkpoint
-    restore_stage(tmp_path, nn.Linear(2, 2), None, stage=0, device=gpu)
-    assert torch.equal(torch.get_rng_state(), cpu_state)
-    ((state, device),) = fake.set_to
-    assert torch.equal(state, fake.state) and device == gpu
-    restore_stage(tmp_path, nn.Linear(2, 2), None, stage=0, device=CPU)  # resumed on a CPU
-    assert len(fake.set_to) == 1
+def test_checkpoints_hold_no_generator_state() -> None:
+    """Replica 0 alone writes a stage's file: a generator state in it would be replica 0's,
+    restored on every replica (they drew the same masks after a resume)."""
+    payload = stage_payload(nn.Linear(2, 2), None, stage=0, step=4, data_position=4)
+    assert "rng" not in payload and "cuda_rng" not in payload
