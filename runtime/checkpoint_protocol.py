@@ -28,7 +28,14 @@ from pipedream.runtime.checkpoint import (
 )
 from pipedream.runtime.stage_worker import StageWorker
 
-__all__ = ["prune_checkpoints", "resume_point", "write_checkpoint"]
+__all__ = [
+    "check_run_dir",
+    "newest_checkpoint",
+    "prune_checkpoints",
+    "restart_point",
+    "resume_point",
+    "write_checkpoint",
+]
 
 
 def write_checkpoint(
@@ -101,6 +108,48 @@ def prune_checkpoints(checkpoints: Path, *, keep: int) -> list[Path]:
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed
+
+
+def newest_checkpoint(run_dir: Path) -> tuple[Path, int] | None:
+    """The newest checkpoint under ``run_dir`` written to the end (it has its manifest) and
+    its step; its files are not read (``--resume auto`` checks them)."""
+    for step_dir in reversed(step_directories(run_dir / "checkpoints")):
+        try:
+            return step_dir, int(load_manifest(step_dir)["step"])
+        except CheckpointError:
+            continue
+    return None
+
+
+def restart_point(resume: str | None, run_dir: str | None) -> str:
+    """Where workers that torchrun restarted (``--max-restarts``) continue: the newest
+    checkpoint of the run (``auto``), unless the run began from a checkpoint ``resume`` and
+    has written none since."""
+    if resume is None or resume == "auto" or run_dir is None:
+        return "auto"
+    newest = newest_checkpoint(Path(run_dir))
+    try:
+        began = int(load_manifest(resume)["step"])
+    except CheckpointError:  # gone (--keep pruned it): the run has newer ones
+        return "auto"
+    return "auto" if newest is not None and newest[1] >= began else resume
+
+
+def check_run_dir(run_dir: str | None, start: int) -> None:
+    """Refuse to train from step ``start`` (a fresh run, or one resumed from a given
+    checkpoint) in a run directory that holds a sound checkpoint of a later step, of a run that
+    went further: ``--keep`` would delete this run's own checkpoints before it, and ``--resume
+    auto`` (a restart too) would take it for this run's. (``--resume auto`` starts from the
+    newest sound one, so it never meets one.)"""
+    if run_dir is None:
+        return
+    newest = find_latest_checkpoint(Path(run_dir) / "checkpoints")
+    if newest is not None and int(load_manifest(newest)["step"]) > start:
+        raise LaunchError(
+            f"{run_dir} holds a checkpoint after step {start}, where this run starts: "
+            f"{newest.name}, of a run that went further; continue that one with --resume "
+            "auto, or train in another --run-dir"
+        )
 
 
 def resume_point(resume: str | None, run_dir: str | None, plan: Plan) -> Path | None:

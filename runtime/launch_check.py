@@ -11,10 +11,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from pipedream.errors import LaunchError, PipedreamError
 from pipedream.formats.plan import Plan, load_plan
-from pipedream.runtime.train_options import check_options
+from pipedream.runtime.train_options import check_options, check_segments
 from pipedream.schedules import validate_plan_schedule, validation_bound
 
 __all__ = ["check_train_options", "main", "processes_per_node"]
@@ -43,17 +44,33 @@ def processes_per_node(world_size: int, *, nnodes: int, nproc_per_node: int | No
 
 def check_train_options(plan_path: str, plan: Plan, train_args: Sequence[str]) -> None:
     """What every rank would refuse in ``pipedream train PLAN TRAIN_ARGS`` before it joins the
-    others: its options (argparse's usage errors exit 2 here) and the checkpoint to resume
-    from. ``--resume auto`` needs the run directory given, not launch.sh's fresh default."""
+    others: its options (argparse's usage errors exit 2 here), the checkpoint to resume from,
+    the steps from there, and a run directory with checkpoints past them. ``--resume auto``
+    needs the run directory given, not launch.sh's fresh default."""
     from pipedream.cli import build_parser
     from pipedream.runtime.command import train_options
 
     options = train_options(build_parser().parse_args(["train", plan_path, *train_args]))
-    check_options(options, plan)
-    if options.resume is not None and (options.resume != "auto" or options.run_dir is None):
-        from pipedream.runtime.checkpoint_protocol import resume_point  # imports torch
+    check_options(options)
+    start = 0
+    run_dir = options.run_dir
+    has_checkpoints = run_dir is not None and (Path(run_dir) / "checkpoints").is_dir()
+    if options.resume is not None or has_checkpoints:
+        from pipedream.runtime.checkpoint import load_manifest  # imports torch
+        from pipedream.runtime.checkpoint_protocol import (
+            check_run_dir,
+            newest_checkpoint,
+            resume_point,
+        )
 
-        resume_point(options.resume, options.run_dir, plan)
+        if options.resume == "auto" and run_dir is not None:
+            newest = newest_checkpoint(Path(run_dir))
+            start = 0 if newest is None else newest[1]
+        else:
+            found = resume_point(options.resume, run_dir, plan)
+            start = 0 if found is None else int(load_manifest(found)["step"])
+            check_run_dir(run_dir, start)
+    check_segments(options, plan, start=start)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from pipedream.data import MicrobatchStream
-from pipedream.errors import CheckpointError, RunFailure
+from pipedream.errors import RunFailure
 from pipedream.formats.plan import Plan, load_plan
 from pipedream.formats.trace import TracedAction, write_trace
 from pipedream.host_memory import configure_host_memory
@@ -30,9 +30,14 @@ from pipedream.runtime.checkpoint import (
     load_manifest,
     restore_stage,
     step_dir_name,
-    step_directories,
 )
-from pipedream.runtime.checkpoint_protocol import resume_point, write_checkpoint
+from pipedream.runtime.checkpoint_protocol import (
+    check_run_dir,
+    newest_checkpoint,
+    restart_point,
+    resume_point,
+    write_checkpoint,
+)
 from pipedream.runtime.comm import P2P
 from pipedream.runtime.environment import (
     LaunchEnv,
@@ -50,7 +55,12 @@ from pipedream.runtime.routing import input_needs_grad
 from pipedream.runtime.stage_layout import StageLayout, stage_layout
 from pipedream.runtime.stage_worker import StageWorker, WorkerConfig
 from pipedream.runtime.summary import RankStats, peak_memory_bytes, report
-from pipedream.runtime.train_options import TrainOptions, check_options, segments
+from pipedream.runtime.train_options import (
+    TrainOptions,
+    check_options,
+    check_segments,
+    segments,
+)
 from pipedream.schedules import (
     Action,
     Posting,
@@ -96,21 +106,24 @@ def train(options: TrainOptions) -> int:
         make_deterministic()
     plan = load_plan(options.plan_path)
     source = options.plan_path
-    check_options(options, plan)
+    check_options(options)
+    if options.resume is None:  # from step 0 (a resumed run's start is known further down)
+        check_segments(options, plan)
     env = read_launch_env(plan, source=source)
-    if env.restart_count > 0 and options.resume is None:
-        # torchrun restarted the workers (--max-restarts): continue from the last checkpoint
-        print(
-            f"pipedream: restart {env.restart_count}: resuming from the newest checkpoint",
-            file=sys.stderr,
-        )
-        options = dataclasses.replace(options, resume="auto")
+    if env.restart_count > 0:  # torchrun restarted the workers (--max-restarts)
+        resume = restart_point(options.resume, options.run_dir)
+        where = "the newest checkpoint" if resume == "auto" else f"{resume}, where the run began"
+        print(f"pipedream: restart {env.restart_count}: resuming from {where}", file=sys.stderr)
+        options = dataclasses.replace(options, resume=resume)
     workload = load_workload(
         plan.workload, plan.workload_args, microbatch_size=plan.microbatch_size, source=source
     )
     layout = stage_layout(workload, plan, source=source)
     resume_from = resume_point(options.resume, options.run_dir, plan)
     start = load_manifest(resume_from)["step"] if resume_from is not None else 0
+    check_segments(options, plan, start=start)
+    if options.resume != "auto":
+        check_run_dir(options.run_dir, start)
     if start >= options.steps:
         print(
             f"pipedream: {resume_from} is already at step {start} >= --steps {options.steps}; "
@@ -164,18 +177,14 @@ def train(options: TrainOptions) -> int:
 
 
 def _how_to_continue(run_dir: Path) -> str:
-    """Where an interrupted run can continue from: its newest checkpoint with a manifest (one
-    written to the end; ``--resume auto`` checks its files)."""
-    for step in reversed(step_directories(run_dir / "checkpoints")):
-        try:
-            manifest = load_manifest(step)
-        except CheckpointError:
-            continue
-        return (
-            f"its newest checkpoint is {step} (step {manifest['step']}): continue with "
-            f"--resume auto --run-dir {run_dir}"
-        )
-    return "no checkpoint was written yet (--checkpoint-every N lets a run continue)"
+    """Where an interrupted run can continue from: its newest checkpoint written to the end."""
+    newest = newest_checkpoint(run_dir)
+    if newest is None:
+        return "no checkpoint was written yet (--checkpoint-every N lets a run continue)"
+    return (
+        f"its newest checkpoint is {newest[0]} (step {newest[1]}): continue with "
+        f"--resume auto --run-dir {run_dir}"
+    )
 
 
 class _RankJob:

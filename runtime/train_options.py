@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pipedream.errors import LaunchError
 from pipedream.formats.plan import Plan
 
-__all__ = ["TrainOptions", "check_options", "segments"]
+__all__ = ["TrainOptions", "check_options", "check_segments", "segments"]
 
 
 @dataclass(frozen=True)
@@ -48,9 +48,9 @@ def segments(steps: int, every: int, start: int = 0) -> list[tuple[int, int]]:
     return out
 
 
-def check_options(options: TrainOptions, plan: Plan) -> None:
-    """Options that cannot work with ``plan`` (each rank checks them, and ``launch.sh`` before
-    it starts any)."""
+def check_options(options: TrainOptions) -> None:
+    """Options that cannot work (each rank checks them, and ``launch.sh`` before it starts
+    any)."""
     if options.steps < 1:
         raise LaunchError(f"--steps must be >= 1, got {options.steps}; give the minibatches to run")
     if options.checkpoint_every < 0:
@@ -64,11 +64,17 @@ def check_options(options: TrainOptions, plan: Plan) -> None:
         raise LaunchError(
             f"--timeout must be > 0 seconds, got {options.timeout}; e.g. --timeout 300"
         )
-    for start, count in segments(options.steps, options.checkpoint_every):
+
+
+def check_segments(options: TrainOptions, plan: Plan, *, start: int = 0) -> None:
+    """The stretches between checkpoints, from ``start`` (where a resumed run begins), must be
+    whole rounds of every stage's replicas."""
+    for first, count in segments(options.steps, options.checkpoint_every, start):
         for index, stage in enumerate(plan.stages):
             if count % stage.replicas:
+                resumed = f"; the run resumes at step {start}" if start else ""
                 raise LaunchError(
                     f"stage {index} has {stage.replicas} replicas, so --steps and "
                     f"--checkpoint-every must be multiples of {stage.replicas} "
-                    f"(a segment of {count} minibatches starts at {start})"
+                    f"(a segment of {count} minibatches starts at {first}{resumed})"
                 )

@@ -1,5 +1,6 @@
 """Checkpoint integrity: truncated, bit-flipped or missing files are detected and skipped; a file
-that would run code when unpickled is refused; resume skips a broken newest checkpoint."""
+that would run code when unpickled is refused; resume skips a broken newest checkpoint; a run
+neither starts before a later checkpoint in its directory nor restarts from an older one."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ import pytest
 import yaml
 
 from pipedream.errors import CheckpointError
+from pipedream.runtime import launch_check
 from pipedream.runtime.checkpoint import (
     find_latest_checkpoint,
     load_full_state_dict,
     load_manifest,
     step_directories,
 )
-from pipedream.runtime.checkpoint_protocol import prune_checkpoints
+from pipedream.runtime.checkpoint_protocol import prune_checkpoints, restart_point
 
 from launching import run_main, straight_plan, write_plan
 
@@ -170,3 +172,65 @@ def test_steps_past_a_million_order_by_number(checkpoints: Path) -> None:
     assert find_latest_checkpoint(checkpoints) == checkpoints / "step-1000000"
     assert prune_checkpoints(checkpoints, keep=1) == [checkpoints / "step-999999"]
     assert (checkpoints / "step-1000000" / "manifest.yaml").is_file()
+
+
+PLAN_ARGS = {"layers": "8"}
+
+
+def _launch_check(tmp_path: Path, *options: str, replicas: int = 1) -> int:
+    """``launch.sh``'s check (in this process) for the run's plan with ``replicas`` of its one
+    stage: its exit code."""
+    data = straight_plan(
+        "mlp", [[str(i) for i in range(9)]], workload_args=PLAN_ARGS, replicas=[replicas]
+    )
+    plan = write_plan(data, tmp_path / f"plan-{replicas}.yaml")
+    return launch_check.main([str(plan), "--", *options])
+
+
+def test_a_run_does_not_start_before_a_later_checkpoint_in_its_directory(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Checkpoints of steps after where a run starts belong to a run that went further:
+    --keep pruned the new run's own checkpoints before them (it kept the highest steps), and
+    --resume auto would continue that other run. Found by a review: --resume step-2 --keep 1
+    left only the old step-4."""
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    for options, start in [
+        ((), 0),  # a fresh run
+        (("--resume", str(copy / "checkpoints" / "step-000002")), 2),
+    ]:
+        code = _launch_check(tmp_path, "--steps", "6", "--run-dir", str(copy), *options)
+        assert (code, capsys.readouterr().err) == (
+            2,
+            f"launch.sh: error: {copy} holds a checkpoint after step {start}, where this run "
+            "starts: step-000004, of a run that went further; continue that one with --resume "
+            "auto, or train in another --run-dir\n",
+        )
+    assert _launch_check(tmp_path, "--steps", "6", "--run-dir", str(copy), "--resume", "auto") == 0
+
+
+def test_the_steps_are_checked_from_where_a_run_resumes(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Four replicas need segments of 4: 8 minibatches checkpointed every 4 are, from step 0;
+    from step 2 the first is 2 long. Every rank used to find that out, after launch.sh."""
+    step2 = str(run / "checkpoints" / "step-000002")
+    options = ("--steps", "8", "--checkpoint-every", "4", "--run-dir", str(tmp_path / "new"))
+    assert _launch_check(tmp_path, *options, replicas=4) == 0
+    capsys.readouterr()
+    assert _launch_check(tmp_path, *options, "--resume", step2, replicas=4) == 2
+    assert capsys.readouterr().err == (
+        "launch.sh: error: stage 0 has 4 replicas, so --steps and --checkpoint-every must be "
+        "multiples of 4 (a segment of 2 minibatches starts at 2; the run resumes at step 2)\n"
+    )
+
+
+def test_a_restarted_run_continues_from_its_newest_checkpoint(run: Path, tmp_path: Path) -> None:
+    """torchrun restarts the workers with their first command line: one that resumed from a
+    checkpoint continued from that one again (or failed, where --keep had deleted it)."""
+    began = str(run / "checkpoints" / "step-000002")
+    assert restart_point(None, str(run)) == restart_point("auto", str(run)) == "auto"
+    assert restart_point(began, str(run)) == "auto"  # step 4 was written since
+    assert restart_point(began, str(tmp_path / "empty")) == began  # none yet
+    assert restart_point(str(tmp_path / "pruned"), str(run)) == "auto"
