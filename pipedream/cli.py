@@ -158,8 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--seed",
         type=int,
-        default=0,
-        help="seed of the data order and of the random draws (dropout)",
+        default=None,
+        help="seed of the data order and of the random draws (dropout); default 0, or the "
+        "seed of the checkpoint a run resumes from",
     )
     train.add_argument(
         "--checkpoint-every",

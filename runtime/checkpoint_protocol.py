@@ -46,6 +46,7 @@ def write_checkpoint(
     rank: int,
     step: int,
     keep: int,
+    seed: int,
     tied: Sequence[Sequence[str]] = (),
 ) -> None:
     """Collective: every rank calls it at the same step, after the pipeline drained.
@@ -84,6 +85,7 @@ def write_checkpoint(
                 "workload_args": dict(plan.workload_args),
                 "microbatch_size": plan.microbatch_size,
                 "microbatches": plan.microbatches,
+                "seed": seed,
             },
             tied=tied,
         )

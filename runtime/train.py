@@ -120,7 +120,10 @@ def train(options: TrainOptions) -> int:
     )
     layout = stage_layout(workload, plan, source=source)
     resume_from = resume_point(options.resume, options.run_dir, plan)
-    start = load_manifest(resume_from)["step"] if resume_from is not None else 0
+    manifest = load_manifest(resume_from) if resume_from is not None else {}
+    start = manifest.get("step", 0)
+    if options.seed is None:  # a resumed run goes on with the data order and draws it had
+        options = dataclasses.replace(options, seed=manifest.get("seed", 0))
     check_segments(options, plan, start=start)
     if options.resume != "auto":
         check_run_dir(options.run_dir, start)
@@ -222,6 +225,8 @@ class _RankJob:
         self.stage_indices = plan.stages_of_rank(self.rank)
         """The stages this rank runs: one, or several (interleaved and V schedules)."""
         self.last_stage = plan.num_stages - 1
+        assert options.seed is not None  # train() settles it
+        self.seed = options.seed
         self.run_dir = _agree_on_run_dir(options.run_dir)
         self.last_checkpoint: Path | None = None
         self.stored_elsewhere: dict[int, set[str]] = {}
@@ -235,7 +240,7 @@ class _RankJob:
         plan = self.plan
         data = None
         if stage in (0, self.last_stage):  # inputs on the first stage, targets on the last
-            data = MicrobatchStream(self.workload.dataset, plan.microbatch_size, self.options.seed)
+            data = MicrobatchStream(self.workload.dataset, plan.microbatch_size, self.seed)
         config = WorkerConfig(
             stage=stage,
             num_stages=plan.num_stages,
@@ -323,7 +328,7 @@ class _RankJob:
                 for stage, worker in workers.items():
                     replicas = self.plan.stages[stage].replicas
                     worker.start_segment(table, initial_version=first // replicas)
-            seed_segment(self.options.seed, self.rank, first)  # what a resumed run draws too
+            seed_segment(self.seed, self.rank, first)  # what a resumed run draws too
             executor = self._executor(workers, loss_log, trace)
             start = time.perf_counter()
             try:
@@ -350,6 +355,7 @@ class _RankJob:
                 rank=self.rank,
                 step=step,
                 keep=self.options.keep,
+                seed=self.seed,
                 tied=[tensor.names for tensor in self.layout.tied],
             )
             self.last_checkpoint = directory

@@ -19,7 +19,8 @@ class TrainOptions:
     plan_path: str
     steps: int
     run_dir: str | None = None
-    seed: int = 0
+    seed: int | None = None
+    """The data order's and the random draws' seed; None: 0, or a resumed checkpoint's."""
     checkpoint_every: int = 0
     resume: str | None = None
     keep: int = 0

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from pipedream.errors import CheckpointError
@@ -234,3 +235,27 @@ def test_a_restarted_run_continues_from_its_newest_checkpoint(run: Path, tmp_pat
     assert restart_point(began, str(run)) == "auto"  # step 4 was written since
     assert restart_point(began, str(tmp_path / "empty")) == began  # none yet
     assert restart_point(str(tmp_path / "pruned"), str(run)) == "auto"
+
+
+def test_a_resumed_run_keeps_the_seed_of_its_checkpoint(tmp_path: Path) -> None:
+    """Without --seed a resumed run used seed 0, another data order than a run with --seed 5
+    it continued; the manifest now records the seed, and it is the resumed run's default."""
+    plan = write_plan(
+        straight_plan("mlp", [[str(i) for i in range(9)]], workload_args=PLAN_ARGS),
+        tmp_path / "plan.yaml",
+    )
+
+    def train(run: str, steps: int, *options: str) -> Path:
+        result = run_main(
+            "train", str(plan), "--steps", str(steps), "--checkpoint-every", "2",
+            "--run-dir", str(tmp_path / run), "--no-progress", *options,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        return tmp_path / run / "checkpoints" / f"step-{steps:06d}"
+
+    whole = train("whole", 4, "--seed", "5")
+    assert load_manifest(whole)["seed"] == 5
+    train("halves", 2, "--seed", "5")
+    resumed = train("halves", 4, "--resume", "auto")
+    want, got = load_full_state_dict(whole), load_full_state_dict(resumed)
+    assert all(torch.equal(want[k], got[k]) for k in want)
