@@ -517,17 +517,24 @@ class StageWorker:
 
     def copy_gradients(self, owner: int) -> list[Tensor]:
         """The gradients of this stage's copies of ``owner``'s tensors since the last call
-        (zeros where none came), to send to the owner; the copies start afresh."""
-        out = []
-        for name in self.tied.copies[owner]:
-            param = self._copies[name]
-            out.append(torch.zeros_like(param) if param.grad is None else param.grad)
+        (zeros where none came), to send to the owner, or none at all where no gradient came
+        to any (every microbatch of the minibatch skipped for a non-finite loss): zeros would
+        give the owner a gradient where a plain loop has none, and Adam's momentum would move
+        the tensor. The copies start afresh."""
+        params = [self._copies[name] for name in self.tied.copies[owner]]
+        grads = [param.grad for param in params]
+        for param in params:
             param.grad = None
-        return out
+        if all(grad is None for grad in grads):
+            return []
+        return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
 
     @torch.no_grad()
     def add_copy_gradients(self, copy_stage: int, grads: Sequence[Tensor]) -> None:
-        """Add a copy stage's gradients to those of the tensors this stage owns."""
+        """Add a copy stage's gradients to those of the tensors this stage owns (none: its
+        copies took no gradient)."""
+        if not grads:
+            return
         names = self.tied.owned[copy_stage]
         assert len(grads) == len(names), (names, len(grads))
         trained = {n: g.clone() for n, g in zip(names, grads) if n not in self._frozen}

@@ -304,6 +304,25 @@ def test_a_frozen_tied_parameter_takes_no_gradient_from_its_copies() -> None:
     assert torch.equal(model[0].weight.grad, torch.ones(8, 4))
 
 
+def test_copies_that_took_no_gradient_give_their_owner_none() -> None:
+    """Every microbatch of a minibatch skipped (non-finite losses): the copy stage sent zeros,
+    which made the owner's tied tensor a zero gradient and Adam moved it, where a plain loop
+    leaves a tensor without a gradient alone (found by a review: with a tied head, a skipped
+    minibatch moved the embedding in a 2-stage plan and not in a 1-stage one)."""
+    model = _model()
+    workers, _ = _workers(model, "1f1b", [model[:2], model[2:]], 1, steps=1)
+    owner, copy = workers[0], workers[1]
+    owner.tied = TiedLinks(owned={1: ("0.weight",)})
+    copy.tied = TiedLinks(copies={0: ("2.weight",)})
+    copy._copies = {"2.weight": model[2].weight}
+    assert copy.copy_gradients(0) == []
+    owner.add_copy_gradients(1, copy.copy_gradients(0))
+    assert model[0].weight.grad is None
+    model[2].weight.grad = torch.ones_like(model[2].weight)
+    (sent,) = copy.copy_gradients(0)
+    assert torch.equal(sent, torch.ones_like(model[2].weight)) and model[2].weight.grad is None
+
+
 def _recompute_model(layer: str) -> nn.Sequential:
     torch.manual_seed(0)
     middle = nn.Dropout(0.5) if layer == "dropout" else nn.BatchNorm1d(8)
