@@ -265,11 +265,15 @@ def _window_events(timeline: Timeline, stage: int) -> tuple[list[Event], float]:
 
 def _simulated_means(timeline: Timeline, stage: int) -> dict[str, float]:
     """Mean milliseconds of each kind of action the simulation charged ``stage`` in its steady
-    window (as the run's are measured in its own)."""
+    window (as the run's are measured in its own); a split backward's as the mean input
+    half plus the mean weight half, as the run's is measured."""
     durations: dict[str, list[float]] = {}
     for event in _window_events(timeline, stage)[0]:
         durations.setdefault(event.kind, []).append(event.end_ms - event.start_ms)
-    return {kind: statistics.fmean(values) for kind, values in durations.items()}
+    means = {kind: statistics.fmean(values) for kind, values in durations.items()}
+    if "B" not in means and "I" in means and "W" in means:
+        means["B"] = means["I"] + means["W"]
+    return means
 
 
 def _simulated_shares(timeline: Timeline, stage: int) -> tuple[float, float]:

@@ -15,7 +15,7 @@ from pipedream.formats import (
     StagePlan,
     Topology,
 )
-from pipedream.optimizer.simulate_command import format_jitter
+from pipedream.optimizer.simulate_command import _simulated_means, format_jitter
 from pipedream.optimizer.simulator import (
     FRAGILE,
     SPREAD_MINIBATCHES,
@@ -65,6 +65,10 @@ def test_zb_h1_idles_a_third_of_1f1b(stages: int, m: int) -> None:
     assert timeline.time_per_minibatch_ms == pytest.approx(3 * m + idle)
     kinds = {event.kind for event in timeline.events}
     assert {"I", "W"} <= kinds and "B" not in kinds
+    # simulate --trace compares the backward a run measures (I + W) with the simulated one
+    # (it printed none for split backwards)
+    means = _simulated_means(timeline, 0)
+    assert means["B"] == pytest.approx(means["I"] + means["W"]) == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize(("schedule", "m"), [("pipedream", 1), ("pipedream-vs", 1), ("2bw", 4)])
