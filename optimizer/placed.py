@@ -261,15 +261,17 @@ def placed_candidates(
     virtual_stages: int | None,
     memory_limit: float | None,
     cost_model: str,
+    straight: bool = False,
 ) -> tuple[list[PlacedPlan], str]:
     """Every plan for ``schedule`` that fits ``memory_limit``, fastest first (see the module
-    docstring), and why there is none when there is none."""
+    docstring), and why there is none when there is none; ``straight``: one copy of the
+    pipeline over all workers (no stage replicated)."""
     workers = Cluster.from_topology(topology, cost_model=cost_model).num_workers
     costs = LayerCosts.from_profile(profile)
     found: list[PlacedPlan] = []
     smallest: float | None = None
     problems = []
-    for copies in copy_counts(workers):
+    for copies in [1] if straight else copy_counts(workers):
         per_copy = workers // copies
         m = microbatches or default_placed_microbatches(per_copy)
         if schedule == "interleaved-1f1b" and m % per_copy:

@@ -165,6 +165,7 @@ def plan_profile(profile: Profile, *, topology: Topology, options: PlanOptions) 
             virtual_stages=options.virtual_stages,
             memory_limit=request.memory_limit,
             cost_model=options.cost_model,
+            straight=options.straight,
         )
         if not found_placed:
             raise PlanningError(problem)
@@ -227,7 +228,8 @@ def _placed_outcomes(
     out = []
     for schedule in PLACED:
         for m in (options.microbatches,) if options.microbatches else AUTO_MICROBATCHES:
-            per_copy = [workers // copies for copies in copy_counts(workers)]
+            counts = [1] if options.straight else copy_counts(workers)
+            per_copy = [workers // copies for copies in counts]
             if schedule == "interleaved-1f1b" and all(m % p for p in per_copy):
                 continue  # it needs a multiple of a copy's workers
             per_worker = options.virtual_stages or 2
@@ -240,6 +242,7 @@ def _placed_outcomes(
                     virtual_stages=per_worker if schedule == "interleaved-1f1b" else None,
                     memory_limit=memory_limit,
                     cost_model=options.cost_model,
+                    straight=options.straight,
                 )
             except PlanningError as error:
                 found, problem = [], str(error)

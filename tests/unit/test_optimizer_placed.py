@@ -180,3 +180,14 @@ def test_a_tie_inside_one_stage_keeps_the_placed_schedules() -> None:
         _tied("l2", "l3"), topology=TWO_WORKERS, options=PlanOptions(schedule="zbv")
     ).plan
     assert [(s.first_layer, s.last_layer) for s in plan.stages][1] == ("l2", "l3")
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv", "auto"])
+def test_straight_keeps_one_copy_of_the_pipeline(schedule: str) -> None:
+    """--straight (no stage replicated) used to be ignored by the schedules that run several
+    stages per worker: on 4 workers they planned two copies of a 2-worker pipeline."""
+    four = Topology.single_level(4, 1e9)
+    options = PlanOptions(schedule=schedule, microbatches=4, straight=True)
+    plan = plan_profile(EIGHT, topology=four, options=options).plan
+    assert all(stage.replicas == 1 for stage in plan.stages)
+    assert sorted({stage.ranks[0] for stage in plan.stages}) == [0, 1, 2, 3]
