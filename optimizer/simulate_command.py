@@ -48,6 +48,7 @@ from pipedream.optimizer.simulator import (
     Event,
     Network,
     Timeline,
+    default_steps,
     jittered,
     simulate,
     stage_work,
@@ -141,6 +142,28 @@ def _steps(args: argparse.Namespace, plan: Plan) -> int | None:
             f"every stage runs whole minibatches); use --steps {fix}"
         )
     return int(args.steps)
+
+
+MAX_ACTIONS = 2_000_000
+"""Forward and backward actions a simulation from the command line runs at most (seconds, and
+a few hundred MB of events); the planner's own simulations stop far sooner."""
+
+
+def _max_minibatches(plan: Plan, steps: int | None, network: Network) -> int:
+    """The longest run the simulation may take; refuses a plan whose shortest run is longer
+    (replica counts that repeat only after very many minibatches)."""
+    per_minibatch = 2 * plan.world_size * plan.microbatches
+    needed = steps if steps is not None else default_steps(plan, network)
+    if needed * per_minibatch > MAX_ACTIONS:
+        replicas = [stage.replicas for stage in plan.stages]
+        period = math.lcm(*replicas)
+        raise PlanningError(
+            f"simulating this plan takes {needed} minibatches, {needed * per_minibatch:,} "
+            f"forwards and backwards (at most {MAX_ACTIONS:,}): its replica counts {replicas} "
+            f"repeat only every {period} minibatches; give replica counts with a smaller "
+            "least common multiple (training needs --steps in multiples of it too)"
+        )
+    return MAX_ACTIONS // per_minibatch
 
 
 def _trace_skip(args: argparse.Namespace) -> int | None:
@@ -416,7 +439,10 @@ def run(args: argparse.Namespace) -> int:
         message_spread=message_spread,
     )
     spread = _spread(args, profile)
-    timeline = simulate(plan, work, network, num_minibatches=steps, spread=spread)
+    longest = _max_minibatches(plan, steps, network)
+    timeline = simulate(
+        plan, work, network, num_minibatches=steps, max_minibatches=longest, spread=spread
+    )
     print(
         f"{plan.workload}: schedule {plan.schedule}, {plan.num_stages} stages on "
         f"{plan.world_size} ranks, {plan.microbatches} microbatch(es) per minibatch, "

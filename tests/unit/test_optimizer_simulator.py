@@ -15,7 +15,12 @@ from pipedream.formats import (
     StagePlan,
     Topology,
 )
-from pipedream.optimizer.simulate_command import _simulated_means, format_jitter
+from pipedream.optimizer.simulate_command import (
+    MAX_ACTIONS,
+    _max_minibatches,
+    _simulated_means,
+    format_jitter,
+)
 from pipedream.optimizer.simulator import (
     FRAGILE,
     SPREAD_MINIBATCHES,
@@ -485,3 +490,14 @@ def test_several_stages_per_rank_take_their_formula(
     rows = format_timeline(timeline, plan).splitlines()[1:-1]
     first = ",".join(str(s) for s, r in enumerate(placement) if r == 0)
     assert len(rows) == len(set(placement)) and rows[0].lstrip().startswith(f"0 ({first}) |")
+
+
+def test_a_plan_too_long_to_simulate_is_refused_in_one_line() -> None:
+    """Replica counts 39, 76, 75 and 110 (what the planner gave resnet50-like profiles on 300
+    workers) repeat every 815100 minibatches: the simulation ran out of memory (22 GB before
+    it was killed, at 1000 workers)."""
+    plan = plan_of("pipedream", [39, 76, 75, 110])
+    repeat = r"replica counts \[39, 76, 75, 110\] repeat only every 815100 minibatches"
+    with pytest.raises(PlanningError, match=repeat):
+        _max_minibatches(plan, None, FAST)
+    assert _max_minibatches(plan_of("pipedream", [2, 1]), None, FAST) == MAX_ACTIONS // 6
