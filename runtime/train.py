@@ -26,11 +26,7 @@ from pipedream.errors import RunFailure
 from pipedream.formats.plan import Plan, load_plan
 from pipedream.formats.trace import TracedAction, write_trace
 from pipedream.host_memory import configure_host_memory
-from pipedream.runtime.checkpoint import (
-    load_manifest,
-    restore_stage,
-    step_dir_name,
-)
+from pipedream.runtime.checkpoint import load_manifest, restore_stage, step_dir_name
 from pipedream.runtime.checkpoint_protocol import (
     check_run_dir,
     newest_checkpoint,
@@ -55,12 +51,7 @@ from pipedream.runtime.routing import input_needs_grad
 from pipedream.runtime.stage_layout import StageLayout, stage_layout
 from pipedream.runtime.stage_worker import StageWorker, WorkerConfig
 from pipedream.runtime.summary import RankStats, peak_memory_bytes, report
-from pipedream.runtime.train_options import (
-    TrainOptions,
-    check_options,
-    check_segments,
-    segments,
-)
+from pipedream.runtime.train_options import TrainOptions, check_options, check_segments, segments
 from pipedream.schedules import (
     Action,
     Posting,
@@ -72,11 +63,7 @@ from pipedream.schedules import (
 )
 from pipedream.workload import Workload, load_workload
 
-__all__ = [
-    "IN_ORDER_ENV",
-    "make_deterministic",
-    "train",
-]
+__all__ = ["IN_ORDER_ENV", "make_deterministic", "train"]
 
 IN_ORDER_ENV = "PIPEDREAM_IN_ORDER_P2P"
 """Set to 1, gloo ranks exchange messages as NCCL ranks do (headers on a group of their own,
