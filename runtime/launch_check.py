@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pipedream.errors import LaunchError, PipedreamError
 from pipedream.formats.plan import Plan, load_plan
-from pipedream.runtime.train_options import check_options, check_segments
+from pipedream.runtime.train_options import check_options, check_segments, train_options
 from pipedream.schedules import validate_plan_schedule, validation_bound
 
 __all__ = ["check_train_options", "main", "processes_per_node"]
@@ -48,7 +48,6 @@ def check_train_options(plan_path: str, plan: Plan, train_args: Sequence[str]) -
     the steps from there, and a run directory with checkpoints past them. ``--resume auto``
     needs the run directory given, not launch.sh's fresh default."""
     from pipedream.cli import build_parser
-    from pipedream.runtime.command import train_options
 
     options = train_options(build_parser().parse_args(["train", plan_path, *train_args]))
     check_options(options)

@@ -4,12 +4,13 @@ with one line rather than one per rank and torchrun's failure report."""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 from pipedream.errors import LaunchError
 from pipedream.formats.plan import Plan
 
-__all__ = ["TrainOptions", "check_options", "check_segments", "segments"]
+__all__ = ["TrainOptions", "check_options", "check_segments", "segments", "train_options"]
 
 
 @dataclass(frozen=True)
@@ -79,3 +80,24 @@ def check_segments(options: TrainOptions, plan: Plan, *, start: int = 0) -> None
                     f"--checkpoint-every must be multiples of {stage.replicas} "
                     f"(a segment of {count} minibatches starts at {first}{resumed})"
                 )
+
+
+def train_options(args: argparse.Namespace) -> TrainOptions:
+    """The options of ``pipedream train`` as its command line gave them."""
+    return TrainOptions(
+        plan_path=args.plan,
+        steps=args.steps,
+        run_dir=args.run_dir,
+        seed=args.seed,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+        keep=args.keep,
+        on_nonfinite=args.on_nonfinite,
+        trace=args.trace,
+        precision=args.precision,
+        recompute=args.recompute,
+        device=args.device,
+        deterministic=args.deterministic,
+        timeout=args.timeout,
+        progress=not args.no_progress,
+    )

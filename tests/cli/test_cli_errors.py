@@ -13,6 +13,7 @@ import copy
 import math
 import socket
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -317,6 +318,20 @@ def test_launch_check_refuses_the_options_every_rank_would(
         code = exit_.code
     captured = capsys.readouterr()
     assert (code, captured.out, captured.err) == (2, "", message + "\n")
+
+
+def test_launch_check_of_a_fresh_run_does_not_import_torch(tmp_path: Path) -> None:
+    """launch.sh runs the check before every launch: seconds of importing torch there are
+    paid again by every rank."""
+    path = _plan(tmp_path, REPLICATED)
+    code = (
+        "import sys\n"
+        "from pipedream.runtime import launch_check\n"
+        f"assert launch_check.main([{str(path)!r}, '--', '--steps', '4']) == 0\n"
+        "assert 'torch' not in sys.modules, 'the launch check imported torch'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
 
 
 def test_launch_sh_checks_the_train_options_before_torchrun(tmp_path: Path) -> None:
