@@ -145,11 +145,6 @@ class PipelineSpec:
                 view._check_placement(schedule.placement, local, where)
         elif sorted(flat) != list(range(len(flat))):
             raise ScheduleError(f"ranks must be 0..{len(flat) - 1}, each once; got {flat}")
-        if self.tied and schedule.placement is not None:
-            raise ScheduleError(
-                f"schedule {self.schedule!r} does not take tied parameters across stages yet; "
-                "use '1f1b' or place the tied layers in one stage"
-            )
         for owner, copy in self.tied:
             if not 0 <= owner < copy < self.num_stages:
                 raise ScheduleError(

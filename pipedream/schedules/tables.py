@@ -30,11 +30,12 @@ with ``k mod r_owner = j``), which receive it right before the first forward tha
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
+from itertools import groupby
 
 from pipedream.schedules.actions import Action, Op
 from pipedream.schedules.registry import lookup
-from pipedream.schedules.schedule import CLOSE, replica_minibatches
+from pipedream.schedules.schedule import CLOSE, RankEntry, replica_minibatches
 from pipedream.schedules.spec import PipelineSpec
 
 __all__ = ["build_tables", "compute_order", "forward_versions"]
@@ -108,35 +109,15 @@ def _table(spec: PipelineSpec, stage: int, replica: int) -> list[Action]:
     """One stage replica's table: its compute order with the communication around it."""
     table: list[Action] = []
     versions = forward_versions(spec, stage, replica)
-    owners = spec.tie_owners(stage)
     copies = spec.tie_copies(stage)
-    # the owners' versions of every microbatch, and the newest version received from each
-    owner_versions = {
-        owner: {
-            microbatch: version
-            for owner_replica in range(spec.replicas(owner))
-            for microbatch, version in forward_versions(spec, owner, owner_replica).items()
-        }
-        for owner in owners
-    }
-    received = {owner: spec.first_minibatch // spec.replicas(owner) for owner in owners}
-
-    def receive_versions(owner: int, upto: int) -> None:
-        assert upto >= received[owner], (spec, stage, replica, owner, upto)  # never backwards
-        peer = spec.stage_ranks[owner][replica % spec.replicas(owner)]
-        while received[owner] < upto:
-            received[owner] += 1
-            version = received[owner]
-            table.append(Action(Op.RECV_WEIGHTS, stage, version, peer=peer, peer_stage=owner))
-
+    receiver = _VersionReceiver(spec, spec.stage_ranks[stage][replica], table)
     for op, index in compute_order(spec, stage, replica):
         if op is Op.FORWARD:
-            for owner in owners:
-                receive_versions(owner, owner_versions[owner][index])
+            receiver.before_forward(stage, index)
         if op.is_compute:
             table += _with_messages(spec, op, stage, index, versions[index])
         elif op is Op.SEND_TIED_GRAD:  # to the owners' replicas of minibatch `index`
-            for owner in owners:
+            for owner in spec.tie_owners(stage):
                 peer = spec.rank_of(owner, index)
                 table.append(Action(op, stage, index, peer=peer, peer_stage=owner))
         elif op is Op.RECV_TIED_GRAD:
@@ -150,10 +131,7 @@ def _table(spec: PipelineSpec, stage: int, replica: int) -> list[Action]:
                         table.append(Action(op, stage, index, peer=peer, peer_stage=copy))
         else:
             table.append(Action(op, stage, index))
-    # the versions made by the last updates: the copies end as the owners' final tensors
-    for owner in owners:
-        first_version = spec.first_minibatch // spec.replicas(owner)
-        receive_versions(owner, first_version + spec.num_minibatches // spec.replicas(owner))
+    receiver.finish()  # the copies end as the owners' final tensors
     return table
 
 
@@ -189,7 +167,16 @@ def _rank_table(spec: PipelineSpec, rank: int) -> list[Action]:
     that order, each computation with its messages, each close an allreduce among the copies of
     the pipeline (when it is replicated) and an update. Forwards use the stage's weights as the
     schedule's rule says, backwards their forward's. A replicated pipeline's copy ``j`` runs
-    minibatches ``j, j + r, ...`` in the order the unreplicated schedule gives its ranks."""
+    minibatches ``j, j + r, ...`` in the order the unreplicated schedule gives its ranks.
+
+    Tied parameters are exchanged as in :func:`_table`: each close of a stage holding copies
+    sends their gradient to the owner's replica of the minibatch (``SG``), each close of an
+    owner adds its copies' gradients (``RG``) before its update and sends the new version
+    (``SW``), and each copy receives a version (``RW``) right before the first forward that
+    uses it. Where a rank closes several stages in a row, those holding copies close first
+    (highest stage first: an owner comes before its copies in the pipeline), so that an owner
+    and its copy on one rank (the V's first and last stage) hand their messages over in order.
+    """
     schedule = lookup(spec.schedule)
     assert schedule.rank_order is not None
     copies = spec.replicas(0)
@@ -205,14 +192,112 @@ def _rank_table(spec: PipelineSpec, rank: int) -> list[Action]:
     updates_done = {stage: first_update for stage in spec.stages_of_rank(rank)}
     versions: dict[tuple[int, int], int] = {}
     table: list[Action] = []
-    for op, stage, index in schedule.rank_order(view, local, minibatches):
+    receiver = _VersionReceiver(spec, rank, table)
+    order = schedule.rank_order(view, local, minibatches)
+    for op, stage, index in _copies_close_first(order) if spec.tied else order:
         if op is CLOSE:
+            table += _tied_before_update(spec, stage, index)
             if copies > 1:
                 table.append(Action(Op.ALLREDUCE, stage, updates_done[stage]))
             table.append(Action(Op.UPDATE, stage, updates_done[stage]))
             updates_done[stage] += 1
+            table += _versions_sent(spec, stage, rank, updates_done[stage])
             continue
         if op is Op.FORWARD:
             versions[stage, index] = schedule.version(spec, stage, index, updates_done[stage])
+            receiver.before_forward(stage, index)
         table += _with_messages(spec, op, stage, index, versions[stage, index])
+    receiver.finish()
     return table
+
+
+def _copies_close_first(order: Sequence[RankEntry]) -> list[RankEntry]:
+    """``order`` with each run of consecutive closes sorted by descending stage: a copy's
+    gradient is sent before its owner (an earlier stage) waits for it on the same rank."""
+    out: list[RankEntry] = []
+    for closes, run in groupby(order, key=lambda entry: entry[0] is CLOSE):
+        entries = list(run)
+        out += sorted(entries, key=lambda entry: -entry[1]) if closes else entries
+    return out
+
+
+def _tied_before_update(spec: PipelineSpec, stage: int, minibatch: int) -> list[Action]:
+    """A stage's tied exchanges before its update of ``minibatch``: its copies' gradients sent
+    to their owners' replicas of the minibatch, the gradients of its own tensors' copies
+    received."""
+    sends = [
+        Action(
+            Op.SEND_TIED_GRAD,
+            stage,
+            minibatch,
+            peer=spec.rank_of(owner, minibatch),
+            peer_stage=owner,
+        )
+        for owner in spec.tie_owners(stage)
+    ]
+    receives = [
+        Action(
+            Op.RECV_TIED_GRAD, stage, minibatch, peer=spec.rank_of(copy, minibatch), peer_stage=copy
+        )
+        for copy in spec.tie_copies(stage)
+    ]
+    return sends + receives
+
+
+def _versions_sent(spec: PipelineSpec, stage: int, rank: int, version: int) -> list[Action]:
+    """An owner's sends of the version its update made, to its copies in its own copy of the
+    pipeline (replica ``j`` of every stage is in copy ``j``)."""
+    replica = spec.stage_ranks[stage].index(rank)
+    return [
+        Action(
+            Op.SEND_WEIGHTS, stage, version, peer=spec.stage_ranks[copy][replica], peer_stage=copy
+        )
+        for copy in spec.tie_copies(stage)
+    ]
+
+
+class _VersionReceiver:
+    """Appends to a rank's table the receives of the owners' versions its copy stages need:
+    before a copy's forward, every version up to the one its owner's forward of the same
+    microbatch uses (received from the owner's replica ``k mod r_owner`` for copy replica
+    ``k``); at the end, up to the owners' final versions."""
+
+    def __init__(self, spec: PipelineSpec, rank: int, table: list[Action]) -> None:
+        self.spec = spec
+        self.table = table
+        stages = spec.stages_of_rank(rank)
+        self.replica = {stage: spec.stage_ranks[stage].index(rank) for stage in stages}
+        owners = {owner for stage in stages for owner in spec.tie_owners(stage)}
+        self.owner_versions = {
+            owner: {
+                microbatch: version
+                for owner_replica in range(spec.replicas(owner))
+                for microbatch, version in forward_versions(spec, owner, owner_replica).items()
+            }
+            for owner in owners
+        }
+        self.received = {
+            (stage, owner): spec.first_minibatch // spec.replicas(owner)
+            for stage in stages
+            for owner in spec.tie_owners(stage)
+        }
+        """(copy stage, owner stage) -> the newest version received."""
+
+    def before_forward(self, stage: int, microbatch: int) -> None:
+        for owner in self.spec.tie_owners(stage):
+            self._receive(stage, owner, self.owner_versions[owner][microbatch])
+
+    def finish(self) -> None:
+        """The versions made by the owners' last updates."""
+        spec = self.spec
+        for stage, owner in list(self.received):
+            first = spec.first_minibatch // spec.replicas(owner)
+            self._receive(stage, owner, first + spec.num_minibatches // spec.replicas(owner))
+
+    def _receive(self, stage: int, owner: int, upto: int) -> None:
+        spec, received = self.spec, self.received[stage, owner]
+        assert upto >= received, (spec, stage, owner, upto)  # never backwards
+        peer = spec.stage_ranks[owner][self.replica[stage] % spec.replicas(owner)]
+        for version in range(received + 1, upto + 1):
+            self.table.append(Action(Op.RECV_WEIGHTS, stage, version, peer=peer, peer_stage=owner))
+        self.received[stage, owner] = upto
