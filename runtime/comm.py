@@ -586,11 +586,17 @@ class P2P:
         self._outgoing[-1].append((work, tensor, not self.nccl if on_host is None else on_host))
 
     def drain(self, *, what: str) -> None:
-        """Wait for every outstanding send (end of run, checkpoints)."""
+        """Wait for every outstanding send (end of run, checkpoints). Every receive posted
+        ahead has been read by then: a receive posted under another kind than the one it is
+        read under would be left behind."""
         for message in self._outgoing:
             for work, _, on_host in message:
                 self._wait(work, what, on_host=on_host)
         self._outgoing.clear()
+        unread = sorted(self._incoming) + sorted(self._announced) + sorted(self._arrived)
+        assert not unread, (
+            f"rank {self.rank}: messages posted or read ahead, never received: {unread}"
+        )
 
     def _wait(self, work: Any, what: str, *, on_host: bool) -> None:
         """Wait for ``work``: on the host, up to the timeout; else a stream wait."""

@@ -111,6 +111,9 @@ class Executor:
         self._outbox: dict[tuple[int, str, int], dict[int, list[Tensor]]] = {}
         self._outbox_tags: dict[tuple[int, str, int], int] = {}
         self._since_update: dict[int, list[int]] = {stage: [] for stage in stages}
+        # (kind, receiving stage, sending stage, index) -> the tied tensors a stage of this rank
+        # handed over to another of its stages
+        self._tied_box: dict[tuple[str, int, int, int], list[Tensor]] = {}
         first = next(iter(stages.values()))
         self._clock = ComputeClock(first.worker.config.device)
 
@@ -240,22 +243,31 @@ class Executor:
             self._inbox_tags[key] = tag
 
     def _tied(self, action: Action, what: str) -> None:
-        """The exchanges of tied parameters between an owner stage and a copy's stage."""
+        """The exchanges of tied parameters between an owner stage and a copy's stage (handed
+        over in memory where both are on this rank: the V's first and last stage)."""
         assert action.peer is not None and action.peer_stage is not None
         kind, peer_stage = MESSAGE_KIND[action.op], action.peer_stage
         worker = self.stages[action.stage].worker
-        if action.op is Op.SEND_TIED_GRAD:
-            tensors = worker.copy_gradients(peer_stage)
-            self.p2p.send(kind, action.index, action.peer, tensors, action.index)
-        elif action.op is Op.SEND_WEIGHTS:
-            tensors = worker.owned_tensors(peer_stage)
-            self.p2p.send(kind, action.index, action.peer, tensors, action.index)
-        else:
-            tensors, _ = self.p2p.recv(kind, action.index, action.peer, what=what)
-            if action.op is Op.RECV_TIED_GRAD:
-                worker.add_copy_gradients(peer_stage, tensors)
+        if action.op in (Op.SEND_TIED_GRAD, Op.SEND_WEIGHTS):
+            if action.op is Op.SEND_TIED_GRAD:
+                tensors = worker.copy_gradients(peer_stage)
             else:
-                worker.set_copies(peer_stage, tensors)
+                tensors = worker.owned_tensors(peer_stage)
+            if action.peer == self.rank:
+                self._tied_box[kind, peer_stage, action.stage, action.index] = tensors
+            else:
+                lane = self._lane(kind, peer_stage, action.stage)
+                self.p2p.send(lane, action.index, action.peer, tensors, action.index)
+            return
+        if action.peer == self.rank:  # the send came earlier in this table
+            tensors = self._tied_box.pop((kind, action.stage, peer_stage, action.index))
+        else:
+            lane = self._lane(kind, action.stage, peer_stage)
+            tensors, _ = self.p2p.recv(lane, action.index, action.peer, what=what)
+        if action.op is Op.RECV_TIED_GRAD:
+            worker.add_copy_gradients(peer_stage, tensors)
+        else:
+            worker.set_copies(peer_stage, tensors)
 
     def _allreduce(self, local: LocalStage, what: str) -> None:
         assert local.buckets is not None, "an allreduce action of an unreplicated stage"

@@ -134,11 +134,12 @@ class StageWorker:
         input_grads: Sequence[bool] | None = None,
     ) -> None:
         self.config = config
+        self.tied = tied or TiedLinks()
+        _own_copies(module, self.tied.copy_names)
         self.module = place_module(module, config.device)
         self.loss_fn = loss_fn
         self.data = data
         self.model_io = model_io or ModelIO()
-        self.tied = tied or TiedLinks()
         self.input_grads = None if input_grads is None else tuple(input_grads)
         """Per received input, whether its gradient goes back (None: every floating one)."""
         named = dict(self.module.named_parameters())
@@ -560,3 +561,26 @@ class StageWorker:
 
     def release(self, position: int) -> None:
         self.versions.release_before(position)
+
+
+def _own_copies(module: nn.Module, names: Iterable[str]) -> None:
+    """Give each copy of another stage's tied parameter (``names``, under any of its names in
+    ``module``) a tensor of its own, before the module moves to its device.
+
+    A stage module shares its tensors with the model it was cut from, so where the owner's
+    stage runs on the same rank (the V's first and last stage) the copy would otherwise be the
+    owner's very parameter: its gradient would add to the owner's before the handover, and each
+    new version would overwrite the owner's weights.
+    """
+    originals = {id(module.get_parameter(name)) for name in names}
+    if not originals:
+        return
+    replacement: dict[int, nn.Parameter] = {}
+    for sub in module.modules():
+        for key, param in list(sub.named_parameters(recurse=False)):
+            if id(param) in originals:
+                if id(param) not in replacement:
+                    replacement[id(param)] = nn.Parameter(
+                        param.detach().clone(), requires_grad=param.requires_grad
+                    )
+                setattr(sub, key, replacement[id(param)])

@@ -13,9 +13,10 @@ import yaml
 
 from pipedream.cli import main
 from pipedream.data import MicrobatchStream
+from pipedream.runtime.train import IN_ORDER_ENV
 from pipedream.workload import load_workload
 
-from oracles import stale_oracle
+from oracles import plain_training, stale_oracle
 from runs import train_and_load
 from tied_gpt import ARGS, MICROBATCH
 
@@ -108,3 +109,48 @@ def test_replicated_stages_then_resume_under_another_plan(tmp_path: Path) -> Non
         optimizer.step()
     want = {k: v.detach() for k, v in model.named_parameters()}
     assert _diff(got, want) < 1e-5
+
+
+FOUR = [["embed"], ["h0"], ["h1"], ["norm", "head"]]
+
+
+@pytest.mark.parametrize(
+    ("schedule", "placement", "env"),
+    [
+        # the copy on rank 1: its messages on the lanes of stage pairs (0, 3) and (3, 0),
+        # their receives posted ahead
+        ("interleaved-1f1b", (0, 1, 0, 1), {}),
+        # the owner and its copy on rank 0 hand over in memory, the rest in NCCL's order
+        ("zbv", (0, 1, 1, 0), {IN_ORDER_ENV: "1"}),
+    ],
+    ids=["interleaved-1f1b", "zbv"],
+)
+def test_several_stages_per_rank_equal_tied_training(
+    tmp_path: Path, schedule: str, placement: tuple[int, ...], env: dict[str, str]
+) -> None:
+    m, steps = 2, 4
+    got = train_and_load(
+        tmp_path,
+        FOUR,
+        steps=steps,
+        workload="gpt",
+        workload_args=ARGS,
+        schedule=schedule,
+        microbatch_size=B,
+        microbatches=m,
+        placement=placement,
+        env=env,
+    )
+    assert got["head.weight"] is got["embed.tok.weight"]
+    workload = load_workload("gpt", ARGS)
+    data = MicrobatchStream(workload.dataset, B, 0)
+    want = plain_training(
+        workload.model,
+        num_updates=steps,
+        batch=lambda k: tuple(  # type: ignore[arg-type]
+            torch.cat(part) for part in zip(*(data.microbatch(k * m + j) for j in range(m)))
+        ),
+        loss_fn=workload.loss_fn,
+        optimizer=workload.optimizer,
+    )
+    assert _diff(got, {k: v for k, v in want.items() if k != "head.weight"}) < 1e-5

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from pipedream.data import MicrobatchStream
+from pipedream.runtime.stage_layout import build_stage_module
+from pipedream.runtime.stage_worker import StageWorker, TiedLinks, WorkerConfig
 from pipedream.workload import load_workload
 
 from oracles import plain_training, replicated_oracle, stale_oracle
@@ -66,6 +68,61 @@ def test_flush_schedules_equal_tied_single_process_training(schedule: str, num_s
         optimizer=workload.optimizer,
     )
     assert _diff(got, want) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("schedule", "placement", "replicas"),
+    [
+        ("interleaved-1f1b", [0, 1, 0, 1], None),  # the copy on another rank
+        ("zbv", [0, 1, 1, 0], None),  # the owner and the copy on rank 0
+        ("zbv", [0, 1, 1, 0], [2, 2, 2, 2]),  # two copies of that pipeline
+    ],
+)
+def test_several_stages_per_rank_equal_tied_single_process_training(
+    schedule: str, placement: list[int], replicas: list[int] | None
+) -> None:
+    """The embedding on the first stage and the head on the last under the schedules that run
+    several stages per rank (zbv's backwards split, the head's copy in the input half)."""
+    m, steps = 2, 4
+    got = _run(CUTS[4], schedule, m, steps, placement=placement, replicas=replicas)
+    copies = replicas[0] if replicas else 1
+    data, workload = _data(), load_workload("gpt", ARGS)
+    want = plain_training(
+        workload.model,
+        num_updates=steps // copies,
+        batch=lambda k: tuple(  # type: ignore[arg-type]
+            torch.cat(part)
+            for part in zip(*(data.microbatch(copies * k * m + j) for j in range(copies * m)))
+        ),
+        loss_fn=workload.loss_fn,
+        optimizer=workload.optimizer,
+    )
+    assert _diff(got, want) < 1e-5
+
+
+def test_a_copy_on_its_owners_rank_is_a_tensor_of_its_own() -> None:
+    """One process builds both stages from one model, so the head's weight is the embedding's
+    very parameter; the copy must not write into it (a new version replaces the copy's value)
+    nor gather gradients in it."""
+    workload = load_workload("gpt", ARGS)
+    owner = build_stage_module(workload.model, LAYERS[:1])
+    copy_stage = build_stage_module(workload.model, LAYERS[1:])
+    assert copy_stage.head.weight is owner.embed.tok.weight
+    before = owner.embed.tok.weight.detach().clone()
+    worker = StageWorker(
+        WorkerConfig(1, 2, 1),
+        copy_stage,
+        [],
+        optimizer_factory=workload.optimizer,
+        loss_fn=workload.loss_fn,
+        data=None,
+        tied=TiedLinks(copies={0: ("head.weight",)}),
+    )
+    assert worker.module.head.weight is not owner.embed.tok.weight
+    assert torch.equal(worker.module.head.weight, before)  # the same value to start with
+    worker.set_copies(0, [torch.zeros_like(before)])
+    assert torch.equal(owner.embed.tok.weight, before)
+    assert not worker.module.head.weight.any()
 
 
 def test_untied_training_is_measurably_different() -> None:
