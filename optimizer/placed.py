@@ -34,7 +34,7 @@ import numpy as np
 
 from pipedream.errors import PlanningError
 from pipedream.formats.plan import Plan, Prediction, StagePlan
-from pipedream.formats.profile import Profile, TiedParameter
+from pipedream.formats.profile import Profile
 from pipedream.formats.topology import Topology
 from pipedream.formats.units import format_bytes
 from pipedream.optimizer.cost_model import LayerCosts
@@ -293,11 +293,7 @@ def placed_candidates(
             problems.append(str(error))
             continue
         cuts = [cut for v in options for cut in candidate_cuts(costs, cluster, v * per_copy)]
-        split = [_split_tie(profile, spans) for spans in cuts]
-        kept = [spans for spans, tie in zip(cuts, split) if tie is None]
-        if cuts and not kept:
-            problems.append(_tie_problem(split[0], schedule))
-        for spans in kept:
+        for spans in cuts:
             candidate = _candidate(
                 profile,
                 topology,
@@ -330,27 +326,6 @@ def placed_candidates(
         )
     return [], (
         f"schedule {schedule!r} on {workers} workers is too big to simulate; use fewer microbatches"
-    )
-
-
-def _split_tie(profile: Profile, spans: Sequence[tuple[int, int]]) -> TiedParameter | None:
-    """A tied parameter of the profile whose layers ``spans`` put in several stages (which these
-    schedules do not take yet), if any."""
-    index = {name: i for i, name in enumerate(profile.layer_names)}
-    for tied in profile.tied:
-        layers = [index[layer] for layer in tied.layers]
-        if not any(first <= min(layers) and max(layers) <= last for first, last in spans):
-            return tied
-    return None
-
-
-def _tie_problem(tied: TiedParameter | None, schedule: str) -> str:
-    assert tied is not None
-    others = [name for name in SCHEDULES if lookup(name).placement is None]
-    return (
-        f"schedule {schedule!r} does not take tied parameters across stages yet, and every "
-        f"split puts the layers that use {tied.name} ({', '.join(tied.layers)}) in different "
-        f"stages; use another schedule ({', '.join(others)}) or auto"
     )
 
 
