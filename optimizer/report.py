@@ -133,14 +133,28 @@ def _tied_lines(result: PlanResult, profile: Profile) -> list[str]:
         if len(stages) == 1:
             lines.append(f"{head}: all in stage {stages[0]}, nothing to trade")
             continue
-        costs = ", ".join(f"stage {s} {leaves[s].cost.tied_ms:.3f} ms" for s in stages)
-        lines.append(
-            f"{head}: owned by stage {stages[0]}, copied on stage"
-            f"{'s' if len(stages) > 2 else ''} {', '.join(str(s) for s in stages[1:])}; "
-            f"each update trades the copies' gradient and the new version ({costs} per "
-            f"{'microbatch' if result.plan.microbatches > 1 else 'minibatch'}, in stage ms)"
-        )
+        owner, copies = stages[0], stages[1:]
+        # a copy on its owner's workers (the V's last stage) hands over in memory
+        beside = [
+            s for s in copies if result.plan.stages[s].ranks == result.plan.stages[owner].ranks
+        ]
+        away = [s for s in copies if s not in beside]
+        line = f"{head}: owned by stage {owner}, copied on {_stages(copies)}"
+        if away:
+            costs = ", ".join(f"stage {s} {leaves[s].cost.tied_ms:.3f} ms" for s in [owner, *away])
+            per = "microbatch" if result.plan.microbatches > 1 else "minibatch"
+            line += (
+                f"; each update trades the copies' gradient and the new version ({costs} per "
+                f"{per}, in stage ms)"
+            )
+        if beside:
+            line += f"; {_stages(beside)} on the owner's workers: handed over in memory"
+        lines.append(line)
     return lines
+
+
+def _stages(numbers: list[int]) -> str:
+    return f"stage{'s' if len(numbers) > 1 else ''} {', '.join(str(s) for s in numbers)}"
 
 
 def format_candidates(result: PlanResult, *, microbatch_size: int) -> str:

@@ -169,13 +169,14 @@ def test_a_tie_across_stages_costs_its_copy_and_its_messages() -> None:
     either way) and the worker holds the copy and its gradient (800 kB) besides the owner."""
     slow = Topology.single_level(2, 1e7)
     options = {"microbatches": 4, "straight": True}
-    plans = {
+    results = {
         (schedule, size): plan_profile(
             _tied("l0", "l7", size=size), topology=slow, options=PlanOptions(schedule, **options)
-        ).plan
+        )
         for schedule in ("interleaved-1f1b", "zbv")
         for size in (0, 400_000)
     }
+    plans = {key: result.plan for key, result in results.items()}
     times = {key: _time(plan) for key, plan in plans.items()}
     assert times == {
         ("interleaved-1f1b", 0): 170.0,
@@ -188,6 +189,20 @@ def test_a_tie_across_stages_costs_its_copy_and_its_messages() -> None:
     assert zbv.prediction is not None
     worker_0, worker_1 = 801_000.0, 1200.0  # every stage is charged its worker's memory
     assert zbv.prediction.memory_bytes == (worker_0, worker_1, worker_1, worker_0)
+    summaries = {
+        schedule: format_summary(
+            results[schedule, 400_000],
+            profile=_tied("l0", "l7", size=400_000),
+            topology=slow,
+            memory_limit=None,
+        ).splitlines()
+        for schedule in ("interleaved-1f1b", "zbv")
+    }
+    head = "tied embed.weight (390.6 KiB, layers l0, l7): owned by stage 0, copied on stage 3; "
+    assert head + "stage 3 on the owner's workers: handed over in memory" in summaries["zbv"]
+    assert any(
+        line.startswith(head + "each update trades") for line in summaries["interleaved-1f1b"]
+    )
     result = plan_profile(
         _tied("l0", "l7"), topology=TWO_WORKERS, options=PlanOptions("auto", microbatches=4)
     )
