@@ -22,7 +22,6 @@ from pipedream.schedules import (
 from pipedream.schedules.host_waits import host_stall
 from pipedream.schedules.posting import Posting
 
-
 TIED = {Op.SEND_TIED_GRAD, Op.RECV_TIED_GRAD, Op.SEND_WEIGHTS, Op.RECV_WEIGHTS}
 
 
