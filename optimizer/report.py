@@ -112,7 +112,10 @@ def _why_simulated(schedule: str) -> str:
         return "each worker runs several stages, in the order the schedule interleaves them"
     if record.splits_backward:
         return "the formula does not know how the backward splits"
-    return "the formula is not exact for replicated stages with several microbatches per minibatch"
+    return (
+        "the formula is not exact for replicated stages in a pipeline: too few minibatches in "
+        "flight, or several microbatches per minibatch"
+    )
 
 
 def _tied_lines(result: PlanResult, profile: Profile) -> list[str]:

@@ -78,8 +78,8 @@ class Prediction:
     """Name of the cost model that made the prediction."""
     method: str = "closed-form"
     """``closed-form`` (the cost model's formula) or ``simulated`` (the event simulation of the
-    plan's action tables, where the formula is not exact: replicated stages with several
-    microbatches per minibatch)."""
+    plan's action tables, where the formula is not exact: replicated stages in a pipeline,
+    split backwards, several stages per worker)."""
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {

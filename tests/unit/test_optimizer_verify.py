@@ -1,12 +1,15 @@
-"""The planner simulates plans whose formula is not exact (replicated stages, m > 1)."""
+"""The planner simulates plans whose formula is not exact (replicated stages in a pipeline,
+m > 1, split backwards)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from pipedream.formats import LayerProfile, Plan, Profile, StagePlan, Topology
+from pipedream.formats.plan import Prediction
 from pipedream.optimizer.planner import PlanOptions, make_plan, plan_profile
 from pipedream.optimizer.verify import needs_simulation, simulated_ms
 from pipedream.profiler.pipedream_import import import_pipedream_graph
@@ -24,13 +27,21 @@ def _plan(schedule: str, m: int, stages: tuple[StagePlan, ...]) -> Plan:
     return Plan("vgg16", schedule, 128, m, world, stages)
 
 
-def test_only_replicated_stages_with_several_microbatches_are_simulated() -> None:
+def test_replicated_stages_in_a_pipeline_are_simulated() -> None:
     straight = (StagePlan("a", "b", 1, (0,)), StagePlan("c", "d", 1, (1,)))
     replicated = (StagePlan("a", "b", 2, (0, 1)), StagePlan("c", "d", 1, (2,)))
+    data_parallel = (StagePlan("a", "d", 3, (0, 1, 2)),)
     assert not needs_simulation(_plan("1f1b", 4, straight))
-    assert not needs_simulation(_plan("pipedream", 1, replicated))
+    assert not needs_simulation(_plan("pipedream", 1, straight))
+    assert not needs_simulation(_plan("pipedream", 1, data_parallel))
+    assert needs_simulation(_plan("1f1b", 4, data_parallel))
     assert needs_simulation(_plan("1f1b", 4, replicated))
     assert needs_simulation(_plan("2bw", 2, replicated))
+    assert needs_simulation(_plan("pipedream", 1, replicated))
+    # ... but the original optimizer's arithmetic keeps its formula for one microbatch
+    original = Prediction(1.0, 1.0, 0, (1.0, 1.0), (1.0, 1.0), 1.0, cost_model="pipedream")
+    assert not needs_simulation(replace(_plan("pipedream", 1, replicated), prediction=original))
+    assert needs_simulation(replace(_plan("1f1b", 4, replicated), prediction=original))
 
 
 def test_the_formula_is_wrong_for_a_replicated_stage_under_a_flush(vgg16: Profile) -> None:
@@ -57,11 +68,18 @@ def test_the_planner_keeps_the_fastest_simulated_plan(vgg16: Profile) -> None:
     assert plan.prediction.data_parallel_time_per_minibatch_ms == pytest.approx(1087.608, abs=1e-3)
     assert plan.to_dict()["prediction"]["method"] == "simulated"
     assert Plan.from_dict(plan.to_dict()).to_dict() == plan.to_dict()
-    # PipeDream's own schedule keeps its exact formula
-    async_plan = make_plan(vgg16, topology=topology, options=PlanOptions(schedule="pipedream"))
-    assert async_plan.prediction is not None
-    assert async_plan.prediction.method == "closed-form"
-    assert async_plan.prediction.time_per_minibatch_ms == pytest.approx(205.521, abs=1e-3)
+    # PipeDream's own schedule: its 3-1 split stays the fastest; the original optimizer's
+    # arithmetic keeps the formula's time
+    for cost_model, method, ms in (
+        ("symmetric", "simulated", 211.837),
+        ("pipedream", "closed-form", 205.521),
+    ):
+        options = PlanOptions(schedule="pipedream", cost_model=cost_model)
+        async_plan = make_plan(vgg16, topology=topology, options=options)
+        assert [s.replicas for s in async_plan.stages] == [3, 1]
+        assert async_plan.prediction is not None
+        assert async_plan.prediction.method == method
+        assert async_plan.prediction.time_per_minibatch_ms == pytest.approx(ms, abs=1e-3)
 
 
 def test_a_straight_pipeline_is_not_simulated() -> None:
