@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from pipedream.formats.profile import Profile
+from pipedream.formats.topology import Topology
 from pipedream.optimizer.cost_model import minibatch_ms
 from pipedream.optimizer.memory import MemoryModel
+from pipedream.optimizer.planner import build_plan
 from pipedream.optimizer.search import Request, solve_schedule
 from pipedream.optimizer.tree import (
     Cluster,
@@ -29,12 +32,14 @@ from pipedream.optimizer.tree import (
     data_parallel_tree,
     evaluate_tree,
 )
+from pipedream.optimizer.verify import simulated_ms
 from pipedream.schedules import lookup
 
 __all__ = [
     "Baseline",
     "baselines",
     "parameter_split",
+    "simulated_baselines",
     "split_trees",
     "uniform_split",
 ]
@@ -54,6 +59,8 @@ class Baseline:
     """Predicted time per minibatch (``inf`` when there is no plan)."""
     note: str = ""
     """Why there is no plan."""
+    tree: Tree | None = None
+    """Its workers' tree (None when there is no plan)."""
 
 
 def uniform_split(num_layers: int, num_stages: int) -> list[Span]:
@@ -138,7 +145,7 @@ def _best_split(
                 num_stages=stages,
             )
             if time_ms < best.time_per_minibatch_ms:
-                best = Baseline(name, evaluation, time_ms)
+                best = Baseline(name, evaluation, time_ms, tree=tree)
     return best
 
 
@@ -148,14 +155,14 @@ def baselines(request: Request, *, cluster: Cluster, schedule: str) -> list[Base
     m = cluster.microbatches
     memory = MemoryModel(schedule, m)
     found = []
-    parallel = evaluate_tree(
-        costs, data_parallel_tree(cluster, costs.num_layers), cluster=cluster, memory=memory
-    )
+    parallel_tree = data_parallel_tree(cluster, costs.num_layers)
+    parallel = evaluate_tree(costs, parallel_tree, cluster=cluster, memory=memory)
     found.append(
         Baseline(
             "data parallel",
             parallel,
             minibatch_ms(schedule, parallel.microbatch_ms, microbatches=m, num_stages=1),
+            tree=parallel_tree,
         )
     )
     straight_request = Request(
@@ -166,7 +173,11 @@ def baselines(request: Request, *, cluster: Cluster, schedule: str) -> list[Base
         found.append(Baseline("straight pipeline", None, math.inf, outcome.problem))
     else:
         evaluation = evaluate_tree(costs, outcome.tree, cluster=cluster, memory=memory)
-        found.append(Baseline("straight pipeline", evaluation, outcome.time_per_minibatch_ms))
+        found.append(
+            Baseline(
+                "straight pipeline", evaluation, outcome.time_per_minibatch_ms, tree=outcome.tree
+            )
+        )
     found.append(
         _best_split(
             "uniform split",
@@ -186,3 +197,27 @@ def baselines(request: Request, *, cluster: Cluster, schedule: str) -> list[Base
         )
     )
     return found
+
+
+def simulated_baselines(
+    found: Sequence[Baseline],
+    profile: Profile,
+    topology: Topology,
+    *,
+    cluster: Cluster,
+    schedule: str,
+) -> list[Baseline] | None:
+    """``found`` with the times the simulation of each one's action tables gives, to stand
+    next to an optimizer's plan whose time is simulated (None when one is too big to
+    simulate: then the formula's times stand for all of them)."""
+    out = []
+    for baseline in found:
+        if baseline.tree is None:
+            out.append(baseline)
+            continue
+        plan, _ = build_plan(profile, tree=baseline.tree, cluster=cluster, schedule=schedule)
+        time_ms = simulated_ms(plan, profile, topology)
+        if time_ms is None:
+            return None
+        out.append(replace(baseline, time_per_minibatch_ms=time_ms))
+    return out

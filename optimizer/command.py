@@ -29,7 +29,7 @@ from pipedream.formats.plan import save_plan
 from pipedream.formats.profile import Profile, load_profile
 from pipedream.formats.topology import DEFAULT_BANDWIDTH, Topology, load_topology
 from pipedream.formats.units import parse_bandwidth, parse_bytes
-from pipedream.optimizer.baselines import baselines
+from pipedream.optimizer.baselines import baselines, simulated_baselines
 from pipedream.optimizer.cost_model import LayerCosts
 from pipedream.optimizer.planner import AUTO, PlanOptions, PlanResult, plan_profile
 from pipedream.optimizer.report import format_candidates, format_comparison, format_summary
@@ -122,14 +122,21 @@ def run(args: argparse.Namespace) -> int:
         placed = lookup(plan.schedule).several_stages_per_rank
         under = "1f1b" if placed else plan.schedule
         found = baselines(request, cluster=result.cluster, schedule=under)
+        simulated = None
+        if plan.prediction is not None and plan.prediction.method == "simulated":
+            # like with like: the baselines' tables simulated as the plan's were
+            simulated = simulated_baselines(
+                found, profile, topology, cluster=result.cluster, schedule=under
+            )
         print()
         print(
             format_comparison(
                 result,
-                found,
+                simulated or found,
                 microbatch_size=profile.microbatch_size,
                 memory_limit=limit,
                 baseline_schedule=under if placed else None,
+                baselines_simulated=simulated is not None,
             )
         )
     print(f"wrote {args.output}")

@@ -190,9 +190,12 @@ def format_comparison(
     microbatch_size: int,
     memory_limit: float | None,
     baseline_schedule: str | None = None,
+    baselines_simulated: bool = False,
 ) -> str:
     """The plan next to the baselines (same microbatches and cost model; same schedule unless
-    ``baseline_schedule`` names the one the baselines ran under)."""
+    ``baseline_schedule`` names the one the baselines ran under). ``baselines_simulated``: the
+    baselines' times are simulated, as the plan's; a simulated plan next to baselines that
+    are not says so."""
     plan = result.plan
     assert plan.prediction is not None
     mine = plan.prediction.time_per_minibatch_ms
@@ -235,8 +238,14 @@ def format_comparison(
         if baseline_schedule
         else f"schedule {plan.schedule}"
     )
+    if baselines_simulated:
+        how = "; every time simulated"
+    elif plan.prediction.method == "simulated":
+        how = "; the optimizer's time simulated, the baselines' by formula (too big to simulate)"
+    else:
+        how = ""
     title = (
         f"comparison ({under}, {plan.microbatches} microbatches, cost model "
-        f"{plan.prediction.cost_model}; baselines ignore the memory limit):"
+        f"{plan.prediction.cost_model}{how}; baselines ignore the memory limit):"
     )
     return "\n".join([title, *table(header, rows)])

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pipedream.formats import LayerProfile, Plan, Profile, StagePlan, Topology
+from pipedream.cli import main
+from pipedream.formats import LayerProfile, Plan, Profile, StagePlan, Topology, save_profile
 from pipedream.formats.plan import Prediction
 from pipedream.optimizer.planner import PlanOptions, make_plan, plan_profile
 from pipedream.optimizer.verify import needs_simulation, simulated_ms
@@ -106,3 +107,31 @@ def test_auto_compares_simulated_candidates_only(vgg16: Profile) -> None:
     assert result.candidates[0].time_per_minibatch_ms == prediction.time_per_minibatch_ms
     pipedream = next(c for c in result.candidates if c.schedule == "pipedream")
     assert pipedream.time_per_minibatch_ms == pytest.approx(211.837, abs=1e-3)
+
+
+def test_compare_simulates_the_baselines_of_a_simulated_plan(
+    vgg16: Profile, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The straight pipeline's row used to show its formula (411.0 ms) next to the plan's
+    simulated 211.8 ms; simulated like the plan, it takes 586.6 ms."""
+    profile = tmp_path / "vgg16.yaml"
+    save_profile(vgg16, profile)
+    rows = {}
+    for cost_model in ("symmetric", "pipedream"):
+        argv = ["plan", str(profile), "--workers", "4", "--compare", "--cost-model", cost_model]
+        assert main([*argv, "-o", str(tmp_path / "plan.yaml")]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        title = next(line for line in lines if line.startswith("comparison"))
+        assert ("every time simulated" in title) == (cost_model == "symmetric")
+        rows[cost_model] = {
+            line[:22].strip(): line.split()[-5] for line in lines[lines.index(title) + 2 :][:5]
+        }
+    assert rows["symmetric"] == {
+        "data parallel": "583.206",
+        "straight pipeline": "586.584",
+        "uniform split": "583.206",
+        "parameter split": "583.206",
+        "optimizer (pipedream)": "211.837",
+    }
+    assert rows["pipedream"]["straight pipeline"] == "411.042"
+    assert rows["pipedream"]["optimizer (pipedream)"] == "205.521"
