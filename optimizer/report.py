@@ -96,6 +96,12 @@ def format_summary(
         f"(this plan is {speedup:.2f}x as fast)",
     ]
     lines += _tied_lines(result, profile)
+    if plan.steps_multiple > 1:
+        counts = ", ".join(str(c) for c in sorted({s.replicas for s in plan.stages} - {1}))
+        lines.append(
+            f"runs of this plan: --steps and --checkpoint-every multiples of "
+            f"{plan.steps_multiple} (the replica counts {counts}: each replica updates in turn)"
+        )
     if memory_limit is not None:
         lines.append(
             f"memory limit per worker: {format_bytes(memory_limit)} (checked against the "

@@ -134,7 +134,7 @@ def _per_rank(args: argparse.Namespace) -> float | None:
 def _steps(args: argparse.Namespace, plan: Plan) -> int | None:
     if args.steps is None:
         return None  # the simulator finds its steady state
-    multiple = math.lcm(*(stage.replicas for stage in plan.stages))
+    multiple = plan.steps_multiple
     if args.steps < 1 or args.steps % multiple:
         fix = multiple * max(1, math.ceil(args.steps / multiple))
         raise PlanningError(
@@ -156,7 +156,7 @@ def _max_minibatches(plan: Plan, steps: int | None, network: Network) -> int:
     needed = steps if steps is not None else default_steps(plan, network)
     if needed * per_minibatch > MAX_ACTIONS:
         replicas = [stage.replicas for stage in plan.stages]
-        period = math.lcm(*replicas)
+        period = plan.steps_multiple
         raise PlanningError(
             f"simulating this plan takes {needed} minibatches, {needed * per_minibatch:,} "
             f"forwards and backwards (at most {MAX_ACTIONS:,}): its replica counts {replicas} "

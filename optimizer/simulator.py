@@ -406,7 +406,7 @@ def tied_pairs(work: Sequence[StageWork]) -> tuple[tuple[int, int], ...]:
 
 def _period(plan: Plan) -> int:
     """Minibatches after which the replica pattern repeats."""
-    return math.lcm(*(stage.replicas for stage in plan.stages))
+    return plan.steps_multiple
 
 
 def _margin(plan: Plan, network: Network | None = None, window: int = RECEIVE_WINDOW) -> int:

@@ -21,7 +21,6 @@ So a worker holds, over the stages it runs::
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from pipedream.formats.plan import Plan
@@ -51,7 +50,7 @@ def worker_memory(
         static[stage] = weights + sum(costs.optimizer_state_bytes[span])
         held[stage] = sum(costs.activation_bytes[span])
     deferred = held if split else dict.fromkeys(held, 0.0)
-    every = math.lcm(*(stage.replicas for stage in plan.stages))  # each replica gets its turns
+    every = plan.steps_multiple  # each replica gets its turns
     tables = build_tables(spec_from_plan(plan, 0, TABLE_MINIBATCHES * every))
     out = {}
     for rank, table in tables.items():

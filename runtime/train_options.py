@@ -71,15 +71,22 @@ def check_options(options: TrainOptions) -> None:
 def check_segments(options: TrainOptions, plan: Plan, *, start: int = 0) -> None:
     """The stretches between checkpoints, from ``start`` (where a resumed run begins), must be
     whole rounds of every stage's replicas."""
+    multiple = plan.steps_multiple
     for first, count in segments(options.steps, options.checkpoint_every, start):
-        for index, stage in enumerate(plan.stages):
-            if count % stage.replicas:
-                resumed = f"; the run resumes at step {start}" if start else ""
-                raise LaunchError(
-                    f"stage {index} has {stage.replicas} replicas, so --steps and "
-                    f"--checkpoint-every must be multiples of {stage.replicas} "
-                    f"(a segment of {count} minibatches starts at {first}{resumed})"
-                )
+        if count % multiple:
+            resumed = f"; the run resumes at step {start}" if start else ""
+            counts = sorted({stage.replicas for stage in plan.stages if stage.replicas > 1})
+            if len(counts) == 1:
+                index = next(i for i, stage in enumerate(plan.stages) if stage.replicas > 1)
+                which, lcm = f"stage {index} has {multiple} replicas", ""
+            else:
+                listed = ", ".join(str(c) for c in counts[:-1])
+                which = f"the stages have {listed} and {counts[-1]} replicas"
+                lcm = ", their least common multiple"
+            raise LaunchError(
+                f"{which}, so --steps and --checkpoint-every must be multiples of {multiple}"
+                f"{lcm} (a segment of {count} minibatches starts at {first}{resumed})"
+            )
 
 
 def train_options(args: argparse.Namespace) -> TrainOptions:

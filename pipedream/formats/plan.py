@@ -7,6 +7,7 @@ their first and last layer (inclusive).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -180,6 +181,13 @@ class Plan:
     @property
     def is_straight(self) -> bool:
         return all(stage.replicas == 1 for stage in self.stages)
+
+    @property
+    def steps_multiple(self) -> int:
+        """What every run's ``--steps`` and ``--checkpoint-every`` must be multiples of: the
+        least common multiple of the replica counts (minibatch ``t`` goes to replica
+        ``t mod r`` of a stage, and a checkpoint waits for every replica's update)."""
+        return math.lcm(*(stage.replicas for stage in self.stages))
 
     def stage_of_rank(self, rank: int) -> int:
         for index, stage in enumerate(self.stages):

@@ -66,7 +66,7 @@ def spec_from_plan(
 
 
 def validation_bound(plan: Plan) -> int:
-    multiple = math.lcm(*(stage.replicas for stage in plan.stages))
+    multiple = plan.steps_multiple
     return multiple * math.ceil(max(VALIDATION_MINIBATCHES, 4 * plan.world_size) / multiple)
 
 

@@ -262,6 +262,13 @@ def test_launch_sh_malformed_plan(tmp_path: Path) -> None:
             id="steps-vs-replicas",
         ),
         pytest.param(
+            straight_plan("mlp", [["0"], ["1", "2"]], replicas=[2, 3], workload_args=MLP_ARGS),
+            ["--steps", "4"],  # a multiple of 2, not of 3: it used to name one stage at a time
+            "the stages have 2 and 3 replicas, so --steps and --checkpoint-every must be "
+            "multiples of 6, their least common multiple (a segment of 4 minibatches starts at 0)",
+            id="steps-vs-several-replica-counts",
+        ),
+        pytest.param(
             _two_stages(),
             ["--steps", "many"],
             "argument --steps: invalid int value: 'many'",

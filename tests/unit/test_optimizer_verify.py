@@ -121,6 +121,10 @@ def test_compare_simulates_the_baselines_of_a_simulated_plan(
         argv = ["plan", str(profile), "--workers", "4", "--compare", "--cost-model", cost_model]
         assert main([*argv, "-o", str(tmp_path / "plan.yaml")]) == 0
         lines = capsys.readouterr().out.splitlines()
+        assert (
+            "runs of this plan: --steps and --checkpoint-every multiples of 3 (the replica "
+            "counts 3: each replica updates in turn)" in lines
+        )
         title = next(line for line in lines if line.startswith("comparison"))
         assert ("every time simulated" in title) == (cost_model == "symmetric")
         rows[cost_model] = {
