@@ -82,5 +82,5 @@ if [[ $rendezvous -eq 0 && "${nnodes:-1}" == "1" ]]; then
   torchrun_args+=(--standalone)
 fi
 
-exec "$python_bin" -m torch.distributed.run "${torchrun_args[@]}" --nproc-per-node "$nproc" \
+exec "$python_bin" -m pipedream.runtime.torchrun "${torchrun_args[@]}" --nproc-per-node "$nproc" \
   -m pipedream.cli train "$plan" "${train_args[@]+"${train_args[@]}"}"

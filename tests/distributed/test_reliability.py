@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from pipedream.data import MicrobatchStream
 from pipedream.runtime.checkpoint import load_full_state_dict
 from pipedream.runtime.train import _how_to_continue
 
-from launching import run_cli, start_launch, stop, straight_plan, write_plan
+from launching import run_cli, start, start_launch, stop, straight_plan, write_plan
 from workers import run_plan
 
 pytestmark = pytest.mark.slow  # launches processes: not in the fast lane (-m "not slow")
@@ -258,6 +259,32 @@ def test_an_interrupted_run_says_where_it_can_continue(tmp_path: Path) -> None:
     assert _how_to_continue(tmp_path / "new") == (
         "no checkpoint was written yet (--checkpoint-every N lets a run continue)"
     )
+
+
+def test_ctrl_c_ends_the_launcher_without_a_traceback(tmp_path: Path) -> None:
+    """Ctrl-C in a terminal reaches torchrun too, which ended with its own SignalException
+    traceback (about 25 lines) under the ranks' note; launch.sh's torchrun now exits 130."""
+    ready = tmp_path / "ready"
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import pathlib, sys, time\n"
+        f"pathlib.Path({str(ready)!r}).touch()\n"
+        "try:\n    time.sleep(60)\n"
+        "except KeyboardInterrupt:\n    sys.exit(1)  # as pipedream train does, after its note\n"
+    )
+    cmd = [sys.executable, "-m", "pipedream.runtime.torchrun", "--standalone"]
+    proc = start([*cmd, "--nproc-per-node", "1", str(script)])
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        stop(proc)
+    assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
+    assert "Traceback" not in err and "SignalException" not in err, err[-3000:]
 
 
 def test_keep_prunes_old_checkpoints(tmp_path: Path) -> None:
