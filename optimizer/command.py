@@ -25,7 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from pipedream.errors import PlanningError
-from pipedream.formats.plan import save_plan
+from pipedream.formats.plan import Plan, save_plan
 from pipedream.formats.profile import Profile, load_profile
 from pipedream.formats.topology import DEFAULT_BANDWIDTH, Topology, load_topology
 from pipedream.formats.units import parse_bandwidth, parse_bytes
@@ -34,6 +34,7 @@ from pipedream.optimizer.cost_model import LayerCosts
 from pipedream.optimizer.planner import AUTO, PlanOptions, PlanResult, plan_profile
 from pipedream.optimizer.report import format_candidates, format_comparison, format_summary
 from pipedream.optimizer.search import Request
+from pipedream.optimizer.verify import simulated_ms
 from pipedream.schedules import lookup
 
 __all__ = ["options_from_args", "run", "topology_from_args"]
@@ -162,12 +163,23 @@ def _note_fewer(
         return
     fewer_options = replace(options, use_fewer_workers=True, microbatches=plan.microbatches)
     fewer = plan_profile(profile, topology=topology, options=fewer_options).plan
-    assert plan.prediction is not None and fewer.prediction is not None
-    if fewer.world_size < plan.world_size and (
-        fewer.prediction.time_per_minibatch_ms >= plan.prediction.time_per_minibatch_ms * (1 - 1e-9)
-    ):
+    if fewer.world_size >= plan.world_size:
+        return
+    times = _alike_ms(plan, fewer, profile=profile, topology=topology)
+    if times is not None and times[1] <= times[0] * (1 + 1e-9):
         print(
             f"note: {fewer.world_size} workers are predicted to be as fast; the other "
             f"{plan.world_size - fewer.world_size} add nothing under this cost model "
             "(--fewer-workers plans for fewer)"
         )
+
+
+def _alike_ms(*plans: Plan, profile: Profile, topology: Topology) -> list[float] | None:
+    """The predicted times of ``plans``, all by formula or all simulated (None where one of
+    them is too big to simulate)."""
+    predictions = [plan.prediction for plan in plans]
+    assert all(p is not None for p in predictions)
+    if all(p.method == predictions[0].method for p in predictions):  # type: ignore[union-attr]
+        return [p.time_per_minibatch_ms for p in predictions]  # type: ignore[union-attr]
+    times = [simulated_ms(plan, profile, topology) for plan in plans]
+    return None if any(t is None for t in times) else times  # type: ignore[return-value]

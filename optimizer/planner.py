@@ -13,9 +13,9 @@ replicas stay inside the innermost unit when the tree puts them there), and the 
 * ``time_per_minibatch_ms``: :func:`~pipedream.optimizer.cost_model.minibatch_ms` of the
   slowest stage: PipeDream's "time per stage in pipeline" for its own schedule, ``m`` slots
   for 2bw, plus the flush bubble ``S - 1`` for 1f1b/gpipe; where that formula is not exact
-  (replicated stages and ``m > 1``) the simulated time of the DP's plan, the best straight
-  pipeline and data parallelism decides, and the fastest is kept (``method: simulated``,
-  :mod:`~pipedream.optimizer.verify`);
+  (pipelines, replicated stages under ``m > 1``, split backwards) the simulated time of the
+  DP's plan, the best straight pipeline and data parallelism decides, and the fastest is kept
+  (``method: simulated``, :mod:`~pipedream.optimizer.verify`);
 * ``throughput_samples_per_s = microbatch_size * m * 1000 / time_per_minibatch_ms``;
 * ``memory_bytes``: :class:`~pipedream.optimizer.memory.MemoryModel`'s estimate per worker;
 * ``data_parallel_time_per_minibatch_ms``: every worker replicating the whole model (one
@@ -289,8 +289,9 @@ def _fastest_simulated(
     profile: Profile, topology: Topology, request: Request, outcome: Outcome
 ) -> tuple[Plan, TreeEvaluation, Tree] | None:
     """The fastest of the DP's plan, the best straight pipeline and data parallelism (same
-    schedule and ``m``), all simulated (``verify``); None when one is too big to simulate or
-    none fits (the formula stands)."""
+    schedule and ``m``), all simulated (``verify``), with the simulated time of data
+    parallelism for the summary's line (also where it does not fit or may not be chosen);
+    None when one is too big to simulate or none fits (the formula stands)."""
     assert outcome.tree is not None
     trees = [outcome.tree]
     straight = solve_schedule(
@@ -300,29 +301,29 @@ def _fastest_simulated(
     )
     if straight.tree is not None and straight.microbatches == outcome.microbatches:
         trees.append(straight.tree)
-    data_parallel = None
-    if lookup(outcome.schedule).replicates and not request.straight:
-        data_parallel = data_parallel_tree(outcome.cluster, len(profile.layers))
-        trees.append(data_parallel)
+    data_parallel = data_parallel_tree(outcome.cluster, len(profile.layers))
+    may_replicate = lookup(outcome.schedule).replicates and not request.straight
     found: list[tuple[float, Plan, TreeEvaluation, Tree]] = []
-    for tree in trees:
+    data_parallel_ms = None
+    for tree in [*trees, data_parallel]:
         plan, evaluation = build_plan(
             profile, tree=tree, cluster=outcome.cluster, schedule=outcome.schedule
         )
-        limit = request.memory_limit
-        if limit is not None and max(leaf.memory_bytes for leaf in evaluation.leaves) > limit:
-            continue  # data parallelism may not fit
         simulated = simulated_ms(plan, profile, topology)  # all alike: the same costs
         if simulated is None:
             return None
+        if tree is data_parallel:
+            data_parallel_ms = simulated
+            if not may_replicate:
+                continue
+        limit = request.memory_limit
+        if limit is not None and max(leaf.memory_bytes for leaf in evaluation.leaves) > limit:
+            continue  # data parallelism may not fit
         found.append((simulated, plan, evaluation, tree))
     if not found:
         return None
     time_ms, plan, evaluation, tree = min(found, key=lambda item: item[0])
-    assert plan.prediction is not None
-    data_parallel_ms = plan.prediction.data_parallel_time_per_minibatch_ms
-    if found[-1][3] is data_parallel:  # data parallelism fits: its simulated time
-        data_parallel_ms = found[-1][0]
+    assert plan.prediction is not None and data_parallel_ms is not None
     prediction = replace(
         plan.prediction,
         time_per_minibatch_ms=time_ms,

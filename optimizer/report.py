@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pipedream.formats.plan import Plan
 from pipedream.formats.profile import Profile
 from pipedream.formats.topology import Topology
 from pipedream.formats.units import format_bytes
 from pipedream.optimizer.baselines import Baseline
 from pipedream.optimizer.planner import PlanResult
+from pipedream.optimizer.verify import needs_simulation
 from pipedream.schedules import lookup
 
 __all__ = ["format_candidates", "format_comparison", "format_summary", "table"]
@@ -85,12 +87,7 @@ def format_summary(
         "",
         f"predicted time per minibatch: {prediction.time_per_minibatch_ms:.3f} ms "
         f"-> {prediction.throughput_samples_per_s:.1f} samples/s "
-        f"(bottleneck: stage {prediction.bottleneck}"
-        + (
-            f"; simulated: {_why_simulated(plan.schedule)})"
-            if prediction.method == "simulated"
-            else ")"
-        ),
+        f"(bottleneck: stage {prediction.bottleneck}" + _how_predicted(plan),
         f"data parallel on {plan.world_size} workers: "
         f"{prediction.data_parallel_time_per_minibatch_ms:.3f} ms per minibatch "
         f"(this plan is {speedup:.2f}x as fast)",
@@ -111,17 +108,23 @@ def format_summary(
     return "\n".join(lines)
 
 
-def _why_simulated(schedule: str) -> str:
-    """Why the plan's time is simulated rather than the formula's."""
-    record = lookup(schedule)
+def _how_predicted(plan: Plan) -> str:
+    """The end of the prediction's line: why its time is simulated, or that it could not be."""
+    assert plan.prediction is not None
+    if plan.prediction.method != "simulated":
+        if needs_simulation(plan):  # the formula stands: too big to simulate
+            return "; the formula: too big to simulate, `pipedream simulate` may take longer)"
+        return ")"
+    record = lookup(plan.schedule)
     if record.several_stages_per_rank:
-        return "each worker runs several stages, in the order the schedule interleaves them"
-    if record.splits_backward:
-        return "the formula does not know how the backward splits"
-    return (
-        "the formula is not exact for replicated stages in a pipeline: too few minibatches in "
-        "flight, or several microbatches per minibatch"
-    )
+        why = "each worker runs several stages, in the order the schedule interleaves them"
+    elif record.splits_backward:
+        why = "the formula does not know how the backward splits"
+    elif plan.num_stages == 1:
+        why = "chosen over the pipelines by simulating each"
+    else:
+        why = "the formula idealizes a pipeline's round trips and uneven stages"
+    return f"; simulated: {why})"
 
 
 def _tied_lines(result: PlanResult, profile: Profile) -> list[str]:

@@ -1,34 +1,39 @@
 """Where the cost model's formula is not exact, the planner asks the simulator.
 
 The formula (:func:`~pipedream.optimizer.cost_model.minibatch_ms`: ``m`` or ``m + S - 1``
-slots of the slowest stage, a stage on ``r`` replicas counting ``1/r`` of its compute) is exact
-in its own terms (compute, transfers, allreduces) for straight pipelines and for PipeDream's
-one-microbatch schedules. It is not when a replicated stage meets several microbatches per
-minibatch: the runtime gives minibatch ``t`` with *all* its ``m`` microbatches to replica
-``t mod r``, so a replica does not take ``1/r`` of every minibatch, and under a flush the
-unreplicated stages still see each minibatch alone. On the original VGG-16 profile, 4 workers,
-1f1b with ``m = 4``, the formula says 1027.6 ms per minibatch for a 3-1 split; the simulation of
-the very tables the runtime runs says 1801.8 ms, slower than data parallelism.
+slots of the slowest stage, a stage on ``r`` replicas counting ``1/r`` of its compute) is the
+dynamic program's objective. As a prediction it idealizes every pipeline:
 
-Nor is it with one microbatch where a replicated stage meets another stage: PipeDream's
-warm-up keeps ``(workers - 1 - replicas before) // r_s`` minibatches in flight per replica, too
-few to hide the round trip of activations, gradients and the replicas' allreduce, which the
-formula assumes hidden. On the original ResNet-50 profile, 6 workers at 1 GB/s, the formula
-says 106.0 ms per minibatch for a 3-2-1 split, 1.23x faster than data parallelism; the
-simulation says 249.1 ms, against 130.7 ms for data parallelism, which is what the PipeDream
-paper found for ResNet-50 on its GPUs. VGG-16's 3-1 and 7-1 splits simulate within 3% of the
-formula, as the paper's speed-ups for it say. ``--cost-model pipedream`` keeps the original
-optimizer's formula and choices for these plans.
+* it assumes every transfer, and the round trip of a minibatch through the later stages,
+  hidden behind compute. PipeDream's warm-up keeps ``(workers - 1 - replicas before) // r_s``
+  minibatches in flight per replica, too few for that where transfers or a replicated stage's
+  allreduce are long. On the original ResNet-50 profile, 6 workers at 1 GB/s, the formula says
+  106.0 ms per minibatch for a 3-2-1 split, 1.23x faster than data parallelism; the simulation
+  of the very tables the runtime runs says 249.1 ms, against 130.7 ms for data parallelism
+  (which the PipeDream paper also found best for ResNet-50 on its GPUs), and 406.8 ms for the
+  formula's 278.4 ms of a 2-stage pipeline on 2 workers. VGG-16's 3-1 and 7-1 splits simulate
+  within 3% of the formula, as the paper's speed-ups for it say;
+* it charges a flush ``S - 1`` slots of the *slowest* stage, too much for uneven stages;
+* where a replicated stage meets several microbatches per minibatch, the runtime gives
+  minibatch ``t`` with *all* its ``m`` microbatches to replica ``t mod r``, so a replica does
+  not take ``1/r`` of every minibatch, and under a flush the unreplicated stages still see
+  each minibatch alone. On the original VGG-16 profile, 4 workers, 1f1b with ``m = 4``, the
+  formula says 1027.6 ms per minibatch for a 3-1 split; the simulation says 1801.8 ms, slower
+  than data parallelism;
+* it does not know how a split backward fills the bubble.
 
-So for such plans the planner simulates (:mod:`~pipedream.optimizer.simulator`, profiled costs,
-the topology's bandwidths, no latency) the dynamic program's plan, the best straight pipeline
-and data parallelism under the same schedule and ``m``, keeps the fastest and records
-``method: simulated`` in its prediction; with ``--schedule auto``, every candidate is simulated
-as soon as one needs it. The simulation also charges what the formula leaves out (each
-layer's ``update_ms``, the runtime's cost per action, weight copies), so simulated plans are
-only ever compared with simulated plans. Simulation is skipped (the formula stands for all)
-above :data:`MAX_SIMULATED_ACTIONS` actions, where it would cost more than the planning itself;
-a simulation that needs more minibatches to reach its steady state stops at that budget.
+So the planner simulates (:mod:`~pipedream.optimizer.simulator`, profiled costs, the
+topology's bandwidths, no latency) every plan of several stages, every replicated plan with
+several microbatches and every plan with split backwards: the dynamic program's plan, the best
+straight pipeline and data parallelism under the same schedule and ``m``, keeping the fastest
+and recording ``method: simulated`` in its prediction; with ``--schedule auto``, every
+candidate is simulated as soon as one needs it. The simulation also charges what the formula
+leaves out (each layer's ``update_ms``, the runtime's cost per action, weight copies), so
+simulated plans are only ever compared with simulated plans. ``--cost-model pipedream``, the
+original optimizer's arithmetic, keeps the formula but for replicated stages under several
+microbatches and split backwards. Simulation is skipped (the formula stands for all) above
+:data:`MAX_SIMULATED_ACTIONS` actions, where it would cost more than the planning itself; a
+simulation that needs more minibatches to reach its steady state stops at that budget.
 """
 
 from __future__ import annotations
@@ -49,15 +54,16 @@ beyond which the formula stands; also the most a simulation may grow to."""
 
 
 def needs_simulation(plan: Plan) -> bool:
-    """Whether the formula may be wrong for ``plan``: a replicated stage and ``m > 1``, a
-    replicated stage in a pipeline of several stages (but under ``--cost-model pipedream``,
-    which keeps the original optimizer's choices), or a schedule that splits backwards (its
-    bubble depends on how the backward splits)."""
+    """Whether the plan's time is the simulation's rather than the formula's: split backwards,
+    a replicated stage under several microbatches, or (but under ``--cost-model pipedream``,
+    the original optimizer's arithmetic) a pipeline of several stages."""
+    if lookup(plan.schedule).splits_backward:
+        return True
     replicated = any(stage.replicas > 1 for stage in plan.stages)
-    if plan.microbatches > 1:
-        return replicated or lookup(plan.schedule).splits_backward
+    if plan.microbatches > 1 and replicated:
+        return True
     original = plan.prediction is not None and plan.prediction.cost_model == "pipedream"
-    return replicated and len(plan.stages) > 1 and not original
+    return len(plan.stages) > 1 and not original
 
 
 def _compute_actions(plan: Plan) -> int:

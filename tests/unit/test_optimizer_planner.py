@@ -90,8 +90,10 @@ def test_straight_plan_gives_stage_s_rank_s() -> None:
 
 
 def test_sync_schedules_default_microbatches_and_bubble() -> None:
+    """The formula, as the original optimizer's arithmetic keeps it (the default cost model
+    simulates pipelines)."""
     for schedule in ("2bw", "1f1b", "gpipe"):
-        plan = plan_for(4, schedule=schedule, straight=True)
+        plan = plan_for(4, schedule=schedule, straight=True, cost_model="pipedream")
         assert plan.microbatches == 4  # max(4, number of stages)
         assert plan.prediction is not None
         slowest = max(plan.prediction.stage_ms)

@@ -28,21 +28,29 @@ def _plan(schedule: str, m: int, stages: tuple[StagePlan, ...]) -> Plan:
     return Plan("vgg16", schedule, 128, m, world, stages)
 
 
-def test_replicated_stages_in_a_pipeline_are_simulated() -> None:
+def test_pipelines_replicas_under_microbatches_and_split_backwards_are_simulated() -> None:
     straight = (StagePlan("a", "b", 1, (0,)), StagePlan("c", "d", 1, (1,)))
     replicated = (StagePlan("a", "b", 2, (0, 1)), StagePlan("c", "d", 1, (2,)))
     data_parallel = (StagePlan("a", "d", 3, (0, 1, 2)),)
-    assert not needs_simulation(_plan("1f1b", 4, straight))
-    assert not needs_simulation(_plan("pipedream", 1, straight))
+    one = (StagePlan("a", "d", 1, (0,)),)
+    # the default cost model (a plan without a prediction has it)
+    for schedule, m in (("pipedream", 1), ("1f1b", 4), ("2bw", 2), ("zb-h1", 1)):
+        assert needs_simulation(_plan(schedule, m, straight))
+        assert needs_simulation(_plan(schedule, m, replicated))
     assert not needs_simulation(_plan("pipedream", 1, data_parallel))
+    assert not needs_simulation(_plan("1f1b", 4, one))
     assert needs_simulation(_plan("1f1b", 4, data_parallel))
-    assert needs_simulation(_plan("1f1b", 4, replicated))
-    assert needs_simulation(_plan("2bw", 2, replicated))
-    assert needs_simulation(_plan("pipedream", 1, replicated))
-    # ... but the original optimizer's arithmetic keeps its formula for one microbatch
+    # the original optimizer's arithmetic keeps its formula, but for replicas under several
+    # microbatches and split backwards (one microbatch of zb-h1 was left to the formula once)
     original = Prediction(1.0, 1.0, 0, (1.0, 1.0), (1.0, 1.0), 1.0, cost_model="pipedream")
-    assert not needs_simulation(replace(_plan("pipedream", 1, replicated), prediction=original))
-    assert needs_simulation(replace(_plan("1f1b", 4, replicated), prediction=original))
+
+    def under_original(schedule: str, m: int, stages: tuple[StagePlan, ...]) -> bool:
+        return needs_simulation(replace(_plan(schedule, m, stages), prediction=original))
+
+    assert not under_original("pipedream", 1, replicated)
+    assert not under_original("1f1b", 4, straight)
+    assert under_original("1f1b", 4, replicated)
+    assert under_original("zb-h1", 1, straight)
 
 
 def test_the_formula_is_wrong_for_a_replicated_stage_under_a_flush(vgg16: Profile) -> None:
@@ -83,15 +91,18 @@ def test_the_planner_keeps_the_fastest_simulated_plan(vgg16: Profile) -> None:
         assert async_plan.prediction.time_per_minibatch_ms == pytest.approx(ms, abs=1e-3)
 
 
-def test_a_straight_pipeline_is_not_simulated() -> None:
+def test_a_straight_pipeline_of_equal_stages_simulates_to_the_formula() -> None:
+    """Equal stages, free transfers: the formula's (m + S - 1) slots of 3 ms are exact."""
     layers = tuple(LayerProfile(f"l{i}", "Linear", 1.0, 2.0, 1000, 1000) for i in range(4))
     profile = Profile("toy", 8, "cpu", "float32", layers)
-    plan = make_plan(
-        profile,
-        topology=Topology.single_level(4, 1e12),
-        options=PlanOptions(schedule="gpipe", microbatches=4, straight=True),
-    )
-    assert plan.prediction is not None and plan.prediction.method == "closed-form"
+    for cost_model, method in (("symmetric", "simulated"), ("pipedream", "closed-form")):
+        plan = make_plan(
+            profile,
+            topology=Topology.single_level(4, 1e12),
+            options=PlanOptions("gpipe", microbatches=4, straight=True, cost_model=cost_model),
+        )
+        assert plan.prediction is not None and plan.prediction.method == method
+        assert plan.prediction.time_per_minibatch_ms == pytest.approx((4 + 4 - 1) * 3.0)
 
 
 def test_auto_compares_simulated_candidates_only(vgg16: Profile) -> None:
@@ -139,3 +150,20 @@ def test_compare_simulates_the_baselines_of_a_simulated_plan(
     }
     assert rows["pipedream"]["straight pipeline"] == "411.042"
     assert rows["pipedream"]["optimizer (pipedream)"] == "205.521"
+
+
+def test_fewer_workers_are_compared_by_simulation_too(
+    vgg16: Profile, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Under a 20 GiB limit the 4 workers' plan (a 2-1-1 split) simulates at 291.5 ms; the
+    3 workers' plan that --fewer-workers finds is 361.9 ms simulated, but its formula said
+    "as fast", and the note said so."""
+    profile = tmp_path / "vgg16.yaml"
+    save_profile(vgg16, profile)
+    argv = ["plan", str(profile), "--workers", "4", "--memory", "20 GiB"]
+    assert main([*argv, "-o", str(tmp_path / "plan.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "predicted time per minibatch: 291.472 ms" in out
+    assert "note:" not in out
+    assert main([*argv, "--fewer-workers", "-o", str(tmp_path / "fewer.yaml")]) == 0
+    assert "predicted time per minibatch: 361.886 ms" in capsys.readouterr().out
