@@ -151,6 +151,7 @@ class Executor:
                 spent = (reclaiming - posting, start - reclaiming)
                 self.trace.append((str(action), start, end, *spent))
         self.p2p.drain(what=f"the last sends of rank {self.rank}")
+        assert not self._tied_box, f"rank {self.rank}: tied tensors handed over, never taken"
 
     def _execute(self, position: int, action: Action) -> None:
         op = action.op

@@ -15,6 +15,7 @@ the owner replaces its value.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,8 +136,7 @@ class StageWorker:
     ) -> None:
         self.config = config
         self.tied = tied or TiedLinks()
-        _own_copies(module, self.tied.copy_names)
-        self.module = place_module(module, config.device)
+        self.module = place_module(_own_copies(module, self.tied.copy_names), config.device)
         self.loss_fn = loss_fn
         self.data = data
         self.model_io = model_io or ModelIO()
@@ -563,24 +563,50 @@ class StageWorker:
         self.versions.release_before(position)
 
 
-def _own_copies(module: nn.Module, names: Iterable[str]) -> None:
-    """Give each copy of another stage's tied parameter (``names``, under any of its names in
-    ``module``) a tensor of its own, before the module moves to its device.
+def _own_copies(module: nn.Module, names: Iterable[str]) -> nn.Module:
+    """``module`` with each copy of another stage's tied parameter (``names``, under any of
+    its names in ``module``) a tensor of its own, before the module moves to its device.
 
-    A stage module shares its tensors with the model it was cut from, so where the owner's
-    stage runs on the same rank (the V's first and last stage) the copy would otherwise be the
-    owner's very parameter: its gradient would add to the owner's before the handover, and each
-    new version would overwrite the owner's weights.
+    A stage module shares its tensors, and its submodules, with the model it was cut from, so
+    where the owner's stage runs on the same rank (the V's first and last stage) the copy
+    would otherwise be the owner's very parameter: its gradient would add to the owner's
+    before the handover, and each new version would overwrite the owner's weights. Every
+    module on the way to a copy is therefore a shallow copy of its own (its other parameters,
+    buffers and untouched children still shared, its hooks its own): a module that the
+    owner's stage also calls keeps the owner's tensor there. Every name of a copy (a tensor
+    registered twice) gets the new tensor, and a module that appears twice in the stage stays
+    one module.
     """
     originals = {id(module.get_parameter(name)) for name in names}
     if not originals:
-        return
-    replacement: dict[int, nn.Parameter] = {}
-    for sub in module.modules():
-        for key, param in list(sub.named_parameters(recurse=False)):
-            if id(param) in originals:
-                if id(param) not in replacement:
-                    replacement[id(param)] = nn.Parameter(
-                        param.detach().clone(), requires_grad=param.requires_grad
-                    )
-                setattr(sub, key, replacement[id(param)])
+        return module
+    tensors: dict[int, nn.Parameter] = {}
+    rebuilt: dict[int, nn.Module] = {}
+
+    def own(param: nn.Parameter) -> nn.Parameter:
+        if id(param) not in tensors:
+            tensors[id(param)] = nn.Parameter(
+                param.detach().clone(), requires_grad=param.requires_grad
+            )
+        return tensors[id(param)]
+
+    def rebuild(sub: nn.Module) -> nn.Module:
+        if not any(id(p) in originals for p in sub.parameters()):
+            return sub
+        if id(sub) not in rebuilt:
+            fresh = copy.copy(sub)
+            for key, value in vars(sub).items():  # hooks registered later stay its own
+                if isinstance(value, (dict, set)) and key != "_buffers":
+                    fresh.__dict__[key] = copy.copy(value)
+            fresh._parameters = {
+                key: own(p) if p is not None and id(p) in originals else p
+                for key, p in sub._parameters.items()
+            }
+            fresh._modules = {
+                key: None if child is None else rebuild(child)
+                for key, child in sub._modules.items()
+            }
+            rebuilt[id(sub)] = fresh
+        return rebuilt[id(sub)]
+
+    return rebuild(module)

@@ -7,6 +7,7 @@ for the synchronous schedules, the documented rule for the asynchronous ones."""
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -123,6 +124,46 @@ def test_a_copy_on_its_owners_rank_is_a_tensor_of_its_own() -> None:
     worker.set_copies(0, [torch.zeros_like(before)])
     assert torch.equal(owner.embed.tok.weight, before)
     assert not worker.module.head.weight.any()
+
+
+def _copy_worker(module: nn.Module, copies: tuple[str, ...]) -> StageWorker:
+    workload = load_workload("gpt", ARGS)
+    return StageWorker(
+        WorkerConfig(1, 2, 1),
+        module,
+        [],
+        optimizer_factory=workload.optimizer,
+        loss_fn=workload.loss_fn,
+        data=None,
+        tied=TiedLinks(copies={0: copies}),
+    )
+
+
+def test_a_module_both_stages_call_keeps_the_owners_tensor() -> None:
+    """A module the owner's stage and the copy's stage both call (on one rank, under
+    interleaving or the V): the copy used to replace the tensor in that shared module, so the
+    owner's forward ran on the copy while its optimizer updated the original."""
+    shared = nn.Linear(3, 3)
+    owner = nn.Sequential(OrderedDict(f=shared))
+    copy_stage = nn.Sequential(OrderedDict(g=shared, out=nn.Linear(3, 1)))
+    worker = _copy_worker(copy_stage, ("g.weight", "g.bias"))
+    assert owner.f is shared and owner.f.weight is shared.weight  # the owner's stage untouched
+    assert worker.module.g is not shared and worker.module.g.weight is not shared.weight
+    assert worker.module.out is copy_stage.out  # what holds no copy stays shared
+    assert torch.equal(worker.module.g.weight, shared.weight)
+
+
+def test_every_name_of_a_copy_gets_the_copy() -> None:
+    """A tensor registered twice in one module of the copy's stage kept the owner's tensor
+    under its second name (never updated on the copy's rank)."""
+    embed = nn.Embedding(5, 3)
+    mix = nn.Module()
+    mix.register_parameter("a", embed.weight)
+    mix.register_parameter("a2", embed.weight)
+    worker = _copy_worker(nn.Sequential(OrderedDict(mix=mix)), ("mix.a",))
+    fresh = worker.module.mix
+    assert fresh.a is fresh.a2 and fresh.a is not embed.weight
+    assert mix.a is embed.weight and mix.a2 is embed.weight
 
 
 def test_untied_training_is_measurably_different() -> None:
