@@ -40,6 +40,7 @@ from pipedream.formats.units import format_bytes
 from pipedream.optimizer.cost_model import LayerCosts
 from pipedream.optimizer.minmax import FloatArray
 from pipedream.optimizer.table_memory import worker_memory
+from pipedream.optimizer.tied_costs import TiedLayers
 from pipedream.optimizer.tree import (
     Cluster,
     Leaf,
@@ -196,8 +197,9 @@ def _candidate(
     ranks = placement(num_stages, per_copy)
     names = profile.layer_names
     model = cluster.model(0)
+    traded = replace(costs, tied=_traded_across_ranks(costs.tied, spans, ranks))
     stage_costs = [
-        model.stage_cost(costs, first=first, last=last, replicas=copies) for first, last in spans
+        model.stage_cost(traded, first=first, last=last, replicas=copies) for first, last in spans
     ]
     stage_ms = tuple(cost.total_ms for cost in stage_costs)
     plan = Plan(
@@ -327,6 +329,24 @@ def placed_candidates(
     return [], (
         f"schedule {schedule!r} on {workers} workers is too big to simulate; use fewer microbatches"
     )
+
+
+def _traded_across_ranks(
+    tied: TiedLayers, spans: Sequence[tuple[int, int]], ranks: Sequence[int]
+) -> TiedLayers:
+    """The tied parameters whose stages are on more than one rank: an owner and its copies
+    on one rank (the V's first and last stage) hand over in memory and trade nothing."""
+    rank_of_layer = {
+        layer: ranks[stage]
+        for stage, (first, last) in enumerate(spans)
+        for layer in range(first, last + 1)
+    }
+    kept = [
+        (members, nbytes)
+        for members, nbytes in zip(tied.members, tied.nbytes)
+        if len({rank_of_layer[layer] for layer in members}) > 1
+    ]
+    return TiedLayers(tuple(m for m, _ in kept), tuple(b for _, b in kept))
 
 
 def copy_counts(workers: int) -> list[int]:

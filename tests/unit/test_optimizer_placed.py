@@ -156,6 +156,11 @@ def _tied(*layers: str, size: int = 0) -> Profile:
     return replace(EIGHT, tied=(TiedParameter("embed.weight", layers, size),))
 
 
+def _stage_ms(plan: Plan) -> tuple[float, ...]:
+    assert plan.prediction is not None
+    return plan.prediction.stage_ms
+
+
 def _time(plan: Plan) -> float:
     assert plan.prediction is not None
     return plan.prediction.time_per_minibatch_ms
@@ -184,6 +189,11 @@ def test_a_tie_across_stages_costs_its_copy_and_its_messages() -> None:
         ("zbv", 0): 170.0,
         ("zbv", 400_000): 170.0,
     }
+    # the stage table charges the V's first and last stage no trading either (4 MB would
+    # take 200 ms per microbatch)
+    big = _tied("l0", "l7", size=4_000_000)
+    zbv_big = plan_profile(big, topology=slow, options=PlanOptions("zbv", **options)).plan
+    assert _stage_ms(zbv_big) == _stage_ms(plans["zbv", 0]) == (20.0, 20.0, 20.0, 20.0)
     zbv = plans["zbv", 400_000]
     assert [s.ranks[0] for s in zbv.stages] == [0, 1, 1, 0]
     assert zbv.prediction is not None
