@@ -16,9 +16,9 @@ from pipedream.data import MicrobatchStream
 from pipedream.runtime.train import IN_ORDER_ENV
 from pipedream.workload import load_workload
 
-from oracles import plain_training, stale_oracle
+from oracles import stale_oracle
 from runs import train_and_load
-from tied_gpt import ARGS, MICROBATCH
+from tied_gpt import ARGS, MICROBATCH, plain_tied_training
 
 pytestmark = pytest.mark.slow  # launches processes: not in the fast lane (-m "not slow")
 
@@ -142,15 +142,5 @@ def test_several_stages_per_rank_equal_tied_training(
         env=env,
     )
     assert got["head.weight"] is got["embed.tok.weight"]
-    workload = load_workload("gpt", ARGS)
-    data = MicrobatchStream(workload.dataset, B, 0)
-    want = plain_training(
-        workload.model,
-        num_updates=steps,
-        batch=lambda k: tuple(  # type: ignore[arg-type]
-            torch.cat(part) for part in zip(*(data.microbatch(k * m + j) for j in range(m)))
-        ),
-        loss_fn=workload.loss_fn,
-        optimizer=workload.optimizer,
-    )
+    want = plain_tied_training(steps=steps, microbatches=m)
     assert _diff(got, {k: v for k, v in want.items() if k != "head.weight"}) < 1e-5

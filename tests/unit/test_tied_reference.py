@@ -6,7 +6,6 @@ for the synchronous schedules, the documented rule for the asynchronous ones."""
 
 from __future__ import annotations
 
-import copy
 from collections import OrderedDict
 
 import pytest
@@ -18,9 +17,9 @@ from pipedream.runtime.stage_layout import build_stage_module
 from pipedream.runtime.stage_worker import StageWorker, TiedLinks, WorkerConfig
 from pipedream.workload import load_workload
 
-from oracles import plain_training, replicated_oracle, stale_oracle
+from oracles import replicated_oracle, stale_oracle
 from reference_run import reference_layout_weights
-from tied_gpt import ARGS, LAYERS, MICROBATCH
+from tied_gpt import ARGS, LAYERS, MICROBATCH, plain_tied_training
 
 B = MICROBATCH
 CUTS = {  # the embedding on the first stage, the head on the last
@@ -58,17 +57,7 @@ def _data() -> MicrobatchStream:
 def test_flush_schedules_equal_tied_single_process_training(schedule: str, num_stages: int) -> None:
     m, steps = 3, 4
     got = _run(CUTS[num_stages], schedule, m, steps)
-    data, workload = _data(), load_workload("gpt", ARGS)
-    want = plain_training(
-        workload.model,
-        num_updates=steps,
-        batch=lambda k: tuple(  # type: ignore[arg-type]
-            torch.cat(part) for part in zip(*(data.microbatch(k * m + j) for j in range(m)))
-        ),
-        loss_fn=workload.loss_fn,
-        optimizer=workload.optimizer,
-    )
-    assert _diff(got, want) < 1e-5
+    assert _diff(got, plain_tied_training(steps=steps, microbatches=m)) < 1e-5
 
 
 @pytest.mark.parametrize(
@@ -87,17 +76,7 @@ def test_several_stages_per_rank_equal_tied_single_process_training(
     m, steps = 2, 4
     got = _run(CUTS[4], schedule, m, steps, placement=placement, replicas=replicas)
     copies = replicas[0] if replicas else 1
-    data, workload = _data(), load_workload("gpt", ARGS)
-    want = plain_training(
-        workload.model,
-        num_updates=steps // copies,
-        batch=lambda k: tuple(  # type: ignore[arg-type]
-            torch.cat(part)
-            for part in zip(*(data.microbatch(copies * k * m + j) for j in range(copies * m)))
-        ),
-        loss_fn=workload.loss_fn,
-        optimizer=workload.optimizer,
-    )
+    want = plain_tied_training(steps=steps, microbatches=m, copies=copies)
     assert _diff(got, want) < 1e-5
 
 
@@ -170,18 +149,7 @@ def test_untied_training_is_measurably_different() -> None:
     """What the runtime did before ties were handled (each stage trained its own copy)."""
     m, steps = 3, 4
     got = _run(CUTS[3], "1f1b", m, steps)
-    data, workload = _data(), load_workload("gpt", ARGS)
-    untied = copy.deepcopy(workload.model)
-    untied.head.weight = nn.Parameter(untied.head.weight.detach().clone())
-    want = plain_training(
-        untied,
-        num_updates=steps,
-        batch=lambda k: tuple(  # type: ignore[arg-type]
-            torch.cat(part) for part in zip(*(data.microbatch(k * m + j) for j in range(m)))
-        ),
-        loss_fn=workload.loss_fn,
-        optimizer=workload.optimizer,
-    )
+    want = plain_tied_training(steps=steps, microbatches=m, untie=True)
     assert _diff(got, {k: v for k, v in want.items() if k != "head.weight"}) > 1e-3
 
 
@@ -189,17 +157,7 @@ def test_recomputation_and_replicas_equal_tied_training() -> None:
     """Both stages with 2 replicas: data parallelism over 2 minibatches per update."""
     m, steps = 2, 4
     got = _run(CUTS[2], "1f1b", m, steps, replicas=[2, 2], recompute=True)
-    data, workload = _data(), load_workload("gpt", ARGS)
-    want = plain_training(
-        workload.model,
-        num_updates=steps // 2,
-        batch=lambda k: tuple(  # type: ignore[arg-type]
-            torch.cat(part) for part in zip(*(data.microbatch(2 * k * m + j) for j in range(2 * m)))
-        ),
-        loss_fn=workload.loss_fn,
-        optimizer=workload.optimizer,
-    )
-    assert _diff(got, want) < 1e-5
+    assert _diff(got, plain_tied_training(steps=steps, microbatches=m, copies=2)) < 1e-5
 
 
 @pytest.mark.parametrize(
