@@ -177,9 +177,9 @@ def _note_fewer(
 def _alike_ms(*plans: Plan, profile: Profile, topology: Topology) -> list[float] | None:
     """The predicted times of ``plans``, all by formula or all simulated (None where one of
     them is too big to simulate)."""
-    predictions = [plan.prediction for plan in plans]
-    assert all(p is not None for p in predictions)
-    if all(p.method == predictions[0].method for p in predictions):  # type: ignore[union-attr]
-        return [p.time_per_minibatch_ms for p in predictions]  # type: ignore[union-attr]
+    predictions = [plan.prediction for plan in plans if plan.prediction is not None]
+    if len(predictions) == len(plans) and len({p.method for p in predictions}) == 1:
+        return [p.time_per_minibatch_ms for p in predictions]
     times = [simulated_ms(plan, profile, topology) for plan in plans]
-    return None if any(t is None for t in times) else times  # type: ignore[return-value]
+    known = [t for t in times if t is not None]
+    return known if len(known) == len(plans) else None
