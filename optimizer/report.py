@@ -88,7 +88,7 @@ def format_summary(
         f"predicted time per minibatch: {prediction.time_per_minibatch_ms:.3f} ms "
         f"-> {prediction.throughput_samples_per_s:.1f} samples/s "
         f"(bottleneck: stage {prediction.bottleneck}" + _how_predicted(plan),
-        f"data parallel on {plan.world_size} workers: "
+        f"data parallel on {result.cluster.num_workers} workers: "
         f"{prediction.data_parallel_time_per_minibatch_ms:.3f} ms per minibatch "
         f"(this plan is {speedup:.2f}x as fast)",
     ]

@@ -166,4 +166,7 @@ def test_fewer_workers_are_compared_by_simulation_too(
     assert "predicted time per minibatch: 291.472 ms" in out
     assert "note:" not in out
     assert main([*argv, "--fewer-workers", "-o", str(tmp_path / "fewer.yaml")]) == 0
-    assert "predicted time per minibatch: 361.886 ms" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "predicted time per minibatch: 361.886 ms" in out
+    # the data-parallel time is that of the 4 workers, and the line says so (it said 3)
+    assert "data parallel on 4 workers: 583.206 ms per minibatch" in out
