@@ -113,7 +113,7 @@ def _how_predicted(plan: Plan) -> str:
     assert plan.prediction is not None
     if plan.prediction.method != "simulated":
         if needs_simulation(plan):  # the formula stands: too big to simulate
-            return "; the formula: too big to simulate, `pipedream simulate` may take longer)"
+            return "; by the formula: too big to simulate, which may give more)"
         return ")"
     record = lookup(plan.schedule)
     if record.several_stages_per_rank:
