@@ -109,7 +109,6 @@ def _table(spec: PipelineSpec, stage: int, replica: int) -> list[Action]:
     """One stage replica's table: its compute order with the communication around it."""
     table: list[Action] = []
     versions = forward_versions(spec, stage, replica)
-    copies = spec.tie_copies(stage)
     receiver = _VersionReceiver(spec, spec.stage_ranks[stage][replica], table)
     for op, index in compute_order(spec, stage, replica):
         if op is Op.FORWARD:
@@ -117,18 +116,11 @@ def _table(spec: PipelineSpec, stage: int, replica: int) -> list[Action]:
         if op.is_compute:
             table += _with_messages(spec, op, stage, index, versions[index])
         elif op is Op.SEND_TIED_GRAD:  # to the owners' replicas of minibatch `index`
-            for owner in spec.tie_owners(stage):
-                peer = spec.rank_of(owner, index)
-                table.append(Action(op, stage, index, peer=peer, peer_stage=owner))
+            table += _tied_gradients_sent(spec, stage, index)
         elif op is Op.RECV_TIED_GRAD:
-            for copy in copies:
-                peer = spec.rank_of(copy, index)
-                table.append(Action(op, stage, index, peer=peer, peer_stage=copy))
-        elif op is Op.SEND_WEIGHTS:  # to the copy replicas k with k mod replicas = replica
-            for copy in copies:
-                for k, peer in enumerate(spec.stage_ranks[copy]):
-                    if k % spec.replicas(stage) == replica:
-                        table.append(Action(op, stage, index, peer=peer, peer_stage=copy))
+            table += _tied_gradients_received(spec, stage, index)
+        elif op is Op.SEND_WEIGHTS:
+            table += _versions_sent(spec, stage, replica, index)
         else:
             table.append(Action(op, stage, index))
     receiver.finish()  # the copies end as the owners' final tensors
@@ -196,12 +188,14 @@ def _rank_table(spec: PipelineSpec, rank: int) -> list[Action]:
     order = schedule.rank_order(view, local, minibatches)
     for op, stage, index in _copies_close_first(order) if spec.tied else order:
         if op is CLOSE:
-            table += _tied_before_update(spec, stage, index)
+            table += _tied_gradients_sent(spec, stage, index)
+            table += _tied_gradients_received(spec, stage, index)
             if copies > 1:
                 table.append(Action(Op.ALLREDUCE, stage, updates_done[stage]))
             table.append(Action(Op.UPDATE, stage, updates_done[stage]))
             updates_done[stage] += 1
-            table += _versions_sent(spec, stage, rank, updates_done[stage])
+            replica = spec.stage_ranks[stage].index(rank)
+            table += _versions_sent(spec, stage, replica, updates_done[stage])
             continue
         if op is Op.FORWARD:
             versions[stage, index] = schedule.version(spec, stage, index, updates_done[stage])
@@ -221,11 +215,10 @@ def _copies_close_first(order: Sequence[RankEntry]) -> list[RankEntry]:
     return out
 
 
-def _tied_before_update(spec: PipelineSpec, stage: int, minibatch: int) -> list[Action]:
-    """A stage's tied exchanges before its update of ``minibatch``: its copies' gradients sent
-    to their owners' replicas of the minibatch, the gradients of its own tensors' copies
-    received."""
-    sends = [
+def _tied_gradients_sent(spec: PipelineSpec, stage: int, minibatch: int) -> list[Action]:
+    """The sends of a stage's copies' gradients of ``minibatch`` to their owners' replicas
+    of the minibatch, before its update."""
+    return [
         Action(
             Op.SEND_TIED_GRAD,
             stage,
@@ -235,24 +228,27 @@ def _tied_before_update(spec: PipelineSpec, stage: int, minibatch: int) -> list[
         )
         for owner in spec.tie_owners(stage)
     ]
-    receives = [
+
+
+def _tied_gradients_received(spec: PipelineSpec, stage: int, minibatch: int) -> list[Action]:
+    """The receives of the gradients of ``minibatch`` from the copies of a stage's tensors,
+    before its update."""
+    return [
         Action(
             Op.RECV_TIED_GRAD, stage, minibatch, peer=spec.rank_of(copy, minibatch), peer_stage=copy
         )
         for copy in spec.tie_copies(stage)
     ]
-    return sends + receives
 
 
-def _versions_sent(spec: PipelineSpec, stage: int, rank: int, version: int) -> list[Action]:
-    """An owner's sends of the version its update made, to its copies in its own copy of the
-    pipeline (replica ``j`` of every stage is in copy ``j``)."""
-    replica = spec.stage_ranks[stage].index(rank)
+def _versions_sent(spec: PipelineSpec, stage: int, replica: int, version: int) -> list[Action]:
+    """An owner replica's sends of the version its update made: to the copy replicas ``k``
+    with ``k mod r_owner = replica`` (under whole-pipeline copies, its own copy's)."""
     return [
-        Action(
-            Op.SEND_WEIGHTS, stage, version, peer=spec.stage_ranks[copy][replica], peer_stage=copy
-        )
+        Action(Op.SEND_WEIGHTS, stage, version, peer=peer, peer_stage=copy)
         for copy in spec.tie_copies(stage)
+        for k, peer in enumerate(spec.stage_ranks[copy])
+        if k % spec.replicas(stage) == replica
     ]
 
 
