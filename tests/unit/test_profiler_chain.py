@@ -51,8 +51,8 @@ def test_backward_is_split_at_the_first_node_of_each_layer(
 
 
 def test_sleeping_layers_get_their_own_times() -> None:
-    # forward 4/8/16 ms, backward 6/12/24 ms: each layer's time must land on that layer
-    sleeps = [(4.0, 6.0), (8.0, 12.0), (16.0, 24.0)]
+    # forward 10/20/40 ms, backward 15/30/60 ms: each layer's time must land on that layer
+    sleeps = [(10.0, 15.0), (20.0, 30.0), (40.0, 60.0)]
     layers = [SleepLayer((2, 4), forward_ms=f, backward_ms=b) for f, b in sleeps]
     chain = [
         ChainLayer(lambda x, layer=layer: (layer(x),), (str(i),), (str(i + 1),))
@@ -61,10 +61,11 @@ def test_sleeping_layers_get_their_own_times() -> None:
     x = torch.zeros(2, 4, requires_grad=True)
     params = [p for layer in layers for p in layer.parameters()]
     times = time_chain(chain, {"0": x}, params, device=torch.device("cpu"), warmup=1, repeats=5)
-    # a layer charged with its neighbour's time would be off by 4 ms or more
+    # a layer charged with its neighbour's time would be off by 10 ms or more; a sleep on a
+    # busy host oversleeps by a few ms, so the bound is the smallest neighbour's time
     for (forward, backward), (f, b) in zip(times, sleeps):
-        assert f <= forward < f + 4.0
-        assert b <= backward < b + 4.0
+        assert f <= forward < f + 10.0
+        assert b <= backward < b + 10.0
     assert all(p.grad is None for p in params)
 
 
@@ -125,8 +126,10 @@ def test_an_in_place_layer_keeps_its_own_backward() -> None:
         repeats=3,
     )
     (linear_f, linear_b), (sleep_f, sleep_b) = times
-    assert 10.0 <= sleep_f < 13.0 and 20.0 <= sleep_b < 23.0
-    assert linear_f < 3.0 and linear_b < 3.0
+    # misplaced, the 20 ms backward would land on the linear layer and leave ~0 here; the
+    # bounds tolerate a busy host's oversleeping (a CI run measured the 20 ms sleep at 28 ms)
+    assert sleep_f >= 10.0 and sleep_b >= 20.0
+    assert linear_f < 10.0 and linear_b < 10.0
 
 
 def test_every_computing_layer_gets_positive_times() -> None:
