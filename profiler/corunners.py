@@ -273,6 +273,24 @@ def _to_devnull(fd: int) -> None:
     os.close(devnull)
 
 
+def _announce_ready(signal_fd: int) -> None:
+    """Mark stderr, then tell the profiler on ``signal_fd`` (a copy of stdout) and close it;
+    from then on stderr too goes to /dev/null (a line per step would fill the profiler's file
+    for as long as it measures), but for the error line, which goes to a copy.
+
+    The mark comes first: once the profiler reads the ready line it may find this process
+    gone (killed), and explains that by the stderr lines after the mark, never by what the
+    workload printed while it started.
+    """
+    global _error_fd
+    sys.stderr.flush()
+    os.write(2, f"{STDERR_READY}\n".encode())
+    os.write(signal_fd, f"{READY}\n".encode())
+    os.close(signal_fd)
+    _error_fd = os.dup(2)
+    _to_devnull(2)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Co-runner entry point: train until standard input closes."""
     argv = sys.argv[1:] if argv is None else argv
@@ -284,18 +302,6 @@ def main(argv: list[str] | None = None) -> int:
     # goes nowhere (nobody reads the pipe after that line: a full pipe would block training)
     signal_fd = os.dup(1)
     _to_devnull(1)
-
-    def ready() -> None:
-        os.write(signal_fd, f"{READY}\n".encode())
-        os.close(signal_fd)
-        # stderr too from now on (a line per step would fill the profiler's file for as long
-        # as it measures), but for the error line: it goes to a copy
-        global _error_fd
-        sys.stderr.flush()
-        os.write(2, f"{STDERR_READY}\n".encode())
-        _error_fd = os.dup(2)
-        _to_devnull(2)
-
     stop = threading.Event()
 
     def watch_input() -> None:
@@ -303,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         stop.set()
 
     threading.Thread(target=watch_input, daemon=True).start()
-    _train(spec, stop, ready)
+    _train(spec, stop, lambda: _announce_ready(signal_fd))
     return 0
 
 

@@ -165,6 +165,23 @@ def test_a_corunner_killed_once_ready_is_not_explained_by_its_startup_output(
     assert _corunner_children() == []
 
 
+def test_a_corunner_marks_stderr_before_it_says_it_is_ready(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the profiler may kill (or see killed) a co-runner as soon as it reads the ready line; the
+    # mark must already be on stderr, or the startup output explains the death (a CI run read
+    # "startup noise (killed by signal 9 ...)" this way)
+    writes: list[tuple[int, bytes]] = []
+    monkeypatch.setattr(corunners.os, "write", lambda fd, data: writes.append((fd, data)))
+    monkeypatch.setattr(corunners.os, "close", lambda fd: None)
+    monkeypatch.setattr(corunners.os, "dup", lambda fd: 99)
+    monkeypatch.setattr(corunners, "_to_devnull", lambda fd: None)
+    monkeypatch.setattr(corunners, "_error_fd", 2)
+    corunners._announce_ready(7)
+    assert writes == [(2, b"pipedream-corunner-ready\n"), (7, b"ready\n")]
+    assert corunners._error_fd == 99
+
+
 def test_a_corunner_that_fails_to_start_is_one_clear_error_and_leaves_nothing() -> None:
     with pytest.raises(RunFailure) as info:
         with Corunners(_spec("no_such_module_here:factory"), num_corunners=2):
