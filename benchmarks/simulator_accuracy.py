@@ -246,6 +246,8 @@ def network(
     if hosts:  # messages that load the host: each process's one gloo thread carries them all
         argv += ["--per-rank", "1"]
         described += ", one link per rank"
+    else:  # links of their own, without the planner's network interface per rank
+        argv += ["--interface", "inf"]
     return argv, described
 
 

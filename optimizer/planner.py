@@ -39,6 +39,7 @@ from pipedream.optimizer.cost_model import (
 )
 from pipedream.optimizer.memory import MemoryModel
 from pipedream.optimizer.placed import PLACED, copy_counts, placed_candidates
+from pipedream.optimizer.refine import Moves, Refined, refine
 from pipedream.optimizer.search import (
     AUTO_MICROBATCHES,
     Outcome,
@@ -56,7 +57,7 @@ from pipedream.optimizer.tree import (
     evaluate_tree,
     leaf_ranks,
 )
-from pipedream.optimizer.verify import needs_simulation, simulated_ms
+from pipedream.optimizer.verify import needs_simulation, simulated_ms, simulated_run, steady_ms
 from pipedream.schedules import SCHEDULES, lookup
 
 __all__ = [
@@ -71,6 +72,14 @@ __all__ = [
 
 AUTO = "auto"
 """``--schedule auto``: search the schedules and numbers of microbatches."""
+
+REFINE_BUDGET = 100_000
+"""The simulation work (simulated events and messages, all simulations together) the local
+search around a simulated plan may spend: a few seconds of planning at most."""
+
+REFINE_DOUBLINGS = 2
+"""How often a simulation of the local search may double its run to find a steady state
+(the planner's own allow more): a plan whose runs never settle costs the search little."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +118,8 @@ class PlanResult:
     """Per-stage times and memory."""
     candidates: tuple[Outcome, ...] = ()
     """With ``auto``: every schedule and number of microbatches tried, best first."""
+    refined: Refined | None = None
+    """The local search by simulation around the simulated candidates, where it ran."""
 
 
 def _check_options(options: PlanOptions) -> None:
@@ -156,6 +167,7 @@ def plan_profile(profile: Profile, *, topology: Topology, options: PlanOptions) 
     )
     candidates: tuple[Outcome, ...] = ()
     simulated_auto = False
+    refined = None
     if options.schedule in PLACED:
         found_placed, problem = placed_candidates(
             profile,
@@ -208,14 +220,14 @@ def plan_profile(profile: Profile, *, topology: Topology, options: PlanOptions) 
     elif needs_simulation(plan):
         best = _fastest_simulated(profile, topology, request, outcome)
         if best is not None:
-            plan, evaluation, tree = best
+            plan, evaluation, tree, refined = best
             assert plan.prediction is not None
             if candidates:  # the chosen row shows what was chosen
                 chosen = replace(
                     outcome, tree=tree, time_per_minibatch_ms=plan.prediction.time_per_minibatch_ms
                 )
                 candidates = (chosen, *candidates[1:])
-    return PlanResult(plan, tree, outcome.cluster, evaluation, candidates)
+    return PlanResult(plan, tree, outcome.cluster, evaluation, candidates, refined)
 
 
 def _placed_outcomes(
@@ -287,9 +299,10 @@ def _simulated_outcomes(
 
 def _fastest_simulated(
     profile: Profile, topology: Topology, request: Request, outcome: Outcome
-) -> tuple[Plan, TreeEvaluation, Tree] | None:
+) -> tuple[Plan, TreeEvaluation, Tree, Refined | None] | None:
     """The fastest of the DP's plan, the best straight pipeline and data parallelism (same
-    schedule and ``m``), all simulated (``verify``), with the simulated time of data
+    schedule and ``m``), all simulated (``verify``), then of the plans a local search by
+    simulation finds beside it (:func:`_refine`), with the simulated time of data
     parallelism for the summary's line (also where it does not fit or may not be chosen);
     None when one is too big to simulate or none fits (the formula stands)."""
     assert outcome.tree is not None
@@ -323,6 +336,17 @@ def _fastest_simulated(
     if not found:
         return None
     time_ms, plan, evaluation, tree = min(found, key=lambda item: item[0])
+    refined = _refine(profile, topology, request, outcome, tree, time_ms)
+    if refined is not None and refined.tree != tree:
+        found_plan, found_evaluation = build_plan(
+            profile, tree=refined.tree, cluster=outcome.cluster, schedule=outcome.schedule
+        )
+        # the search's runs may stop short of a steady state; the prediction's may not, and
+        # has the last word
+        found_ms = simulated_ms(found_plan, profile, topology)
+        if found_ms is not None and found_ms < time_ms:
+            plan, evaluation, tree, time_ms = found_plan, found_evaluation, refined.tree, found_ms
+        refined = replace(refined, tree=tree, time_ms=time_ms)
     assert plan.prediction is not None and data_parallel_ms is not None
     prediction = replace(
         plan.prediction,
@@ -331,7 +355,52 @@ def _fastest_simulated(
         data_parallel_time_per_minibatch_ms=data_parallel_ms,
         method="simulated",
     )
-    return replace(plan, prediction=prediction), evaluation, tree
+    return replace(plan, prediction=prediction), evaluation, tree, refined
+
+
+def _refine(
+    profile: Profile,
+    topology: Topology,
+    request: Request,
+    outcome: Outcome,
+    start: Tree,
+    start_ms: float,
+) -> Refined | None:
+    """The local search by simulation (:mod:`~pipedream.optimizer.refine`) from ``start``,
+    under the plan's schedule, ``m``, memory limit and options; None where it does not run:
+    a topology of several levels, or the original optimizer's arithmetic
+    (``--cost-model pipedream``), which the planner reproduces rather than improves on."""
+    cluster = outcome.cluster
+    if len(cluster.workers) > 1 or request.cost_model == "pipedream":
+        return None
+    record = lookup(outcome.schedule)
+    m = outcome.microbatches
+    moves = Moves(
+        num_workers=cluster.workers[0],
+        replicate=record.replicates and not request.straight,
+        fewer_workers=request.use_fewer_workers,
+        max_stages=m if record.microbatches_at_least_stages else None,
+    )
+
+    def simulate(tree: Tree) -> tuple[float | None, int]:
+        plan, evaluation = build_plan(
+            profile, tree=tree, cluster=cluster, schedule=outcome.schedule
+        )
+        limit = request.memory_limit
+        if limit is not None and max(leaf.memory_bytes for leaf in evaluation.leaves) > limit:
+            return None, 0
+        run = simulated_run(plan, profile, topology, max_doublings=REFINE_DOUBLINGS)
+        work = 0 if run is None else len(run.events) + len(run.messages)
+        return steady_ms(run), work
+
+    return refine(
+        start,
+        start_ms,
+        simulate=simulate,
+        moves=moves,
+        layer_ms=request.costs.compute_ms,
+        budget=REFINE_BUDGET,
+    )
 
 
 def make_plan(profile: Profile, *, topology: Topology, options: PlanOptions) -> Plan:

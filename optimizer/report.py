@@ -8,6 +8,7 @@ from pipedream.formats.topology import Topology
 from pipedream.formats.units import format_bytes
 from pipedream.optimizer.baselines import Baseline
 from pipedream.optimizer.planner import PlanResult
+from pipedream.optimizer.refine import Refined
 from pipedream.optimizer.verify import needs_simulation
 from pipedream.schedules import lookup
 
@@ -92,6 +93,7 @@ def format_summary(
         f"{prediction.data_parallel_time_per_minibatch_ms:.3f} ms per minibatch "
         f"(this plan is {speedup:.2f}x as fast)",
     ]
+    lines += _search_lines(result.refined)
     lines += _tied_lines(result, profile)
     if plan.steps_multiple > 1:
         counts = ", ".join(str(c) for c in sorted({s.replicas for s in plan.stages} - {1}))
@@ -125,6 +127,23 @@ def _how_predicted(plan: Plan) -> str:
     else:
         why = "the formula idealizes a pipeline's round trips and uneven stages"
     return f"; simulated: {why})"
+
+
+def _search_lines(refined: Refined | None) -> list[str]:
+    """What the local search by simulation tried, and what it gained."""
+    if refined is None or refined.tried == 0:
+        return []
+    head = f"local search by simulation: {refined.tried} plan{'s' if refined.tried > 1 else ''}"
+    if refined.time_ms < refined.start_ms:
+        gained = (
+            f" tried, from {refined.start_ms:.3f} ms (the fastest of the dynamic program's "
+            f"plan, the best straight pipeline and data parallelism) to this plan's "
+            f"{refined.time_ms:.3f} ms"
+        )
+    else:
+        gained = " tried, none faster"
+    stopped = "; it stopped at its budget" if refined.budget_spent else ""
+    return [f"{head}{gained}{stopped}"]
 
 
 def _tied_lines(result: PlanResult, profile: Profile) -> list[str]:

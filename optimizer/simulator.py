@@ -25,7 +25,9 @@ with profiled costs instead of tensors:
   with a ``unit_capacity`` the transfers touching one innermost unit (a host) also share that
   many bytes/s in total; with a ``duplex`` factor a link's two directions move at once and
   share that many times its bandwidth; with a ``per_rank`` factor the transfers touching one
-  rank share that many times their link's bandwidth (:mod:`~pipedream.optimizer.transfers`);
+  rank share that many times their link's bandwidth; with an ``interface`` factor the
+  transfers a rank sends share that many times their link's bandwidth, and so do those it
+  receives (:mod:`~pipedream.optimizer.transfers`);
 * the runtime posts its receives ahead (on gloo), a few before each action by the rule of
   :mod:`~pipedream.schedules.posting`; posting one holds the receiving rank ``recv_ms`` there,
   an ``R`` event;
@@ -56,9 +58,11 @@ the second half of the run between the fill and the drain (each ``S`` times the 
 pattern's period, a bound on the minibatches in flight), over whole repetitions of the
 shortest cycle (a multiple of that period) all of whose repetitions there take the same time
 (:func:`steady_window`); without a length given, the simulation doubles the minibatches until
-such a cycle shows. With either spread there is no cycle: the time is the mean over the last
-:data:`SPREAD_MINIBATCHES` minibatches before the drain, after as many more past the fill
-(a backlog of transfers can take that long to build up).
+such a cycle shows, or until the average over that window, where none shows (transfers that
+share an interface can keep a pipeline from ever repeating itself exactly), moves by less than
+:data:`AVERAGE_TOLERANCE` from one run to the next. With either spread there is no cycle: the
+time is the mean over the last :data:`SPREAD_MINIBATCHES` minibatches before the drain, after
+as many more past the fill (a backlog of transfers can take that long to build up).
 Pure Python: no torch.
 """
 
@@ -170,6 +174,10 @@ class Network:
     per_rank: float | None = None
     """What one rank's transport moves in and out together, in multiples of a link's bandwidth
     (gloo: one thread per process carries all its messages, 1); None: no limit per rank."""
+    interface: float | None = None
+    """What one rank's network interface moves each way, in multiples of a link's bandwidth:
+    the transfers it sends over links of one bandwidth share that much, and so do those it
+    receives (1: a worker's interface is as fast as one link); None: no limit per rank."""
     message_spread: tuple[float, ...] | None = None
     """Ratios of one message's transfer time to the calibrated one (e.g. each repeat of a
     calibration over their median): every message moves its bytes times one drawn from them,
@@ -181,6 +189,7 @@ class Network:
         assert self.recv_ms >= 0, self.recv_ms
         assert self.duplex is None or 1 <= self.duplex <= 2, self.duplex
         assert self.per_rank is None or self.per_rank > 0, self.per_rank
+        assert self.interface is None or self.interface > 0, self.interface
         assert self.message_spread is None or (
             self.message_spread and min(self.message_spread) > 0
         ), self.message_spread
@@ -197,6 +206,7 @@ class Network:
         duplex: float | None = None,
         recv_ms: float = 0.0,
         per_rank: float | None = None,
+        interface: float | None = None,
         message_spread: tuple[float, ...] | None = None,
     ) -> Network:
         sizes, size = [], 1
@@ -207,14 +217,15 @@ class Network:
         return cls(
             tuple(sizes),
             bandwidths,
-            latency_ms,
-            unit_capacity,
-            send_ms,
-            send_ms_per_mib,
-            duplex,
-            recv_ms,
-            per_rank,
-            message_spread,
+            latency_ms=latency_ms,
+            unit_capacity=unit_capacity,
+            send_ms=send_ms,
+            send_ms_per_mib=send_ms_per_mib,
+            duplex=duplex,
+            recv_ms=recv_ms,
+            per_rank=per_rank,
+            interface=interface,
+            message_spread=message_spread,
         )
 
     def post_ms(self, num_bytes: float) -> float:
@@ -498,8 +509,22 @@ def simulate(
         steps *= 2
         if timeline.steady or (max_minibatches is not None and steps > max_minibatches):
             break
-        timeline = _simulate(plan, work, network, steps)
+        longer = _simulate(plan, work, network, steps)
+        if not longer.steady and _settled(timeline, longer):
+            return longer
+        timeline = longer
     return timeline
+
+
+AVERAGE_TOLERANCE = 0.01
+"""Relative difference below which the averages of two runs without a steady cycle, one twice
+as long as the other, count as settled (no longer run is simulated)."""
+
+
+def _settled(shorter: Timeline, longer: Timeline) -> bool:
+    """Whether a run with no steady cycle and its double agree on the average time."""
+    a, b = shorter.time_per_minibatch_ms, longer.time_per_minibatch_ms
+    return math.isfinite(a) and math.isfinite(b) and abs(a - b) <= AVERAGE_TOLERANCE * max(a, b)
 
 
 JITTER = 0.05
@@ -622,9 +647,10 @@ class _Run:
         self.heap: list[tuple[float, int]] = [(0.0, rank) for rank in sorted(tables)]
         self.queued = set(self.heap)  # a rank queued twice for one time would be asked twice
         self.pool = None
-        if any(x is not None for x in (network.unit_capacity, network.duplex, network.per_rank)):
+        pooled = (network.unit_capacity, network.duplex, network.per_rank, network.interface)
+        if any(x is not None for x in pooled):
             per_unit = math.inf if network.unit_capacity is None else network.unit_capacity / 1e3
-            self.pool = TransferPool(per_unit, network.duplex, network.per_rank)
+            self.pool = TransferPool(per_unit, network.duplex, network.per_rank, network.interface)
         self.pool_version = 0  # heap entries (t, -1 - version) are the pool's completions
         # per (rank, stage): a rank may run several stages, each with its own versions
         self.uses = {

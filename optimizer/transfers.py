@@ -30,10 +30,17 @@ share ``per_rank`` x their link's bandwidth: a rank's transport moves that much 
 has one transport thread per process, which reads every incoming message and writes every
 outgoing one, so two links that share a rank each move about half as much as one alone: about
 one link's worth per rank (``per_rank`` = 1).
+
+With an interface factor (``interface``), a rank's network interface moves ``interface`` x a
+link's bandwidth each way: the transfers a rank sends over links of one bandwidth share that
+much, and so do those it receives. A worker receiving activations from several replicas of
+the stage before it takes them in no faster than its interface allows, however many links
+lead to it (links of another bandwidth, another level's, go through another interface).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,22 +69,32 @@ class Transfer:
     """The sending rank (its direction on the link; None: one of the link's ends)."""
     rate: float = field(default=0.0)
     """Bytes per ms now."""
+    ways: tuple[tuple[int, bool, float], ...] = field(default=())
+    """The interfaces it goes through, ``(rank, sending, link rate)``: filled by the pool
+    where it has an interface factor."""
 
 
 class TransferPool:
     """Active and queued transfers under a per-unit capacity (bytes per ms) and, optionally, a
-    duplex factor (what a link's two directions move together) and a per-rank factor (what one
-    rank moves in all), in multiples of the link's bandwidth (module docstring)."""
+    duplex factor (what a link's two directions move together), a per-rank factor (what one
+    rank moves in all) and an interface factor (what one rank moves each way), in multiples of
+    the link's bandwidth (module docstring)."""
 
     def __init__(
-        self, capacity_per_ms: float, duplex: float | None = None, per_rank: float | None = None
+        self,
+        capacity_per_ms: float,
+        duplex: float | None = None,
+        per_rank: float | None = None,
+        interface: float | None = None,
     ) -> None:
         assert capacity_per_ms > 0, capacity_per_ms
         assert duplex is None or 1 <= duplex <= 2, duplex
         assert per_rank is None or per_rank > 0, per_rank
+        assert interface is None or interface > 0, interface
         self.capacity = capacity_per_ms
         self.duplex = duplex
         self.per_rank = per_rank
+        self.interface = interface
         self.now = 0.0
         self.active: list[Transfer] = []
         self.queued: dict[tuple[Any, ...], deque[Transfer]] = {}
@@ -96,34 +113,60 @@ class TransferPool:
         self.now = max(self.now, now)
 
     def _rerate(self) -> None:
+        """Every active transfer's rate: its link's, or less where a limit is shared (only the
+        limits the pool has are counted)."""
+        bounded = math.isfinite(self.capacity)
         load: dict[int, int] = {}
         on_link: dict[tuple[int, int], int] = {}
         on_rank: dict[int, int] = {}
+        each_way: dict[tuple[int, bool, float], int] = {}  # (rank, sending, link rate)
         for transfer in self.active:
-            for unit in transfer.units:
-                load[unit] = load.get(unit, 0) + 1
-            on_link[transfer.link] = on_link.get(transfer.link, 0) + 1
-            for rank in transfer.link:
-                on_rank[rank] = on_rank.get(rank, 0) + 1
-        for transfer in self.active:
-            share = min(self.capacity / load[unit] for unit in transfer.units)
+            if bounded:
+                for unit in transfer.units:
+                    load[unit] = load.get(unit, 0) + 1
             if self.duplex is not None:
-                share = min(share, self.duplex * transfer.link_rate / on_link[transfer.link])
+                on_link[transfer.link] = on_link.get(transfer.link, 0) + 1
+            if self.per_rank is not None:
+                for rank in transfer.link:
+                    on_rank[rank] = on_rank.get(rank, 0) + 1
+            if self.interface is not None:
+                for way in transfer.ways:
+                    each_way[way] = each_way.get(way, 0) + 1
+        for transfer in self.active:
+            rate = transfer.link_rate
+            if bounded:
+                rate = min(rate, min(self.capacity / load[unit] for unit in transfer.units))
+            if self.duplex is not None:
+                rate = min(rate, self.duplex * transfer.link_rate / on_link[transfer.link])
             if self.per_rank is not None:
                 busiest = max(on_rank[rank] for rank in transfer.link)
-                share = min(share, self.per_rank * transfer.link_rate / busiest)
-            transfer.rate = min(transfer.link_rate, share)
+                rate = min(rate, self.per_rank * transfer.link_rate / busiest)
+            if self.interface is not None:
+                busiest = max(each_way[way] for way in transfer.ways)
+                rate = min(rate, self.interface * transfer.link_rate / busiest)
+            transfer.rate = rate
 
     def start(self, now: float, transfer: Transfer) -> None:
         """Post ``transfer`` at ``now``; it waits while its link (or direction) is busy."""
         self._advance(now)
         assert self.duplex is None or transfer.source in transfer.link, transfer
+        self._admit(transfer)
         lane = self._lane(transfer)
         if any(self._lane(t) == lane for t in self.active):
             self.queued.setdefault(lane, deque()).append(transfer)
             return
         self.active.append(transfer)
         self._rerate()
+
+    def _admit(self, transfer: Transfer) -> None:
+        """Note the interfaces a transfer goes through (once, when it is posted): its
+        sender's outgoing one and its receiver's incoming one, at its link's bandwidth."""
+        if self.interface is not None:
+            assert transfer.source in transfer.link, transfer
+            low, high = transfer.link
+            target = high if transfer.source == low else low
+            rate = transfer.link_rate
+            transfer.ways = ((transfer.source, True, rate), (target, False, rate))
 
     def next_completion(self) -> float | None:
         """When the first active transfer ends at the current rates (None: nothing moves)."""

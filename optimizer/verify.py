@@ -9,24 +9,30 @@ dynamic program's objective. As a prediction it idealizes every pipeline:
   minibatches in flight per replica, too few for that where transfers or a replicated stage's
   allreduce are long. On the original ResNet-50 profile, 6 workers at 1 GB/s, the formula says
   106.0 ms per minibatch for a 3-2-1 split, 1.23x faster than data parallelism; the simulation
-  of the very tables the runtime runs says 249.1 ms, against 130.7 ms for data parallelism
+  of the very tables the runtime runs says 286.2 ms, against 130.7 ms for data parallelism
   (which the PipeDream paper also found best for ResNet-50 on its GPUs), and 406.8 ms for the
-  formula's 278.4 ms of a 2-stage pipeline on 2 workers. VGG-16's 3-1 and 7-1 splits simulate
-  within 3% of the formula, as the paper's speed-ups for it say;
+  formula's 278.4 ms of a 2-stage pipeline on 2 workers. VGG-16's 7-1 split simulates within
+  3% of the formula, as the paper's speed-ups for it say;
+* it charges a cut's transfer to the stages on either side, as if each replica of a stage had
+  a link of its own to the next: the last worker of VGG-16's 3-1 split on 4 workers takes in
+  the activations of three replicas through one network interface (:data:`INTERFACE`), which
+  the simulation charges, 262.6 ms per minibatch against the formula's 205.5 ms;
 * it charges a flush ``S - 1`` slots of the *slowest* stage, too much for uneven stages;
 * where a replicated stage meets several microbatches per minibatch, the runtime gives
   minibatch ``t`` with *all* its ``m`` microbatches to replica ``t mod r``, so a replica does
   not take ``1/r`` of every minibatch, and under a flush the unreplicated stages still see
   each minibatch alone. On the original VGG-16 profile, 4 workers, 1f1b with ``m = 4``, the
-  formula says 1027.6 ms per minibatch for a 3-1 split; the simulation says 1801.8 ms, slower
+  formula says 1027.6 ms per minibatch for a 3-1 split; the simulation says 1915.2 ms, slower
   than data parallelism;
 * it does not know how a split backward fills the bubble.
 
 So the planner simulates (:mod:`~pipedream.optimizer.simulator`, profiled costs, the
-topology's bandwidths, no latency) every plan of several stages, every replicated plan with
-several microbatches and every plan with split backwards: the dynamic program's plan, the best
-straight pipeline and data parallelism under the same schedule and ``m``, keeping the fastest
-and recording ``method: simulated`` in its prediction; with ``--schedule auto``, every
+topology's bandwidths, a network interface per worker and level, no latency) every plan of
+several stages, every replicated plan with several microbatches and every plan with split
+backwards: the dynamic program's plan, the best straight pipeline and data parallelism under
+the same schedule and ``m``, then the plans a local search finds beside the fastest of those
+(:mod:`~pipedream.optimizer.refine`), keeping the fastest and recording ``method: simulated``
+in its prediction; with ``--schedule auto``, every
 candidate is simulated as soon as one needs it. The simulation also charges what the formula
 leaves out (each layer's ``update_ms``, the runtime's cost per action, weight copies), so
 simulated plans are only ever compared with simulated plans. ``--cost-model pipedream``, the
@@ -43,10 +49,22 @@ import math
 from pipedream.formats.plan import Plan
 from pipedream.formats.profile import Profile
 from pipedream.formats.topology import Topology
-from pipedream.optimizer.simulator import Network, default_steps, simulate, stage_work
+from pipedream.optimizer.simulator import Network, Timeline, default_steps, simulate, stage_work
 from pipedream.schedules import lookup
 
-__all__ = ["MAX_SIMULATED_ACTIONS", "needs_simulation", "simulated_ms"]
+__all__ = [
+    "INTERFACE",
+    "MAX_SIMULATED_ACTIONS",
+    "needs_simulation",
+    "simulated_ms",
+    "simulated_run",
+    "steady_ms",
+]
+
+INTERFACE = 1.0
+"""What a worker's network interface moves each way in the planner's simulations, in
+multiples of its level's bandwidth: a worker receives from several others no faster than
+from one (:class:`~pipedream.optimizer.simulator.Network`'s ``interface``)."""
 
 MAX_SIMULATED_ACTIONS = 200_000
 """Compute actions (forward, backward) of a simulation of :func:`default_steps` minibatches
@@ -70,16 +88,35 @@ def _compute_actions(plan: Plan) -> int:
     return 2 * plan.world_size * plan.microbatches * default_steps(plan)
 
 
-def simulated_ms(plan: Plan, profile: Profile, topology: Topology) -> float | None:
-    """The simulated steady-state time per minibatch, or None when the run would be too big."""
+def simulated_run(
+    plan: Plan, profile: Profile, topology: Topology, *, max_doublings: int | None = None
+) -> Timeline | None:
+    """The simulated run of the plan, or None when it would be too big; with
+    ``max_doublings``, a run whose steady state has not shown by then stops with
+    ``2**max_doublings`` times :func:`default_steps` minibatches (its time is then the
+    average of its second half)."""
     actions = _compute_actions(plan)
     if actions > MAX_SIMULATED_ACTIONS:
         return None
-    timeline = simulate(
+    longest = default_steps(plan) * MAX_SIMULATED_ACTIONS // actions
+    if max_doublings is not None:
+        longest = min(longest, default_steps(plan) * 2**max_doublings)
+    return simulate(
         plan,
         stage_work(plan, profile),
-        Network.from_topology(topology),
-        max_minibatches=default_steps(plan) * MAX_SIMULATED_ACTIONS // actions,
+        Network.from_topology(topology, interface=INTERFACE),
+        max_minibatches=longest,
     )
+
+
+def steady_ms(timeline: Timeline | None) -> float | None:
+    """A simulated run's steady-state time per minibatch (None: no run, or no finite time)."""
+    if timeline is None:
+        return None
     value = timeline.time_per_minibatch_ms
     return value if math.isfinite(value) and value > 0 else None
+
+
+def simulated_ms(plan: Plan, profile: Profile, topology: Topology) -> float | None:
+    """The simulated steady-state time per minibatch, or None when the run would be too big."""
+    return steady_ms(simulated_run(plan, profile, topology))

@@ -262,6 +262,15 @@ def build_parser() -> argparse.ArgumentParser:
         "default: no limit per rank)",
     )
     simulate.add_argument(
+        "--interface",
+        type=float,
+        default=1.0,
+        metavar="F",
+        help="what one rank's network interface moves each way, in multiples of a link's "
+        "bandwidth: the messages it sends share that, and so do those it receives (default 1, "
+        "as the planner; inf: no limit)",
+    )
+    simulate.add_argument(
         "--send-overhead",
         type=float,
         default=0.0,

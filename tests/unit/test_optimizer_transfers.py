@@ -123,6 +123,30 @@ def test_per_rank_bounds_by_the_busier_end() -> None:
     assert ended == pytest.approx({"a": 4 / 0.75, "b": 4 / 0.75, "c": 4 / 0.75})
 
 
+def test_an_interface_shares_a_ranks_incoming_transfers_and_its_outgoing_ones_apart() -> None:
+    # a (0 -> 2) and b (1 -> 2) both arrive at rank 2: at half the link each, 8 ms; c (2 -> 3)
+    # leaves rank 2 meanwhile at full speed (the other way through its interface), 4 ms; d
+    # (4 -> 5) shares no interface: 4 ms
+    ended = _run(
+        TransferPool(10 * RATE, interface=1.0),
+        [
+            (0.0, _directed("a", 0, 2)),
+            (0.0, _directed("b", 1, 2)),
+            (0.0, _directed("c", 2, 3)),
+            (0.0, _directed("d", 4, 5)),
+        ],
+    )
+    assert ended == pytest.approx({"a": 8.0, "b": 8.0, "c": 4.0, "d": 4.0})
+
+
+def test_an_interface_is_per_link_bandwidth() -> None:
+    # a (0 -> 2) on a link of 1000 B/ms and b (1 -> 2) on one of 500 (another level's): each
+    # goes through its own interface of rank 2, at its link's full speed
+    slow = Transfer("b", (1, 2), (0,), SIZE, RATE / 2, source=1)
+    ended = _run(TransferPool(10 * RATE, interface=1.0), [(0.0, _directed("a", 0, 2)), (0.0, slow)])
+    assert ended == pytest.approx({"a": 4.0, "b": 8.0})
+
+
 def test_transfers_in_other_units_do_not_interfere() -> None:
     ended = _run(
         TransferPool(RATE),

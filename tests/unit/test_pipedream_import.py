@@ -229,13 +229,14 @@ def test_reproduces_the_original_optimizer(name: str, workers: int) -> None:
 
 # The default cost model's choices where it simulates, one level at 1 GB/s: (replicas per
 # stage, simulated ms) against the original's plan (its formula's ms, simulated ms). Data
-# parallelism for ResNet-50 and a pipeline for VGG-16, as the PipeDream paper measured.
+# parallelism for ResNet-50 and a pipeline for VGG-16, as the PipeDream paper measured; on 16
+# workers the local search turns the original's 13-2-1 into the paper's 15-1.
 SIMULATED_CHOICES = {
-    ("vgg16", 4): ([3, 1], 211.8, (205.5, 211.8)),
-    ("vgg16", 16): ([13, 2, 1], 71.3, (56.5, 71.3)),
+    ("vgg16", 4): ([3, 1], 262.6, (205.5, 262.6)),
+    ("vgg16", 16): ([15, 1], 58.8, (56.5, 95.0)),
     ("resnet50", 4): ([4], 187.5, (162.9, 202.5)),
-    ("resnet50", 8): ([8], 100.2, (92.0, 120.5)),
-    ("resnet50", 16): ([16], 51.7, (47.8, 71.2)),
+    ("resnet50", 8): ([8], 100.2, (92.0, 129.5)),
+    ("resnet50", 16): ([16], 51.7, (47.8, 81.8)),
 }
 
 

@@ -1,0 +1,205 @@
+"""A local search by simulation, from the dynamic program's plan to a faster one beside it.
+
+The dynamic program minimises the cost model's formula; where the planner simulates, the
+simulation of the runtime's action tables is what a plan's time is taken to be
+(:mod:`~pipedream.optimizer.verify`). The two disagree most on plans the formula likes, so
+the plan the formula picks can simulate much slower than one next to it: on the original
+VGG-16 profile, 10 workers at 1 GB/s, PipeDream's schedule, the dynamic program's 6-3-1 split
+simulates at 165.6 ms per minibatch, and the 9-1 split that merges its first two stages at
+96.9 ms (on 16 workers: 13-2-1, 95.0 ms; 15-1, 58.8 ms, the PipeDream paper's plan).
+
+:func:`refine` walks from a plan to its fastest neighbour by simulation, as long as one is
+faster (steepest descent), within a budget of simulation work. A plan's neighbours
+(:func:`neighbours`) are the plans one edit away:
+
+* a cut moved by 1, 2 or 4 layers;
+* a replica moved from one stage to another;
+* two adjacent stages merged, their replicas added;
+* a replicated stage split in two, its replicas shared ``(r - 1, 1)``, ``(r - r//2, r//2)``
+  or ``(1, r - 1)``, at the cut that best balances the two stages' compute per replica;
+* with :attr:`Moves.fewer_workers`, a replica added to a stage (while workers are idle) or
+  taken from one, and under one replica per stage a merge that leaves a worker idle or a
+  split that puts an idle one to work.
+
+Only plans of one level (a flat pipeline on the innermost workers) are searched: a stage of an
+outer level runs a pipeline of its own on each of its units, which these edits do not keep.
+Everything here is pure: the planner supplies the simulation.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from pipedream.optimizer.tree import Node, Tree
+
+__all__ = ["SHIFTS", "Moves", "Refined", "neighbours", "refine"]
+
+SHIFTS = (1, 2, 4)
+"""The layers by which one cut moves (each way)."""
+
+IMPROVEMENT = 1e-6
+"""The relative gain a neighbour needs to replace the plan (not float noise)."""
+
+
+@dataclass(frozen=True)
+class Moves:
+    """What a neighbouring plan may be."""
+
+    num_workers: int
+    """The workers of the cluster (its one level)."""
+    replicate: bool
+    """Whether a stage may run on several replicas (the schedule replicates stages alone, and
+    ``--straight`` is off)."""
+    fewer_workers: bool = False
+    """Whether a plan may leave workers idle (``--fewer-workers``); off, every plan uses them
+    all."""
+    max_stages: int | None = None
+    """The most stages a plan may have (2BW: the microbatches per minibatch)."""
+
+
+@dataclass(frozen=True)
+class Refined:
+    """Where the search ended."""
+
+    tree: Tree
+    """The fastest plan found (the start when no neighbour was faster)."""
+    time_ms: float
+    """Its simulated time per minibatch."""
+    start_ms: float
+    """The simulated time per minibatch of the plan the search started from."""
+    tried: int
+    """Plans simulated (the start's neighbours and theirs, each once)."""
+    budget_spent: bool
+    """Whether the search stopped at its budget rather than at a plan with no faster
+    neighbour."""
+
+
+def _flat(tree: Tree) -> list[tuple[int, int, int]]:
+    assert all(not node.inner for node in tree), "only one-level plans are searched"
+    return [(node.first, node.last, node.replicas) for node in tree]
+
+
+def _tree(stages: Sequence[tuple[int, int, int]]) -> Tree:
+    return tuple(Node(first, last, replicas) for first, last, replicas in stages)
+
+
+def _balanced_cut(prefix: Sequence[float], first: int, last: int, left: int, right: int) -> int:
+    """The last layer of the first part when ``first..last`` splits into a stage on ``left``
+    replicas and one on ``right``, with the two parts' compute per replica closest (the
+    earliest such cut on ties)."""
+
+    def worst(cut: int) -> float:
+        return max(
+            (prefix[cut + 1] - prefix[first]) / left, (prefix[last + 1] - prefix[cut + 1]) / right
+        )
+
+    # compute per replica grows with the cut on the left and shrinks on the right: the best
+    # cut is the first where the left part's reaches the right part's, or the one before
+    target = (prefix[last + 1] * left + prefix[first] * right) / (left + right)
+    cut = bisect.bisect_left(prefix, target, first + 1, last + 1) - 1
+    return min((c for c in (cut - 1, cut) if first <= c < last), key=lambda c: (worst(c), c))
+
+
+def neighbours(tree: Tree, moves: Moves, layer_ms: Sequence[float]) -> Iterator[Tree]:
+    """The plans one edit from ``tree`` (module docstring), each once, in a fixed order:
+    moved cuts, moved replicas, merges, splits, then added and removed replicas.
+
+    ``layer_ms`` is each layer's compute (forward and backward), to place a split's cut."""
+    stages = _flat(tree)
+    prefix = [0.0, *itertools.accumulate(layer_ms)]
+    used = sum(r for _, _, r in stages)
+    seen = {tree}
+
+    def fresh(candidate: list[tuple[int, int, int]]) -> Iterator[Tree]:
+        if moves.max_stages is not None and len(candidate) > moves.max_stages:
+            return
+        out = _tree(candidate)
+        if out not in seen:
+            seen.add(out)
+            yield out
+
+    for i in range(len(stages) - 1):  # the cut after stage i
+        (a_first, a_last, a_r), (_, b_last, b_r) = stages[i], stages[i + 1]
+        for d in (*(-s for s in reversed(SHIFTS)), *SHIFTS):
+            cut = a_last + d
+            if a_first <= cut < b_last:
+                edited = [*stages[:i], (a_first, cut, a_r), (cut + 1, b_last, b_r)]
+                yield from fresh([*edited, *stages[i + 2 :]])
+    if moves.replicate:
+        for i, j in itertools.permutations(range(len(stages)), 2):
+            if stages[i][2] > 1:
+                edited = list(stages)
+                edited[i] = (*stages[i][:2], stages[i][2] - 1)
+                edited[j] = (*stages[j][:2], stages[j][2] + 1)
+                yield from fresh(edited)
+    for i in range(len(stages) - 1):
+        (first, _, a_r), (_, last, b_r) = stages[i], stages[i + 1]
+        if moves.replicate:
+            yield from fresh([*stages[:i], (first, last, a_r + b_r), *stages[i + 2 :]])
+        elif moves.fewer_workers:
+            yield from fresh([*stages[:i], (first, last, 1), *stages[i + 2 :]])
+    for i, (first, last, r) in enumerate(stages):
+        if first == last:
+            continue
+        if moves.replicate:
+            shares = sorted({(r - 1, 1), (r - r // 2, r // 2), (1, r - 1)}, reverse=True)
+        elif moves.fewer_workers and used < moves.num_workers:
+            shares = [(1, 1)]
+        else:
+            continue
+        for left, right in shares:
+            if left >= 1 and right >= 1:
+                cut = _balanced_cut(prefix, first, last, left, right)
+                halves = [(first, cut, left), (cut + 1, last, right)]
+                yield from fresh([*stages[:i], *halves, *stages[i + 1 :]])
+    if moves.replicate and moves.fewer_workers:
+        for i, (first, last, r) in enumerate(stages):
+            if used < moves.num_workers:
+                yield from fresh([*stages[:i], (first, last, r + 1), *stages[i + 1 :]])
+            if r > 1:
+                yield from fresh([*stages[:i], (first, last, r - 1), *stages[i + 1 :]])
+
+
+def refine(
+    start: Tree,
+    start_ms: float,
+    *,
+    simulate: Callable[[Tree], tuple[float | None, int]],
+    moves: Moves,
+    layer_ms: Sequence[float],
+    budget: int,
+) -> Refined:
+    """Steepest descent from ``start`` (simulated at ``start_ms``): simulate every neighbour
+    of the current plan not simulated before, move to the fastest if it is faster by more
+    than :data:`IMPROVEMENT`, and stop where none is, or once the simulations' work adds up
+    to ``budget``; then the fastest plan seen is kept.
+
+    ``simulate(tree)`` gives the plan's time per minibatch (None where it does not fit or
+    cannot be simulated) and the work the simulation took, in the units of ``budget``.
+    """
+    current, current_ms = start, start_ms
+    simulated = {start}
+    tried = spent = 0
+    while True:
+        best, best_ms = current, current_ms
+        spent_all = False
+        for tree in neighbours(current, moves, layer_ms):
+            if tree in simulated:
+                continue
+            if spent >= budget:
+                spent_all = True
+                break
+            simulated.add(tree)
+            time_ms, work = simulate(tree)
+            tried, spent = tried + 1, spent + work
+            if time_ms is not None and time_ms < best_ms:
+                best, best_ms = tree, time_ms
+        if best_ms < current_ms * (1 - IMPROVEMENT):
+            current, current_ms = best, best_ms
+        elif not spent_all:
+            return Refined(current, current_ms, start_ms, tried, budget_spent=False)
+        if spent_all:
+            return Refined(current, current_ms, start_ms, tried, budget_spent=True)
