@@ -15,6 +15,7 @@ from pipedream.formats import (
     StagePlan,
     Topology,
 )
+from pipedream.optimizer import simulator
 from pipedream.optimizer.simulate_command import (
     MAX_ACTIONS,
     _max_minibatches,
@@ -26,6 +27,7 @@ from pipedream.optimizer.simulator import (
     SPREAD_MINIBATCHES,
     Network,
     StageWork,
+    Timeline,
     default_steps,
     jittered,
     simulate,
@@ -501,3 +503,29 @@ def test_a_plan_too_long_to_simulate_is_refused_in_one_line() -> None:
     with pytest.raises(PlanningError, match=repeat):
         _max_minibatches(plan, None, FAST)
     assert _max_minibatches(plan_of("pipedream", [2, 1]), None, FAST) == MAX_ACTIONS // 6
+
+
+@pytest.mark.parametrize(
+    ("averages", "lengths"),
+    [
+        # no cycle shows: two runs whose averages agree within 1% end the doubling
+        ([30.0, 20.0, 20.1, 99.0], [1, 2, 4]),
+        # averages that keep moving: doubled as often as allowed
+        ([30.0, 20.0, 25.0, 30.0, 35.0, 40.0], [1, 2, 4, 8, 16]),
+    ],
+)
+def test_a_run_without_a_cycle_stops_doubling_once_its_average_settles(
+    monkeypatch: pytest.MonkeyPatch, averages: list[float], lengths: list[int]
+) -> None:
+    plan = plan_of("pipedream", [1, 1])
+    runs: list[int] = []
+
+    def run(plan: Plan, work: object, network: object, steps: int) -> Timeline:
+        runs.append(steps // default_steps(plan))
+        ms = averages[len(runs) - 1]
+        return Timeline((), steps, (), ms, (0, steps), steady=False)
+
+    monkeypatch.setattr(simulator, "_simulate", run)
+    timeline = simulate(plan, equal(2, 1.0, 2.0), FAST)
+    assert runs == lengths
+    assert timeline.time_per_minibatch_ms == averages[len(lengths) - 1]
