@@ -247,7 +247,7 @@ def network(
         argv += ["--per-rank", "1"]
         described += ", one link per rank"
     else:  # links of their own, without the planner's network interface per rank
-        argv += ["--interface", "inf"]
+        argv += ["--no-interface"]
     return argv, described
 
 

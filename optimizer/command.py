@@ -4,7 +4,8 @@
 
     pipedream plan PROFILE (--workers N [--bandwidth B] | --topology TOPO)
                    [--schedule NAME|auto] [--microbatches M] [--straight] [--memory X]
-                   [--cost-model symmetric|pipedream] [--fewer-workers] [--compare] -o PLAN
+                   [--cost-model symmetric|pipedream] [--fewer-workers] [--no-search] [--compare]
+                   -o PLAN
 
 ``--workers N --bandwidth B`` is a one-level cluster (PipeDream's default bandwidth, 1e9
 bytes/s, when ``--bandwidth`` is left out); ``--topology`` gives several levels, innermost
@@ -92,6 +93,7 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
         cost_model=args.cost_model,
         use_fewer_workers=bool(getattr(args, "fewer_workers", False)),
         virtual_stages=getattr(args, "virtual_stages", None),
+        search=not getattr(args, "no_search", False),
     )
 
 
@@ -161,7 +163,10 @@ def _note_fewer(
         or options.schedule == AUTO
     ):
         return
-    fewer_options = replace(options, use_fewer_workers=True, microbatches=plan.microbatches)
+    # without the local search: the note compares the dynamic program's plans, at half the cost
+    fewer_options = replace(
+        options, use_fewer_workers=True, microbatches=plan.microbatches, search=False
+    )
     fewer = plan_profile(profile, topology=topology, options=fewer_options).plan
     if fewer.world_size >= plan.world_size:
         return

@@ -57,7 +57,13 @@ from pipedream.optimizer.tree import (
     evaluate_tree,
     leaf_ranks,
 )
-from pipedream.optimizer.verify import needs_simulation, simulated_ms, simulated_run, steady_ms
+from pipedream.optimizer.verify import (
+    needs_simulation,
+    simulated_ms,
+    simulated_run,
+    simulation_work,
+    steady_ms,
+)
 from pipedream.schedules import SCHEDULES, lookup
 
 __all__ = [
@@ -75,7 +81,8 @@ AUTO = "auto"
 
 REFINE_BUDGET = 100_000
 """The simulation work (simulated events and messages, all simulations together) the local
-search around a simulated plan may spend: a few seconds of planning at most."""
+search around a simulated plan may spend (the last simulation may go over it): a few seconds
+of planning on a 16-worker plan."""
 
 REFINE_DOUBLINGS = 2
 """How often a simulation of the local search may double its run to find a steady state
@@ -102,6 +109,10 @@ class PlanOptions:
     virtual_stages: int | None = None
     """Stages per worker for ``interleaved-1f1b`` (None: the fastest of
     :data:`~pipedream.optimizer.placed.VIRTUAL_STAGES_TRIED`; ``auto`` tries 2)."""
+    search: bool = True
+    """Search beside the simulated plan by simulation (:mod:`~pipedream.optimizer.refine`);
+    off (``--no-search``), the fastest simulated of the dynamic program's plan, the best
+    straight pipeline and data parallelism stands."""
 
 
 @dataclass(frozen=True)
@@ -218,7 +229,7 @@ def plan_profile(profile: Profile, *, topology: Topology, options: PlanOptions) 
         )
         plan = replace(plan, prediction=prediction)
     elif needs_simulation(plan):
-        best = _fastest_simulated(profile, topology, request, outcome)
+        best = _fastest_simulated(profile, topology, request, outcome, search=options.search)
         if best is not None:
             plan, evaluation, tree, refined = best
             assert plan.prediction is not None
@@ -298,7 +309,7 @@ def _simulated_outcomes(
 
 
 def _fastest_simulated(
-    profile: Profile, topology: Topology, request: Request, outcome: Outcome
+    profile: Profile, topology: Topology, request: Request, outcome: Outcome, *, search: bool
 ) -> tuple[Plan, TreeEvaluation, Tree, Refined | None] | None:
     """The fastest of the DP's plan, the best straight pipeline and data parallelism (same
     schedule and ``m``), all simulated (``verify``), then of the plans a local search by
@@ -336,7 +347,7 @@ def _fastest_simulated(
     if not found:
         return None
     time_ms, plan, evaluation, tree = min(found, key=lambda item: item[0])
-    refined = _refine(profile, topology, request, outcome, tree, time_ms)
+    refined = _refine(profile, topology, request, outcome, tree, time_ms, search=search)
     if refined is not None and refined.tree != tree:
         found_plan, found_evaluation = build_plan(
             profile, tree=refined.tree, cluster=outcome.cluster, schedule=outcome.schedule
@@ -365,13 +376,15 @@ def _refine(
     outcome: Outcome,
     start: Tree,
     start_ms: float,
+    *,
+    search: bool,
 ) -> Refined | None:
     """The local search by simulation (:mod:`~pipedream.optimizer.refine`) from ``start``,
     under the plan's schedule, ``m``, memory limit and options; None where it does not run:
-    a topology of several levels, or the original optimizer's arithmetic
+    ``--no-search``, a topology of several levels, or the original optimizer's arithmetic
     (``--cost-model pipedream``), which the planner reproduces rather than improves on."""
     cluster = outcome.cluster
-    if len(cluster.workers) > 1 or request.cost_model == "pipedream":
+    if not search or len(cluster.workers) > 1 or request.cost_model == "pipedream":
         return None
     record = lookup(outcome.schedule)
     m = outcome.microbatches
@@ -390,8 +403,7 @@ def _refine(
         if limit is not None and max(leaf.memory_bytes for leaf in evaluation.leaves) > limit:
             return None, 0
         run = simulated_run(plan, profile, topology, max_doublings=REFINE_DOUBLINGS)
-        work = 0 if run is None else len(run.events) + len(run.messages)
-        return steady_ms(run), work
+        return steady_ms(run), simulation_work(run, plan)
 
     return refine(
         start,

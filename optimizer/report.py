@@ -208,7 +208,13 @@ def format_candidates(result: PlanResult, *, microbatch_size: int) -> str:
             ]
         )
     header = ["schedule", "microbatches", "ms/minibatch", "samples/s", ""]
-    return "\n".join(["--schedule auto tried:", *table(header, rows)])
+    lines = ["--schedule auto tried:", *table(header, rows)]
+    if result.refined is not None and result.refined.tried:
+        lines.append(
+            "(only the chosen row was searched beside by simulation; the others are the plans "
+            "proposed for them, simulated)"
+        )
+    return "\n".join(lines)
 
 
 def format_comparison(

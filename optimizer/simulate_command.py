@@ -4,7 +4,7 @@
 
     pipedream simulate PLAN [--profile PROFILE] [--topology TOPO | --bandwidth B]
                             [--latency MS] [--host-bandwidth B] [--duplex F] [--per-rank F]
-                            [--interface F] [--send-overhead MS] [--send-overhead-per-mib MS]
+                            [--[no-]interface] [--send-overhead MS] [--send-overhead-per-mib MS]
                             [--recv-overhead MS] [--spread] [--message-spread R,R,...]
                             [--steps K]
                             [--width SLOTS] [--png FILE] [--trace RUN_DIR [--trace-skip N]]
@@ -128,18 +128,6 @@ def _per_rank(args: argparse.Namespace) -> float | None:
         raise PlanningError(
             f"--per-rank {value}: must be a positive multiple of a link's bandwidth, e.g. 1 "
             "(a rank moves one link's worth in and out together)"
-        )
-    return value
-
-
-def _interface(args: argparse.Namespace) -> float | None:
-    value = getattr(args, "interface", INTERFACE)
-    if math.isinf(value) and value > 0:
-        return None
-    if not (math.isfinite(value) and value > 0):
-        raise PlanningError(
-            f"--interface {value}: must be a positive multiple of a link's bandwidth, e.g. 1 "
-            "(a rank's interface moves one link's worth each way), or inf for no limit"
         )
     return value
 
@@ -449,7 +437,7 @@ def run(args: argparse.Namespace) -> int:
         duplex=_duplex(args),
         recv_ms=args.recv_overhead,
         per_rank=per_rank,
-        interface=_interface(args),
+        interface=getattr(args, "interface", INTERFACE),
         message_spread=message_spread,
     )
     spread = _spread(args, profile)

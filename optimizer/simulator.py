@@ -25,9 +25,10 @@ with profiled costs instead of tensors:
   with a ``unit_capacity`` the transfers touching one innermost unit (a host) also share that
   many bytes/s in total; with a ``duplex`` factor a link's two directions move at once and
   share that many times its bandwidth; with a ``per_rank`` factor the transfers touching one
-  rank share that many times their link's bandwidth; with an ``interface`` factor the
-  transfers a rank sends share that many times their link's bandwidth, and so do those it
-  receives (:mod:`~pipedream.optimizer.transfers`);
+  rank share that many times their link's bandwidth (:mod:`~pipedream.optimizer.transfers`);
+  with an ``interface`` per rank and level a message also waits for its sender's interface to
+  send and its receiver's to receive (one message at a time each way; in the transfer pool
+  those through one direction share it);
 * the runtime posts its receives ahead (on gloo), a few before each action by the rule of
   :mod:`~pipedream.schedules.posting`; posting one holds the receiving rank ``recv_ms`` there,
   an ``R`` event;
@@ -174,10 +175,12 @@ class Network:
     per_rank: float | None = None
     """What one rank's transport moves in and out together, in multiples of a link's bandwidth
     (gloo: one thread per process carries all its messages, 1); None: no limit per rank."""
-    interface: float | None = None
-    """What one rank's network interface moves each way, in multiples of a link's bandwidth:
-    the transfers it sends over links of one bandwidth share that much, and so do those it
-    receives (1: a worker's interface is as fast as one link); None: no limit per rank."""
+    interface: bool = False
+    """Whether every rank has a network interface per level, as fast as that level's links,
+    that sends one message at a time and receives one at a time: a message waits for its
+    link and for its sender's and its receiver's interfaces (first come, first served); in a
+    transfer pool (``unit_capacity``, ``duplex`` or ``per_rank``) the transfers through one
+    direction of an interface share its bandwidth instead. False: every link is on its own."""
     message_spread: tuple[float, ...] | None = None
     """Ratios of one message's transfer time to the calibrated one (e.g. each repeat of a
     calibration over their median): every message moves its bytes times one drawn from them,
@@ -189,7 +192,6 @@ class Network:
         assert self.recv_ms >= 0, self.recv_ms
         assert self.duplex is None or 1 <= self.duplex <= 2, self.duplex
         assert self.per_rank is None or self.per_rank > 0, self.per_rank
-        assert self.interface is None or self.interface > 0, self.interface
         assert self.message_spread is None or (
             self.message_spread and min(self.message_spread) > 0
         ), self.message_spread
@@ -206,7 +208,7 @@ class Network:
         duplex: float | None = None,
         recv_ms: float = 0.0,
         per_rank: float | None = None,
-        interface: float | None = None,
+        interface: bool = False,
         message_spread: tuple[float, ...] | None = None,
     ) -> Network:
         sizes, size = [], 1
@@ -647,7 +649,8 @@ class _Run:
         self.heap: list[tuple[float, int]] = [(0.0, rank) for rank in sorted(tables)]
         self.queued = set(self.heap)  # a rank queued twice for one time would be asked twice
         self.pool = None
-        pooled = (network.unit_capacity, network.duplex, network.per_rank, network.interface)
+        self.interface_free: dict[tuple[int, int, bool], float] = {}  # (rank, level, sending)
+        pooled = (network.unit_capacity, network.duplex, network.per_rank)
         if any(x is not None for x in pooled):
             per_unit = math.inf if network.unit_capacity is None else network.unit_capacity / 1e3
             self.pool = TransferPool(per_unit, network.duplex, network.per_rank, network.interface)
@@ -801,15 +804,22 @@ class _Run:
             moved = size  # the bytes its transfer takes as long as
             if self.network.message_spread is not None:
                 moved *= self.rng.choice(self.network.message_spread)
+            level = self.network.level_of(link)
             if self.pool is not None:
-                rate = self.network.bandwidths[self.network.level_of(link)] / 1e3  # bytes per ms
+                rate = self.network.bandwidths[level] / 1e3  # bytes per ms
                 units = self.network.units_of(rank, peer)
-                self.pool.start(now, Transfer(key, link, units, moved, rate, source=rank))
+                transfer = Transfer(key, link, units, moved, rate, source=rank, level=level)
+                self.pool.start(now, transfer)
                 self._schedule_pool()
             else:
                 start = max(now, self.link_free.get(link, 0.0))
+                ways = ((rank, level, True), (peer, level, False))
+                if self.network.interface:
+                    start = max(start, *(self.interface_free.get(way, 0.0) for way in ways))
                 end = start + self.network.transfer_ms(moved, rank, peer)
                 self.link_free[link] = end
+                if self.network.interface:
+                    self.interface_free.update(dict.fromkeys(ways, end))
                 self.messages[key] = end + self.network.latency_ms
                 self.left[key] = end
                 self._wake(peer)

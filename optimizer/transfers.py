@@ -31,11 +31,11 @@ has one transport thread per process, which reads every incoming message and wri
 outgoing one, so two links that share a rank each move about half as much as one alone: about
 one link's worth per rank (``per_rank`` = 1).
 
-With an interface factor (``interface``), a rank's network interface moves ``interface`` x a
-link's bandwidth each way: the transfers a rank sends over links of one bandwidth share that
-much, and so do those it receives. A worker receiving activations from several replicas of
-the stage before it takes them in no faster than its interface allows, however many links
-lead to it (links of another bandwidth, another level's, go through another interface).
+With an interface per rank and level (``interface``), a rank's network interface moves a
+link's bandwidth each way: the transfers a rank sends over the links of one level share it,
+and so do those it receives. A worker receiving activations from several replicas of the
+stage before it takes them in no faster than its interface allows, however many links lead to
+it (another level's links go through another interface).
 """
 
 from __future__ import annotations
@@ -66,31 +66,33 @@ class Transfer:
     link_rate: float
     """Bytes per ms of the link alone."""
     source: int | None = None
-    """The sending rank (its direction on the link; None: one of the link's ends)."""
+    """The sending rank (its direction on the link; None: one of the link's ends, which a
+    pool with a duplex factor or interfaces does not take)."""
     rate: float = field(default=0.0)
     """Bytes per ms now."""
-    ways: tuple[tuple[int, bool, float], ...] = field(default=())
-    """The interfaces it goes through, ``(rank, sending, link rate)``: filled by the pool
-    where it has an interface factor."""
+    level: int = 0
+    """The level of its link (whose interfaces it goes through)."""
+    ways: tuple[tuple[int, int, bool], ...] = field(default=())
+    """The interfaces it goes through, ``(rank, level, sending)``: filled by a pool with
+    interfaces."""
 
 
 class TransferPool:
     """Active and queued transfers under a per-unit capacity (bytes per ms) and, optionally, a
     duplex factor (what a link's two directions move together), a per-rank factor (what one
-    rank moves in all) and an interface factor (what one rank moves each way), in multiples of
-    the link's bandwidth (module docstring)."""
+    rank moves in all), in multiples of the link's bandwidth, and an interface per rank and
+    level (module docstring)."""
 
     def __init__(
         self,
         capacity_per_ms: float,
         duplex: float | None = None,
         per_rank: float | None = None,
-        interface: float | None = None,
+        interface: bool = False,
     ) -> None:
         assert capacity_per_ms > 0, capacity_per_ms
         assert duplex is None or 1 <= duplex <= 2, duplex
         assert per_rank is None or per_rank > 0, per_rank
-        assert interface is None or interface > 0, interface
         self.capacity = capacity_per_ms
         self.duplex = duplex
         self.per_rank = per_rank
@@ -119,7 +121,7 @@ class TransferPool:
         load: dict[int, int] = {}
         on_link: dict[tuple[int, int], int] = {}
         on_rank: dict[int, int] = {}
-        each_way: dict[tuple[int, bool, float], int] = {}  # (rank, sending, link rate)
+        each_way: dict[tuple[int, int, bool], int] = {}  # (rank, level, sending)
         for transfer in self.active:
             if bounded:
                 for unit in transfer.units:
@@ -129,7 +131,7 @@ class TransferPool:
             if self.per_rank is not None:
                 for rank in transfer.link:
                     on_rank[rank] = on_rank.get(rank, 0) + 1
-            if self.interface is not None:
+            if self.interface:
                 for way in transfer.ways:
                     each_way[way] = each_way.get(way, 0) + 1
         for transfer in self.active:
@@ -141,9 +143,9 @@ class TransferPool:
             if self.per_rank is not None:
                 busiest = max(on_rank[rank] for rank in transfer.link)
                 rate = min(rate, self.per_rank * transfer.link_rate / busiest)
-            if self.interface is not None:
+            if self.interface:
                 busiest = max(each_way[way] for way in transfer.ways)
-                rate = min(rate, self.interface * transfer.link_rate / busiest)
+                rate = min(rate, transfer.link_rate / busiest)
             transfer.rate = rate
 
     def start(self, now: float, transfer: Transfer) -> None:
@@ -160,13 +162,15 @@ class TransferPool:
 
     def _admit(self, transfer: Transfer) -> None:
         """Note the interfaces a transfer goes through (once, when it is posted): its
-        sender's outgoing one and its receiver's incoming one, at its link's bandwidth."""
-        if self.interface is not None:
-            assert transfer.source in transfer.link, transfer
+        sender's outgoing one and its receiver's incoming one, at its link's level."""
+        if self.interface:
+            assert transfer.source in transfer.link, "an interface needs the sending rank"
             low, high = transfer.link
             target = high if transfer.source == low else low
-            rate = transfer.link_rate
-            transfer.ways = ((transfer.source, True, rate), (target, False, rate))
+            transfer.ways = (
+                (transfer.source, transfer.level, True),
+                (target, transfer.level, False),
+            )
 
     def next_completion(self) -> float | None:
         """When the first active transfer ends at the current rates (None: nothing moves)."""

@@ -9,20 +9,21 @@ dynamic program's objective. As a prediction it idealizes every pipeline:
   minibatches in flight per replica, too few for that where transfers or a replicated stage's
   allreduce are long. On the original ResNet-50 profile, 6 workers at 1 GB/s, the formula says
   106.0 ms per minibatch for a 3-2-1 split, 1.23x faster than data parallelism; the simulation
-  of the very tables the runtime runs says 286.2 ms, against 130.7 ms for data parallelism
+  of the very tables the runtime runs says 254.8 ms, against 130.7 ms for data parallelism
   (which the PipeDream paper also found best for ResNet-50 on its GPUs), and 406.8 ms for the
-  formula's 278.4 ms of a 2-stage pipeline on 2 workers. VGG-16's 7-1 split simulates within
-  3% of the formula, as the paper's speed-ups for it say;
+  formula's 278.4 ms of a 2-stage pipeline on 2 workers. VGG-16's 7-1 split simulates to the
+  formula's 103.8 ms, as the paper's speed-ups for it say;
 * it charges a cut's transfer to the stages on either side, as if each replica of a stage had
   a link of its own to the next: the last worker of VGG-16's 3-1 split on 4 workers takes in
-  the activations of three replicas through one network interface (:data:`INTERFACE`), which
-  the simulation charges, 262.6 ms per minibatch against the formula's 205.5 ms;
+  the activations of three replicas through one network interface, one after another
+  (:data:`INTERFACE`), which the simulation charges: 246.1 ms per minibatch against the
+  formula's 205.5 ms;
 * it charges a flush ``S - 1`` slots of the *slowest* stage, too much for uneven stages;
 * where a replicated stage meets several microbatches per minibatch, the runtime gives
   minibatch ``t`` with *all* its ``m`` microbatches to replica ``t mod r``, so a replica does
   not take ``1/r`` of every minibatch, and under a flush the unreplicated stages still see
   each minibatch alone. On the original VGG-16 profile, 4 workers, 1f1b with ``m = 4``, the
-  formula says 1027.6 ms per minibatch for a 3-1 split; the simulation says 1915.2 ms, slower
+  formula says 1027.6 ms per minibatch for a 3-1 split; the simulation says 1846.7 ms, slower
   than data parallelism;
 * it does not know how a split backward fills the bubble.
 
@@ -58,13 +59,15 @@ __all__ = [
     "needs_simulation",
     "simulated_ms",
     "simulated_run",
+    "simulation_work",
     "steady_ms",
 ]
 
-INTERFACE = 1.0
-"""What a worker's network interface moves each way in the planner's simulations, in
-multiples of its level's bandwidth: a worker receives from several others no faster than
-from one (:class:`~pipedream.optimizer.simulator.Network`'s ``interface``)."""
+INTERFACE = True
+"""Whether the planner's simulations give every worker a network interface per level, which
+sends one message at a time and receives one at a time: a worker receives from several
+others no faster than from one (:class:`~pipedream.optimizer.simulator.Network`'s
+``interface``)."""
 
 MAX_SIMULATED_ACTIONS = 200_000
 """Compute actions (forward, backward) of a simulation of :func:`default_steps` minibatches
@@ -115,6 +118,17 @@ def steady_ms(timeline: Timeline | None) -> float | None:
         return None
     value = timeline.time_per_minibatch_ms
     return value if math.isfinite(value) and value > 0 else None
+
+
+def simulation_work(timeline: Timeline | None, plan: Plan) -> int:
+    """What a simulated run cost, in events and messages: its own, and those of the shorter
+    runs :func:`~pipedream.optimizer.simulator.simulate` doubled from (each half as long,
+    from :func:`default_steps` on); 0 for no run."""
+    if timeline is None:
+        return 0
+    longest = timeline.num_minibatches
+    runs = (2 * longest - default_steps(plan)) / longest  # 1 + 1/2 + ... down to the first
+    return math.ceil((len(timeline.events) + len(timeline.messages)) * runs)
 
 
 def simulated_ms(plan: Plan, profile: Profile, topology: Topology) -> float | None:

@@ -144,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="allow plans that leave workers idle when that is no slower",
     )
+    plan.add_argument(
+        "--no-search",
+        action="store_true",
+        help="skip the local search by simulation beside the dynamic program's plan (faster "
+        "planning; the plan is the fastest simulated of the dynamic program's, the best "
+        "straight pipeline and data parallelism)",
+    )
     plan.add_argument("-o", "--output", required=True, metavar="PLAN")
 
     train = verbs.add_parser("train", help="train a plan (run under torchrun / launch.sh)")
@@ -263,12 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     simulate.add_argument(
         "--interface",
-        type=float,
-        default=1.0,
-        metavar="F",
-        help="what one rank's network interface moves each way, in multiples of a link's "
-        "bandwidth: the messages it sends share that, and so do those it receives (default 1, "
-        "as the planner; inf: no limit)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="every rank sends one message at a time and receives one at a time per level, "
+        "through its network interface (default, as the planner); --no-interface: every "
+        "link on its own",
     )
     simulate.add_argument(
         "--send-overhead",

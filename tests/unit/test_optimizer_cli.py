@@ -296,14 +296,6 @@ def hand_written(tmp_path: Path, replicas: tuple[int, ...] = (1, 1)) -> Path:
             "--per-rank 0.0: must be a positive multiple",
         ),
         (
-            ["simulate", "{hand}", "--profile", "{profile}", "--interface", "-1"],
-            "--interface -1.0: must be a positive multiple",
-        ),
-        (
-            ["simulate", "{hand}", "--profile", "{profile}", "--interface", "nan"],
-            "--interface nan: must be a positive multiple",
-        ),
-        (
             ["simulate", "{hand}", "--profile", "{profile}", "--host-bandwidth", "0"],
             "--host-bandwidth '0': must be positive",
         ),

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pipedream.formats import Profile, Topology
+from pipedream.cli import main
+from pipedream.formats import Profile, Topology, save_profile
 from pipedream.formats.topology import Level
 from pipedream.optimizer.planner import PlanOptions, plan_profile
 from pipedream.optimizer.refine import Moves, _balanced_cut, neighbours, refine
@@ -139,10 +140,12 @@ def test_plans_that_do_not_fit_are_skipped() -> None:
     start = _tree((0, 2, 2), (3, 5, 1))
 
     def simulate(tree: Tree) -> tuple[float | None, int]:
-        return (None, 0) if len(tree) == 1 else (1000.0, 1)  # the merged plan does not fit
+        if len(tree) == 1:
+            return None, 0  # the merged plan does not fit
+        return (90.0, 1) if _stages(tree) == [(0, 3, 2), (4, 5, 1)] else (1000.0, 1)
 
     found = refine(start, 100.0, simulate=simulate, moves=Moves(3, True), layer_ms=EVEN, budget=99)
-    assert found.tree == start
+    assert (_stages(found.tree), found.time_ms) == ([(0, 3, 2), (4, 5, 1)], 90.0)
 
 
 def test_the_search_stops_at_its_budget_with_the_fastest_seen() -> None:
@@ -160,18 +163,19 @@ def vgg16() -> Profile:
 
 
 def test_the_planner_finds_a_faster_plan_beside_the_dynamic_programs(vgg16: Profile) -> None:
-    # 10 workers at 1 GB/s: the dynamic program's 6-3-1 split simulates at 165.6 ms per
-    # minibatch; merging its first two stages gives the 9-1 split, 96.9 ms
+    # 10 workers at 1 GB/s: the dynamic program's 6-3-1 split simulates at 148.5 ms per
+    # minibatch; merging its first two stages gives a 9-1 split, whose cut then moves seven
+    # layers earlier: 81.2 ms
     result = plan_profile(vgg16, topology=Topology.single_level(10, 1e9), options=PlanOptions())
     assert result.refined is not None
-    assert result.refined.start_ms == pytest.approx(165.634, abs=1e-3)
+    assert result.refined.start_ms == pytest.approx(148.508, abs=1e-3)
     plan = result.plan
     assert [(s.first_layer, s.last_layer, s.replicas) for s in plan.stages] == [
-        ("node1", "node32", 9),
-        ("node33", "node41", 1),
+        ("node1", "node25", 9),
+        ("node26", "node41", 1),
     ]
     assert plan.prediction is not None and plan.prediction.method == "simulated"
-    assert plan.prediction.time_per_minibatch_ms == pytest.approx(96.851, abs=1e-3)
+    assert plan.prediction.time_per_minibatch_ms == pytest.approx(81.190, abs=1e-3)
     assert result.refined.time_ms == plan.prediction.time_per_minibatch_ms
 
 
@@ -183,3 +187,28 @@ def test_the_search_leaves_the_original_arithmetic_and_several_levels_alone(
     assert plan_profile(vgg16, topology=flat, options=original).refined is None
     servers = Topology((Level("gpus", 2, 1e10), Level("servers", 2, 1e9)))
     assert plan_profile(vgg16, topology=servers, options=PlanOptions()).refined is None
+
+
+def test_no_search_keeps_the_fastest_of_the_three_and_says_nothing(
+    vgg16: Profile, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    options = PlanOptions(search=False)
+    result = plan_profile(vgg16, topology=Topology.single_level(10, 1e9), options=options)
+    assert result.refined is None
+    assert [s.replicas for s in result.plan.stages] == [6, 3, 1]
+    assert result.plan.prediction is not None
+    assert result.plan.prediction.time_per_minibatch_ms == pytest.approx(148.508, abs=1e-3)
+    profile = tmp_path / "vgg16.yaml"
+    save_profile(vgg16, profile)
+    argv = ["plan", str(profile), "--workers", "10", "-o", str(tmp_path / "plan.yaml")]
+    assert main([*argv, "--no-search"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted time per minibatch: 148.508 ms" in out and "local search" not in out
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "predicted time per minibatch: 81.190 ms" in out
+    assert (
+        "local search by simulation: 54 plans tried, from 148.508 ms (the fastest of the "
+        "dynamic program's plan, the best straight pipeline and data parallelism) to this "
+        "plan's 81.190 ms" in out
+    )

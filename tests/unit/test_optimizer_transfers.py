@@ -128,7 +128,7 @@ def test_an_interface_shares_a_ranks_incoming_transfers_and_its_outgoing_ones_ap
     # leaves rank 2 meanwhile at full speed (the other way through its interface), 4 ms; d
     # (4 -> 5) shares no interface: 4 ms
     ended = _run(
-        TransferPool(10 * RATE, interface=1.0),
+        TransferPool(10 * RATE, interface=True),
         [
             (0.0, _directed("a", 0, 2)),
             (0.0, _directed("b", 1, 2)),
@@ -139,11 +139,22 @@ def test_an_interface_shares_a_ranks_incoming_transfers_and_its_outgoing_ones_ap
     assert ended == pytest.approx({"a": 8.0, "b": 8.0, "c": 4.0, "d": 4.0})
 
 
-def test_an_interface_is_per_link_bandwidth() -> None:
-    # a (0 -> 2) on a link of 1000 B/ms and b (1 -> 2) on one of 500 (another level's): each
-    # goes through its own interface of rank 2, at its link's full speed
-    slow = Transfer("b", (1, 2), (0,), SIZE, RATE / 2, source=1)
-    ended = _run(TransferPool(10 * RATE, interface=1.0), [(0.0, _directed("a", 0, 2)), (0.0, slow)])
+def test_an_interface_is_per_level() -> None:
+    # a (0 -> 2) and b (1 -> 2), of one bandwidth but on links of two levels: each goes
+    # through its own interface of rank 2, at full speed
+    other = Transfer("b", (1, 2), (0,), SIZE, RATE, source=1, level=1)
+    ended = _run(
+        TransferPool(10 * RATE, interface=True), [(0.0, _directed("a", 0, 2)), (0.0, other)]
+    )
+    assert ended == pytest.approx({"a": 4.0, "b": 4.0})
+
+
+def test_a_transfer_waiting_for_its_link_takes_no_share_of_an_interface() -> None:
+    # b waits for a on their link (0, 2); a alone moves through rank 2's interface: 4 ms
+    ended = _run(
+        TransferPool(10 * RATE, interface=True),
+        [(0.0, _directed("a", 0, 2)), (0.0, _directed("b", 0, 2))],
+    )
     assert ended == pytest.approx({"a": 4.0, "b": 8.0})
 
 
