@@ -529,3 +529,18 @@ def test_a_run_without_a_cycle_stops_doubling_once_its_average_settles(
     timeline = simulate(plan, equal(2, 1.0, 2.0), FAST)
     assert runs == lengths
     assert timeline.time_per_minibatch_ms == averages[len(lengths) - 1]
+
+
+def test_a_ranks_interface_takes_in_one_message_at_a_time() -> None:
+    # three replicas of stage 0 send their first activations at 0.1 ms, 10 ms each on its own
+    # link: without interfaces all reach stage 1 at 10.1 ms, which runs them back to back;
+    # through rank 3's interface they arrive at 10.1, 20.1 and 30.1 ms
+    plan = plan_of("pipedream", [3, 1])
+    work = [StageWork(0.1, 0.1, 0.0, 10_000.0), StageWork(0.1, 0.1, 0.0, 0.0)]
+    starts = {}
+    for interface in (False, True):
+        network = Network((4,), (1e6,), interface=interface)  # 10 kB take 10 ms
+        timeline = simulate(plan, work, network, num_minibatches=6)
+        forwards = [e for e in timeline.events if e.rank == 3 and e.kind == "F"]
+        starts[interface] = [round(e.start_ms, 3) for e in forwards[:3]]
+    assert starts == {False: [10.1, 10.3, 10.5], True: [10.1, 20.1, 30.1]}
