@@ -7,7 +7,7 @@ the plan the formula picks can simulate much slower than one next to it: on the 
 VGG-16 profile, 10 workers at 1 GB/s, PipeDream's schedule, the dynamic program's 6-3-1 split
 simulates at 148.5 ms per minibatch, and the 9-1 split that merges its first two stages, with
 the cut then moved seven layers earlier, at 81.2 ms (on 16 workers: 13-2-1, 77.3 ms; 15-1,
-58.8 ms, the PipeDream paper's plan).
+56.0 ms, the PipeDream paper's plan).
 
 :func:`refine` walks from a plan to its fastest neighbour by simulation, as long as one is
 faster (steepest descent), within a budget of simulation work. A plan's neighbours

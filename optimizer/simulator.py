@@ -26,9 +26,11 @@ with profiled costs instead of tensors:
   many bytes/s in total; with a ``duplex`` factor a link's two directions move at once and
   share that many times its bandwidth; with a ``per_rank`` factor the transfers touching one
   rank share that many times their link's bandwidth (:mod:`~pipedream.optimizer.transfers`);
-  with an ``interface`` per rank and level a message also waits for its sender's interface to
-  send and its receiver's to receive (one message at a time each way; in the transfer pool
-  those through one direction share it);
+  with an ``interface`` per rank and level a message also needs its sender's interface to
+  send and its receiver's to receive (one message at a time each way): it takes the earliest
+  window in which its link and both interfaces are free, after the messages sent before it
+  the same way between its two ranks (:mod:`~pipedream.optimizer.busy`; in the transfer pool
+  those through one direction of an interface share it);
 * the runtime posts its receives ahead (on gloo), a few before each action by the rule of
   :mod:`~pipedream.schedules.posting`; posting one holds the receiving rank ``recv_ms`` there,
   an ``R`` event;
@@ -60,7 +62,8 @@ pattern's period, a bound on the minibatches in flight), over whole repetitions 
 shortest cycle (a multiple of that period) all of whose repetitions there take the same time
 (:func:`steady_window`); without a length given, the simulation doubles the minibatches until
 such a cycle shows, or until the average over that window, where none shows (transfers that
-share an interface can keep a pipeline from ever repeating itself exactly), moves by less than
+share a host or an interface in the transfer pool can keep a pipeline from ever repeating
+itself exactly), moves by less than
 :data:`AVERAGE_TOLERANCE` from one run to the next. With either spread there is no cycle: the
 time is the mean over the last :data:`SPREAD_MINIBATCHES` minibatches before the drain, after
 as many more past the fill (a backlog of transfers can take that long to build up).
@@ -82,6 +85,7 @@ from pipedream.errors import PlanningError
 from pipedream.formats.plan import Plan
 from pipedream.formats.profile import ActionOverhead, PassSpread, Profile
 from pipedream.formats.topology import Topology
+from pipedream.optimizer.busy import BusyTimes
 from pipedream.optimizer.messages import MessageTime, message_kind
 from pipedream.optimizer.stage_messages import stage_messages, stages_of_layers
 from pipedream.optimizer.transfers import Transfer, TransferPool
@@ -177,10 +181,12 @@ class Network:
     (gloo: one thread per process carries all its messages, 1); None: no limit per rank."""
     interface: bool = False
     """Whether every rank has a network interface per level, as fast as that level's links,
-    that sends one message at a time and receives one at a time: a message waits for its
-    link and for its sender's and its receiver's interfaces (first come, first served); in a
-    transfer pool (``unit_capacity``, ``duplex`` or ``per_rank``) the transfers through one
-    direction of an interface share its bandwidth instead. False: every link is on its own."""
+    that sends one message at a time and receives one at a time: a message takes the earliest
+    window in which its link and its sender's and receiver's interfaces are free, after the
+    messages sent before it the same way between its two ranks; in a transfer pool
+    (``unit_capacity``, ``duplex`` or ``per_rank``) the transfers through one direction of an
+    interface share its bandwidth instead. False: every link on its own, one message at a
+    time, first come first served."""
     message_spread: tuple[float, ...] | None = None
     """Ratios of one message's transfer time to the calibrated one (e.g. each repeat of a
     calibration over their median): every message moves its bytes times one drawn from them,
@@ -649,7 +655,8 @@ class _Run:
         self.heap: list[tuple[float, int]] = [(0.0, rank) for rank in sorted(tables)]
         self.queued = set(self.heap)  # a rank queued twice for one time would be asked twice
         self.pool = None
-        self.interface_free: dict[tuple[int, int, bool], float] = {}  # (rank, level, sending)
+        self.busy = BusyTimes()  # with interfaces: links and (rank, level, sending)
+        self.in_order: dict[tuple[int, int], float] = {}  # (sender, receiver): last end
         pooled = (network.unit_capacity, network.duplex, network.per_rank)
         if any(x is not None for x in pooled):
             per_unit = math.inf if network.unit_capacity is None else network.unit_capacity / 1e3
@@ -812,14 +819,20 @@ class _Run:
                 self.pool.start(now, transfer)
                 self._schedule_pool()
             else:
-                start = max(now, self.link_free.get(link, 0.0))
-                ways = ((rank, level, True), (peer, level, False))
+                duration = self.network.transfer_ms(moved, rank, peer)
                 if self.network.interface:
-                    start = max(start, *(self.interface_free.get(way, 0.0) for way in ways))
-                end = start + self.network.transfer_ms(moved, rank, peer)
-                self.link_free[link] = end
-                if self.network.interface:
-                    self.interface_free.update(dict.fromkeys(ways, end))
+                    # the earliest window with the link and both interfaces free, after the
+                    # messages sent before it the same way between the two ranks
+                    needs = (link, (rank, level, True), (peer, level, False))
+                    self.busy.forget_before(needs, now)
+                    after = max(now, self.in_order.get((rank, peer), 0.0))
+                    start = self.busy.earliest(needs, after, duration)
+                    self.busy.book(needs, start, start + duration)
+                    self.in_order[rank, peer] = start + duration
+                else:
+                    start = max(now, self.link_free.get(link, 0.0))
+                    self.link_free[link] = start + duration
+                end = start + duration
                 self.messages[key] = end + self.network.latency_ms
                 self.left[key] = end
                 self._wake(peer)

@@ -544,3 +544,18 @@ def test_a_ranks_interface_takes_in_one_message_at_a_time() -> None:
         forwards = [e for e in timeline.events if e.rank == 3 and e.kind == "F"]
         starts[interface] = [round(e.start_ms, 3) for e in forwards[:3]]
     assert starts == {False: [10.1, 10.3, 10.5], True: [10.1, 20.1, 30.1]}
+
+
+def test_a_message_waiting_for_an_interface_leaves_its_link_to_others() -> None:
+    # the same three replicas, all the run: stage 1's worker takes in one 10 ms activation
+    # per minibatch and sends one 10 ms gradient back, through its two directions, so 10 ms
+    # per minibatch is what its interface allows; an activation waiting for it must not hold
+    # its link meanwhile (booked ahead, it held the gradient back: 13.3 ms). Links of their
+    # own: each replica's round trip of 20 ms, three at once
+    plan = plan_of("pipedream", [3, 1])
+    work = [StageWork(0.1, 0.1, 0.0, 10_000.0), StageWork(0.1, 0.1, 0.0, 0.0)]
+    times = {}
+    for interface in (False, True):
+        network = Network((4,), (1e6,), interface=interface)
+        times[interface] = simulate(plan, work, network, num_minibatches=48).time_per_minibatch_ms
+    assert times == pytest.approx({False: 20 / 3, True: 10.0})
