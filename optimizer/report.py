@@ -136,9 +136,8 @@ def _search_lines(refined: Refined | None) -> list[str]:
     head = f"local search by simulation: {refined.tried} plan{'s' if refined.tried > 1 else ''}"
     if refined.time_ms < refined.start_ms:
         gained = (
-            f" tried, from {refined.start_ms:.3f} ms (the fastest of the dynamic program's "
-            f"plan, the best straight pipeline and data parallelism) to this plan's "
-            f"{refined.time_ms:.3f} ms"
+            f" tried, from {refined.start_ms:.3f} ms (the fastest of the candidates simulated "
+            f"before it) to this plan's {refined.time_ms:.3f} ms"
         )
     else:
         gained = " tried, none faster"

@@ -63,10 +63,10 @@ shortest cycle (a multiple of that period) all of whose repetitions there take t
 (:func:`steady_window`); without a length given, the simulation doubles the minibatches until
 such a cycle shows, or until the average over that window, where none shows (transfers that
 share a host or an interface in the transfer pool can keep a pipeline from ever repeating
-itself exactly), moves by less than
-:data:`AVERAGE_TOLERANCE` from one run to the next. With either spread there is no cycle: the
-time is the mean over the last :data:`SPREAD_MINIBATCHES` minibatches before the drain, after
-as many more past the fill (a backlog of transfers can take that long to build up).
+itself exactly), moves by less than :data:`AVERAGE_TOLERANCE` from one run to the next. With
+either spread there is no cycle: the time is the mean over the last
+:data:`SPREAD_MINIBATCHES` minibatches before the drain, after as many more past the fill (a
+backlog of transfers can take that long to build up).
 Pure Python: no torch.
 """
 
