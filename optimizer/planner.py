@@ -340,8 +340,7 @@ def _fastest_simulated(
             data_parallel_ms = simulated
             if not may_replicate:
                 continue
-        limit = request.memory_limit
-        if limit is not None and max(leaf.memory_bytes for leaf in evaluation.leaves) > limit:
+        if not _fits(evaluation, request.memory_limit):
             continue  # data parallelism may not fit
         found.append((simulated, plan, evaluation, tree))
     if not found:
@@ -367,6 +366,12 @@ def _fastest_simulated(
         method="simulated",
     )
     return replace(plan, prediction=prediction), evaluation, tree, refined
+
+
+def _fits(evaluation: TreeEvaluation, memory_limit: float | None) -> bool:
+    """Whether every worker's estimated memory is within the limit (None: no limit)."""
+    worst = max(leaf.memory_bytes for leaf in evaluation.leaves)
+    return memory_limit is None or worst <= memory_limit
 
 
 def _refine(
@@ -399,8 +404,7 @@ def _refine(
         plan, evaluation = build_plan(
             profile, tree=tree, cluster=cluster, schedule=outcome.schedule
         )
-        limit = request.memory_limit
-        if limit is not None and max(leaf.memory_bytes for leaf in evaluation.leaves) > limit:
+        if not _fits(evaluation, request.memory_limit):
             return None, 0
         run = simulated_run(plan, profile, topology, max_doublings=REFINE_DOUBLINGS)
         return steady_ms(run), simulation_work(run, plan)

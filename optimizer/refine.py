@@ -198,9 +198,8 @@ def refine(
             tried, spent = tried + 1, spent + work
             if time_ms is not None and time_ms < best_ms:
                 best, best_ms = tree, time_ms
-        if best_ms < current_ms * (1 - IMPROVEMENT):
+        improved = best_ms < current_ms * (1 - IMPROVEMENT)
+        if improved:
             current, current_ms = best, best_ms
-        elif not spent_all:
-            return Refined(current, current_ms, start_ms, tried, budget_spent=False)
-        if spent_all:
-            return Refined(current, current_ms, start_ms, tried, budget_spent=True)
+        if spent_all or not improved:
+            return Refined(current, current_ms, start_ms, tried, budget_spent=spent_all)
