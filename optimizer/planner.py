@@ -31,6 +31,7 @@ from pipedream.errors import PlanningError
 from pipedream.formats.plan import Plan, Prediction, StagePlan
 from pipedream.formats.profile import Profile
 from pipedream.formats.topology import Topology
+from pipedream.optimizer.bounds import BOUND_SLACK
 from pipedream.optimizer.cost_model import (
     COST_MODELS,
     DEFAULT_COST_MODEL,
@@ -38,7 +39,7 @@ from pipedream.optimizer.cost_model import (
     minibatch_ms,
 )
 from pipedream.optimizer.memory import MemoryModel
-from pipedream.optimizer.placed import PLACED, copy_counts, placed_candidates
+from pipedream.optimizer.placed import PLACED, copy_counts, placed_plan
 from pipedream.optimizer.refine import Moves, Refined, refine
 from pipedream.optimizer.search import (
     AUTO_MICROBATCHES,
@@ -58,6 +59,7 @@ from pipedream.optimizer.tree import (
     leaf_ranks,
 )
 from pipedream.optimizer.verify import (
+    lower_bound_ms,
     needs_simulation,
     simulated_ms,
     simulated_run,
@@ -180,7 +182,7 @@ def plan_profile(profile: Profile, *, topology: Topology, options: PlanOptions) 
     simulated_auto = False
     refined = None
     if options.schedule in PLACED:
-        found_placed, problem = placed_candidates(
+        placed, problem = placed_plan(
             profile,
             topology,
             schedule=options.schedule,
@@ -190,9 +192,8 @@ def plan_profile(profile: Profile, *, topology: Topology, options: PlanOptions) 
             cost_model=options.cost_model,
             straight=options.straight,
         )
-        if not found_placed:
+        if placed is None:
             raise PlanningError(problem)
-        placed = found_placed[0]
         return PlanResult(placed.plan, placed.tree, placed.cluster, placed.evaluation)
     if options.schedule == AUTO:
         found = solve_auto(request, microbatches=options.microbatches)
@@ -257,7 +258,7 @@ def _placed_outcomes(
                 continue  # it needs a multiple of a copy's workers
             per_worker = options.virtual_stages or 2
             try:
-                found, problem = placed_candidates(
+                best, problem = placed_plan(
                     profile,
                     topology,
                     schedule=schedule,
@@ -268,12 +269,11 @@ def _placed_outcomes(
                     straight=options.straight,
                 )
             except PlanningError as error:
-                found, problem = [], str(error)
+                best, problem = None, str(error)
             cluster = Cluster.from_topology(topology, cost_model=options.cost_model, microbatches=m)
-            if not found:
+            if best is None:
                 out.append(Outcome(schedule, m, cluster, None, math.inf, problem))
                 continue
-            best = found[0]
             assert best.plan.prediction is not None
             time_ms = best.plan.prediction.time_per_minibatch_ms
             out.append(Outcome(schedule, m, best.cluster, best.tree, time_ms, placed=best))
@@ -400,14 +400,22 @@ def _refine(
         max_stages=m if record.microbatches_at_least_stages else None,
     )
 
+    built: dict[Tree, tuple[Plan, TreeEvaluation]] = {}
+
+    def plan_of(tree: Tree) -> tuple[Plan, TreeEvaluation]:
+        if tree not in built:
+            built[tree] = build_plan(profile, tree=tree, cluster=cluster, schedule=outcome.schedule)
+        return built[tree]
+
     def simulate(tree: Tree) -> tuple[float | None, int]:
-        plan, evaluation = build_plan(
-            profile, tree=tree, cluster=cluster, schedule=outcome.schedule
-        )
+        plan, evaluation = plan_of(tree)
         if not _fits(evaluation, request.memory_limit):
             return None, 0
         run = simulated_run(plan, profile, topology, max_doublings=REFINE_DOUBLINGS)
         return steady_ms(run), simulation_work(run, plan)
+
+    def bound(tree: Tree) -> float:
+        return lower_bound_ms(plan_of(tree)[0], profile, topology)
 
     return refine(
         start,
@@ -416,6 +424,8 @@ def _refine(
         moves=moves,
         layer_ms=request.costs.compute_ms,
         budget=REFINE_BUDGET,
+        bound=bound,
+        slack=BOUND_SLACK,
     )
 
 

@@ -7,7 +7,7 @@ the plan the formula picks can simulate much slower than one next to it: on the 
 VGG-16 profile, 10 workers at 1 GB/s, PipeDream's schedule, the dynamic program's 6-3-1 split
 simulates at 148.5 ms per minibatch, and the 9-1 split that merges its first two stages, with
 the cut then moved seven layers earlier, at 81.2 ms (on 16 workers: 13-2-1, 77.3 ms; 15-1,
-56.0 ms, the PipeDream paper's plan).
+53.6 ms, the split of the PipeDream paper).
 
 :func:`refine` walks from a plan to its fastest neighbour by simulation, as long as one is
 faster (steepest descent), within a budget of simulation work. A plan's neighbours
@@ -21,6 +21,11 @@ faster (steepest descent), within a budget of simulation work. A plan's neighbou
 * with :attr:`Moves.fewer_workers`, a replica added to a stage (while workers are idle) or
   taken from one, and under one replica per stage a merge that leaves a worker idle or a
   split that puts an idle one to work.
+
+A neighbour whose lower bound (:mod:`~pipedream.optimizer.bounds`, a sum of the work a
+worker, a link or an interface must do per minibatch) already exceeds the fastest time of its
+round cannot be the step and is not simulated, so the budget goes to the plans that can be:
+on VGG-16, 10 workers, 36 of the 54 plans tried are ruled out so.
 
 Only plans of one level (a flat pipeline on the innermost workers) are searched: a stage of an
 outer level runs a pipeline of its own on each of its units, which these edits do not keep.
@@ -72,7 +77,11 @@ class Refined:
     start_ms: float
     """The simulated time per minibatch of the plan the search started from."""
     tried: int
-    """Plans simulated (the start's neighbours and theirs, each once)."""
+    """Plans tried (the start's neighbours and theirs, each once): simulated, or ruled out by
+    their lower bound."""
+    ruled_out: int
+    """Of those, the plans whose lower bound showed them slower than a plan simulated before,
+    and which were not simulated."""
     budget_spent: bool
     """Whether the search stopped at its budget rather than at a plan with no faster
     neighbour."""
@@ -172,34 +181,43 @@ def refine(
     moves: Moves,
     layer_ms: Sequence[float],
     budget: int,
+    bound: Callable[[Tree], float] | None = None,
+    slack: float = 0.0,
 ) -> Refined:
     """Steepest descent from ``start`` (simulated at ``start_ms``): simulate every neighbour
-    of the current plan not simulated before, move to the fastest if it is faster by more
+    of the current plan not tried before, move to the fastest if it is faster by more
     than :data:`IMPROVEMENT`, and stop where none is, or once the simulations' work adds up
     to ``budget``; then the fastest plan seen is kept.
 
     ``simulate(tree)`` gives the plan's time per minibatch (None where it does not fit or
     cannot be simulated) and the work the simulation took, in the units of ``budget``.
+    ``bound(tree)``, where given, is a lower bound on that time: a neighbour whose bound
+    exceeds the fastest time of its round by more than ``slack`` (relative) cannot be the
+    step, nor later ones (the fastest time only falls), and is not simulated.
     """
     current, current_ms = start, start_ms
-    simulated = {start}
-    tried = spent = 0
+    seen = {start}
+    tried = ruled_out = spent = 0
     while True:
         best, best_ms = current, current_ms
         spent_all = False
         for tree in neighbours(current, moves, layer_ms):
-            if tree in simulated:
+            if tree in seen:
                 continue
             if spent >= budget:
                 spent_all = True
                 break
-            simulated.add(tree)
+            seen.add(tree)
+            tried += 1
+            if bound is not None and bound(tree) > best_ms * (1 + slack):
+                ruled_out += 1
+                continue
             time_ms, work = simulate(tree)
-            tried, spent = tried + 1, spent + work
+            spent += work
             if time_ms is not None and time_ms < best_ms:
                 best, best_ms = tree, time_ms
         improved = best_ms < current_ms * (1 - IMPROVEMENT)
         if improved:
             current, current_ms = best, best_ms
         if spent_all or not improved:
-            return Refined(current, current_ms, start_ms, tried, budget_spent=spent_all)
+            return Refined(current, current_ms, start_ms, tried, ruled_out, budget_spent=spent_all)

@@ -133,14 +133,18 @@ def _search_lines(refined: Refined | None) -> list[str]:
     """What the local search by simulation tried, and what it gained."""
     if refined is None or refined.tried == 0:
         return []
-    head = f"local search by simulation: {refined.tried} plan{'s' if refined.tried > 1 else ''}"
+    head = (
+        f"local search by simulation: {refined.tried} plan{'s' if refined.tried > 1 else ''} tried"
+    )
+    if refined.ruled_out:
+        head += f" ({refined.ruled_out} ruled out by a lower bound, not simulated)"
     if refined.time_ms < refined.start_ms:
         gained = (
-            f" tried, from {refined.start_ms:.3f} ms (the fastest of the candidates simulated "
+            f", from {refined.start_ms:.3f} ms (the fastest of the candidates simulated "
             f"before it) to this plan's {refined.time_ms:.3f} ms"
         )
     else:
-        gained = " tried, none faster"
+        gained = ", none faster"
     stopped = "; it stopped at its budget" if refined.budget_spent else ""
     return [f"{head}{gained}{stopped}"]
 

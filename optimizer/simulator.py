@@ -110,6 +110,7 @@ __all__ = [
     "Timeline",
     "default_steps",
     "jittered",
+    "message_bytes",
     "pipeline_edges",
     "simulate",
     "stage_work",
@@ -407,9 +408,7 @@ def pipeline_edges(work: Sequence[StageWork]) -> tuple[tuple[int, int], ...] | N
     return tuple(sorted(pairs))
 
 
-def _message_bytes(
-    work: Sequence[StageWork], producer: int, consumer: int, gradient: bool
-) -> float:
+def message_bytes(work: Sequence[StageWork], producer: int, consumer: int, gradient: bool) -> float:
     """Bytes of one activation message from ``producer`` to ``consumer`` (or of the gradient
     message back)."""
     sends = work[producer].sends
@@ -800,9 +799,9 @@ class _Run:
             assert peer_stage is not None
             link = (min(rank, peer), max(rank, peer))
             if op is Op.SEND_ACT:
-                size = _message_bytes(self.work, stage, peer_stage, gradient=False)
+                size = message_bytes(self.work, stage, peer_stage, gradient=False)
             elif op is Op.SEND_GRAD:
-                size = _message_bytes(self.work, peer_stage, stage, gradient=True)
+                size = message_bytes(self.work, peer_stage, stage, gradient=True)
             else:  # a tied parameter's gradient or new version
                 size = self.work[stage].tied_bytes[peer_stage]
             key = message_of(rank, action)

@@ -50,13 +50,16 @@ import math
 from pipedream.formats.plan import Plan
 from pipedream.formats.profile import Profile
 from pipedream.formats.topology import Topology
+from pipedream.optimizer.bounds import minibatch_lower_bound
 from pipedream.optimizer.simulator import Network, Timeline, default_steps, simulate, stage_work
 from pipedream.schedules import lookup
 
 __all__ = [
     "INTERFACE",
     "MAX_SIMULATED_ACTIONS",
+    "lower_bound_ms",
     "needs_simulation",
+    "planner_network",
     "simulated_ms",
     "simulated_run",
     "simulation_work",
@@ -105,11 +108,20 @@ def simulated_run(
     if max_doublings is not None:
         longest = min(longest, default_steps(plan) * 2**max_doublings)
     return simulate(
-        plan,
-        stage_work(plan, profile),
-        Network.from_topology(topology, interface=INTERFACE),
-        max_minibatches=longest,
+        plan, stage_work(plan, profile), planner_network(topology), max_minibatches=longest
     )
+
+
+def planner_network(topology: Topology) -> Network:
+    """The network the planner's simulations run on: the topology's bandwidths, an interface
+    per worker and level (:data:`INTERFACE`), no latency and no cost of posting."""
+    return Network.from_topology(topology, interface=INTERFACE)
+
+
+def lower_bound_ms(plan: Plan, profile: Profile, topology: Topology) -> float:
+    """A lower bound on :func:`simulated_ms` of ``plan`` (:mod:`~pipedream.optimizer.bounds`),
+    for a run of any length."""
+    return minibatch_lower_bound(plan, stage_work(plan, profile), planner_network(topology))
 
 
 def steady_ms(timeline: Timeline | None) -> float | None:

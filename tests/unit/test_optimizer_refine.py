@@ -157,6 +157,49 @@ def test_the_search_stops_at_its_budget_with_the_fastest_seen() -> None:
     assert found.budget_spent
 
 
+def test_a_neighbour_whose_bound_cannot_win_is_not_simulated() -> None:
+    """The walk of the first test, with every plan's lower bound 81 ms but the two it steps
+    to: the start's neighbours are simulated until the 80 ms one, and after it every plan
+    bounded at 81 ms is ruled out; same walk, 5 simulations instead of 11."""
+    start = _tree((0, 2, 2), (3, 5, 1))
+    times = {
+        ((0, 3, 2), (4, 5, 1)): 90.0,
+        ((0, 4, 2), (5, 5, 1)): 80.0,
+        ((0, 5, 3),): 85.0,
+        ((0, 4, 1), (5, 5, 2)): 70.0,
+    }
+    steps = {((0, 4, 2), (5, 5, 1)), ((0, 4, 1), (5, 5, 2))}
+
+    def bound(tree: Tree) -> float:
+        return 0.0 if tuple(_stages(tree)) in steps else 81.0
+
+    simulate, calls = _by_table(times)
+    found = refine(
+        start,
+        100.0,
+        simulate=simulate,
+        moves=Moves(3, True),
+        layer_ms=EVEN,
+        budget=99,
+        bound=bound,
+        slack=0.0,
+    )
+    unbounded, all_calls = _by_table(times)
+    walked = refine(
+        start, 100.0, simulate=unbounded, moves=Moves(3, True), layer_ms=EVEN, budget=99
+    )
+    assert (found.tree, found.time_ms) == (walked.tree, walked.time_ms)
+    assert found.tried == walked.tried == len(all_calls) == 11
+    assert calls == [
+        [(0, 0, 2), (1, 5, 1)],
+        [(0, 1, 2), (2, 5, 1)],
+        [(0, 3, 2), (4, 5, 1)],
+        [(0, 4, 2), (5, 5, 1)],  # 80 ms: the rest of the start's neighbours are ruled out
+        [(0, 4, 1), (5, 5, 2)],  # the only neighbour of the step bounded below 80 ms
+    ]
+    assert found.ruled_out == 6
+
+
 @pytest.fixture(scope="module")
 def vgg16() -> Profile:
     return import_pipedream_graph(VGG16)
@@ -208,6 +251,7 @@ def test_no_search_keeps_the_fastest_of_the_three_and_says_nothing(
     out = capsys.readouterr().out
     assert "predicted time per minibatch: 81.190 ms" in out
     assert (
-        "local search by simulation: 54 plans tried, from 148.508 ms (the fastest of the "
-        "candidates simulated before it) to this plan's 81.190 ms" in out
+        "local search by simulation: 54 plans tried (36 ruled out by a lower bound, not "
+        "simulated), from 148.508 ms (the fastest of the candidates simulated before it) to "
+        "this plan's 81.190 ms" in out
     )
