@@ -22,7 +22,7 @@ The fastest per microbatch is kept. The candidates are simulated in the order of
 on their time (:mod:`~pipedream.optimizer.bounds`: a worker's compute, a link's or an
 interface's transfers), and those whose bound the fastest so far beats are not simulated at
 all: on the original ResNet-50 profile, 16 workers at 1 GB/s, interleaved-1f1b with 32
-microbatches simulates 1 of its 8 candidates. Microbatches per minibatch: given, or by default the
+microbatches simulates 1 of its 24 candidates. Microbatches per minibatch: given, or by default the
 smallest multiple of ``P`` that is at least ``max(4, 2 P)`` (interleaved needs a multiple of
 ``P``; both need about ``2 P`` to fill the pipeline). ``interleaved-1f1b`` without
 ``--virtual-stages`` tries 2, 3 and 4 stages per worker (as many as the layers allow).
@@ -55,7 +55,7 @@ from pipedream.optimizer.tree import (
     data_parallel_tree,
     evaluate_tree,
 )
-from pipedream.optimizer.verify import lower_bound_ms, simulated_ms
+from pipedream.optimizer.verify import lower_bound_ms, simulated_ms, too_big_to_simulate
 from pipedream.schedules import SCHEDULES, lookup
 
 __all__ = [
@@ -208,9 +208,10 @@ def _layout(
     microbatches: int,
     spans: Sequence[tuple[int, int]],
     copies: int,
-) -> _Layout:
+) -> _Layout | None:
     """Stages ``spans`` on ``copies`` copies of the pipeline (copy ``j`` on ranks
-    ``j P .. j P + P - 1``), placed but not simulated."""
+    ``j P .. j P + P - 1``), placed but not simulated; None when it is too big to simulate
+    (not a candidate: its memory is not even counted)."""
     costs = LayerCosts.from_profile(profile)
     workers = cluster.num_workers
     per_copy = workers // copies
@@ -238,6 +239,8 @@ def _layout(
         workload_args=dict(profile.workload_args),
         layers=tuple(names),
     )
+    if too_big_to_simulate(plan):
+        return None
     memory = worker_memory(plan, costs, spans)
     bound = lower_bound_ms(plan, profile, topology)
     return _Layout(plan, tuple(spans), stage_costs, tuple(memory[r] for r in ranks), bound)
@@ -246,7 +249,8 @@ def _layout(
 def _simulated(
     layout: _Layout, profile: Profile, topology: Topology, cluster: Cluster
 ) -> PlacedPlan | None:
-    """The candidate with its simulated prediction (None: too big to simulate)."""
+    """The candidate with its simulated prediction (None: too big to simulate, or no finite
+    time)."""
     time_ms = simulated_ms(layout.plan, profile, topology)
     if time_ms is None:
         return None
@@ -339,6 +343,8 @@ def placed_plan(
                 spans=spans,
                 copies=copies,
             )
+            if layout is None:
+                continue
             peak = max(layout.memory)
             if memory_limit is not None and peak > memory_limit:
                 smallest = peak if smallest is None else min(smallest, peak)
@@ -355,7 +361,7 @@ def placed_plan(
                 break  # sorted: no candidate left can be faster
         candidate = _simulated(layout, profile, topology, cluster)
         if candidate is None:
-            continue  # too big to simulate
+            continue  # no finite time
         rank = (*_rank(candidate.plan), index)  # ties: fewer copies, then the earlier candidate
         if rank < best_rank:
             best, best_rank = candidate, rank

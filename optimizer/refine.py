@@ -79,6 +79,9 @@ class Refined:
     tried: int
     """Plans tried (the start's neighbours and theirs, each once): simulated, or ruled out by
     their lower bound."""
+    simulated: int
+    """Of those, the plans simulated (the others did not fit, were too big to simulate, or
+    were ruled out)."""
     ruled_out: int
     """Of those, the plans whose lower bound showed them slower than a plan simulated before,
     and which were not simulated."""
@@ -190,14 +193,15 @@ def refine(
     to ``budget``; then the fastest plan seen is kept.
 
     ``simulate(tree)`` gives the plan's time per minibatch (None where it does not fit or
-    cannot be simulated) and the work the simulation took, in the units of ``budget``.
+    cannot be simulated) and the work the simulation took, in the units of ``budget`` (0:
+    no simulation ran).
     ``bound(tree)``, where given, is a lower bound on that time: a neighbour whose bound
     exceeds the fastest time of its round by more than ``slack`` (relative) cannot be the
     step, nor later ones (the fastest time only falls), and is not simulated.
     """
     current, current_ms = start, start_ms
     seen = {start}
-    tried = ruled_out = spent = 0
+    tried = simulated = ruled_out = spent = 0
     while True:
         best, best_ms = current, current_ms
         spent_all = False
@@ -214,10 +218,13 @@ def refine(
                 continue
             time_ms, work = simulate(tree)
             spent += work
+            simulated += work > 0
             if time_ms is not None and time_ms < best_ms:
                 best, best_ms = tree, time_ms
         improved = best_ms < current_ms * (1 - IMPROVEMENT)
         if improved:
             current, current_ms = best, best_ms
         if spent_all or not improved:
-            return Refined(current, current_ms, start_ms, tried, ruled_out, budget_spent=spent_all)
+            return Refined(
+                current, current_ms, start_ms, tried, simulated, ruled_out, budget_spent=spent_all
+            )

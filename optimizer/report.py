@@ -136,8 +136,8 @@ def _search_lines(refined: Refined | None) -> list[str]:
     head = (
         f"local search by simulation: {refined.tried} plan{'s' if refined.tried > 1 else ''} tried"
     )
-    if refined.ruled_out:
-        head += f" ({refined.ruled_out} ruled out by a lower bound, not simulated)"
+    if refined.simulated < refined.tried:
+        head += f" ({refined.simulated} simulated, {refined.ruled_out} ruled out by a lower bound)"
     if refined.time_ms < refined.start_ms:
         gained = (
             f", from {refined.start_ms:.3f} ms (the fastest of the candidates simulated "

@@ -64,6 +64,7 @@ __all__ = [
     "simulated_run",
     "simulation_work",
     "steady_ms",
+    "too_big_to_simulate",
 ]
 
 INTERFACE = True
@@ -94,6 +95,12 @@ def _compute_actions(plan: Plan) -> int:
     return 2 * plan.world_size * plan.microbatches * default_steps(plan)
 
 
+def too_big_to_simulate(plan: Plan) -> bool:
+    """Whether :func:`simulated_run` gives None for ``plan`` (above
+    :data:`MAX_SIMULATED_ACTIONS`)."""
+    return _compute_actions(plan) > MAX_SIMULATED_ACTIONS
+
+
 def simulated_run(
     plan: Plan, profile: Profile, topology: Topology, *, max_doublings: int | None = None
 ) -> Timeline | None:
@@ -101,9 +108,9 @@ def simulated_run(
     ``max_doublings``, a run whose steady state has not shown by then stops with
     ``2**max_doublings`` times :func:`default_steps` minibatches (its time is then the
     average of its second half)."""
-    actions = _compute_actions(plan)
-    if actions > MAX_SIMULATED_ACTIONS:
+    if too_big_to_simulate(plan):
         return None
+    actions = _compute_actions(plan)
     longest = default_steps(plan) * MAX_SIMULATED_ACTIONS // actions
     if max_doublings is not None:
         longest = min(longest, default_steps(plan) * 2**max_doublings)
@@ -119,8 +126,9 @@ def planner_network(topology: Topology) -> Network:
 
 
 def lower_bound_ms(plan: Plan, profile: Profile, topology: Topology) -> float:
-    """A lower bound on :func:`simulated_ms` of ``plan`` (:mod:`~pipedream.optimizer.bounds`),
-    for a run of any length."""
+    """A lower bound on the steady-state time :func:`simulated_ms` gives for ``plan``
+    (:mod:`~pipedream.optimizer.bounds`; a run too short for its steady state can average
+    less)."""
     return minibatch_lower_bound(plan, stage_work(plan, profile), planner_network(topology))
 
 

@@ -146,6 +146,8 @@ def test_plans_that_do_not_fit_are_skipped() -> None:
 
     found = refine(start, 100.0, simulate=simulate, moves=Moves(3, True), layer_ms=EVEN, budget=99)
     assert (_stages(found.tree), found.time_ms) == ([(0, 3, 2), (4, 5, 1)], 90.0)
+    # tried, but not simulated: the summary does not count them as simulated
+    assert (found.tried, found.simulated) == (found.simulated + 1, found.simulated)
 
 
 def test_the_search_stops_at_its_budget_with_the_fastest_seen() -> None:
@@ -197,7 +199,8 @@ def test_a_neighbour_whose_bound_cannot_win_is_not_simulated() -> None:
         [(0, 4, 2), (5, 5, 1)],  # 80 ms: the rest of the start's neighbours are ruled out
         [(0, 4, 1), (5, 5, 2)],  # the only neighbour of the step bounded below 80 ms
     ]
-    assert found.ruled_out == 6
+    assert (found.simulated, found.ruled_out) == (5, 6)
+    assert walked.simulated == 11
 
 
 @pytest.fixture(scope="module")
@@ -251,7 +254,7 @@ def test_no_search_keeps_the_fastest_of_the_three_and_says_nothing(
     out = capsys.readouterr().out
     assert "predicted time per minibatch: 81.190 ms" in out
     assert (
-        "local search by simulation: 54 plans tried (36 ruled out by a lower bound, not "
-        "simulated), from 148.508 ms (the fastest of the candidates simulated before it) to "
+        "local search by simulation: 54 plans tried (18 simulated, 36 ruled out by a lower "
+        "bound), from 148.508 ms (the fastest of the candidates simulated before it) to "
         "this plan's 81.190 ms" in out
     )

@@ -166,8 +166,8 @@ def test_fewer_workers_are_compared_by_simulation_too(
     out = capsys.readouterr().out
     assert "predicted time per minibatch: 318.073 ms" in out
     assert (
-        "local search by simulation: 10 plans tried (10 ruled out by a lower bound, not "
-        "simulated), none faster" in out
+        "local search by simulation: 10 plans tried (0 simulated, 10 ruled out by a lower "
+        "bound), none faster" in out
     )
     assert "note:" not in out
     assert main([*argv, "--fewer-workers", "-o", str(tmp_path / "fewer.yaml")]) == 0
