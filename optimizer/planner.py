@@ -386,10 +386,10 @@ def _refine(
 ) -> Refined | None:
     """The local search by simulation (:mod:`~pipedream.optimizer.refine`) from ``start``,
     under the plan's schedule, ``m``, memory limit and options; None where it does not run:
-    ``--no-search``, a topology of several levels, or the original optimizer's arithmetic
-    (``--cost-model pipedream``), which the planner reproduces rather than improves on."""
+    ``--no-search``, or the original optimizer's arithmetic (``--cost-model pipedream``),
+    which the planner reproduces rather than improves on."""
     cluster = outcome.cluster
-    if not search or len(cluster.workers) > 1 or request.cost_model == "pipedream":
+    if not search or request.cost_model == "pipedream":
         return None
     record = lookup(outcome.schedule)
     m = outcome.microbatches

@@ -99,6 +99,41 @@ def test_a_split_balances_compute_per_replica(
     assert _balanced_cut(prefix, 0, 5, left, right) == cut
 
 
+def _levels(tree: Tree) -> list[tuple[int, int, int, Stages]]:
+    return [(n.first, n.last, n.replicas, _stages(n.inner)) for n in tree]
+
+
+def test_the_neighbours_of_a_plan_of_two_levels() -> None:
+    """2 servers of 2 workers: the outer cut moves and its stages' inner pipelines grow and
+    shrink at that end (none may empty), then each server's own pipeline takes the edits of
+    a one-level plan."""
+    tree = (
+        Node(0, 3, 1, (Node(0, 1, 1), Node(2, 3, 1))),
+        Node(4, 5, 1, (Node(4, 5, 2),)),
+    )
+    assert [_levels(t) for t in neighbours(tree, Moves(2, True), EVEN)] == [
+        [(0, 2, 1, [(0, 1, 1), (2, 2, 1)]), (3, 5, 1, [(3, 5, 2)])],  # the outer cut
+        [(0, 4, 1, [(0, 1, 1), (2, 4, 1)]), (5, 5, 1, [(5, 5, 2)])],
+        [(0, 3, 1, [(0, 0, 1), (1, 3, 1)]), (4, 5, 1, [(4, 5, 2)])],  # the first server's
+        [(0, 3, 1, [(0, 2, 1), (3, 3, 1)]), (4, 5, 1, [(4, 5, 2)])],
+        [(0, 3, 1, [(0, 3, 2)]), (4, 5, 1, [(4, 5, 2)])],
+        [(0, 3, 1, [(0, 1, 1), (2, 3, 1)]), (4, 5, 1, [(4, 4, 1), (5, 5, 1)])],  # the second's
+    ]
+
+
+def test_servers_move_between_outer_stages_and_the_stage_count_is_the_runtimes() -> None:
+    tree = (Node(0, 2, 2, (Node(0, 2, 2),)), Node(3, 5, 1, (Node(3, 4, 1), Node(5, 5, 1))))
+    # 3 stages at most: the first servers' pipeline may not split (it would make 4)
+    assert [_levels(t) for t in neighbours(tree, Moves(2, True, max_stages=3), EVEN)] == [
+        [(0, 0, 2, [(0, 0, 2)]), (1, 5, 1, [(1, 4, 1), (5, 5, 1)])],
+        [(0, 1, 2, [(0, 1, 2)]), (2, 5, 1, [(2, 4, 1), (5, 5, 1)])],
+        [(0, 3, 2, [(0, 3, 2)]), (4, 5, 1, [(4, 4, 1), (5, 5, 1)])],
+        [(0, 2, 1, [(0, 2, 2)]), (3, 5, 2, [(3, 4, 1), (5, 5, 1)])],  # a server moved
+        [(0, 2, 2, [(0, 2, 2)]), (3, 5, 1, [(3, 3, 1), (4, 5, 1)])],
+        [(0, 2, 2, [(0, 2, 2)]), (3, 5, 1, [(3, 5, 2)])],
+    ]
+
+
 def _by_table(times: dict[tuple[tuple[int, int, int], ...], float], work: int = 1):
     """A made-up simulation: the listed plans' times (else 1000 ms), each costing ``work``."""
     calls: list[Stages] = []
@@ -225,14 +260,29 @@ def test_the_planner_finds_a_faster_plan_beside_the_dynamic_programs(vgg16: Prof
     assert result.refined.time_ms == plan.prediction.time_per_minibatch_ms
 
 
-def test_the_search_leaves_the_original_arithmetic_and_several_levels_alone(
-    vgg16: Profile,
-) -> None:
+def test_the_search_leaves_the_original_arithmetic_alone(vgg16: Profile) -> None:
     original = PlanOptions(schedule="1f1b", cost_model="pipedream")
     flat = Topology.single_level(4, 1e9)
     assert plan_profile(vgg16, topology=flat, options=original).refined is None
-    servers = Topology((Level("gpus", 2, 1e10), Level("servers", 2, 1e9)))
-    assert plan_profile(vgg16, topology=servers, options=PlanOptions()).refined is None
+
+
+def test_the_search_walks_a_plan_of_two_levels(vgg16: Profile) -> None:
+    """4 servers of 4 workers (10 GB/s inside, 1 GB/s between): the dynamic program runs the
+    first 32 layers on 3 servers and a pipeline of 3 stages on the fourth, one of them a layer
+    without compute on 2 workers (64.8 ms simulated); the search ends with the last 16
+    layers on the fourth server alone (55.1 ms)."""
+    servers = Topology((Level("gpus", 4, 1e10), Level("servers", 4, 1e9)))
+    result = plan_profile(vgg16, topology=servers, options=PlanOptions())
+    assert result.refined is not None
+    assert result.refined.start_ms == pytest.approx(64.809, abs=1e-3)
+    plan = result.plan
+    assert [(s.first_layer, s.last_layer, s.replicas) for s in plan.stages] == [
+        ("node1", "node25", 12),
+        ("node26", "node41", 4),
+    ]
+    assert plan.stages[1].ranks == (12, 13, 14, 15)  # the fourth server
+    assert plan.prediction is not None
+    assert plan.prediction.time_per_minibatch_ms == pytest.approx(55.089, abs=1e-3)
 
 
 def test_no_search_keeps_the_fastest_of_the_three_and_says_nothing(
