@@ -243,20 +243,43 @@ def vgg16() -> Profile:
     return import_pipedream_graph(VGG16)
 
 
-def test_the_planner_finds_a_faster_plan_beside_the_dynamic_programs(vgg16: Profile) -> None:
+# (topology, the simulated time the search starts from, the stages it ends with, their time)
+WALKS = {
     # 10 workers at 1 GB/s: the dynamic program's 6-3-1 split simulates at 148.5 ms per
     # minibatch; merging its first two stages gives a 9-1 split, whose cut then moves seven
     # layers earlier: 81.2 ms
-    result = plan_profile(vgg16, topology=Topology.single_level(10, 1e9), options=PlanOptions())
+    "10 workers": (
+        Topology.single_level(10, 1e9),
+        148.508,
+        [("node1", "node25", 9), ("node26", "node41", 1)],
+        81.190,
+    ),
+    # 4 servers of 4 workers (10 GB/s inside, 1 GB/s between): the dynamic program runs the
+    # first 32 layers on 3 servers and a pipeline of 3 stages on the fourth, one of them a
+    # layer without compute on 2 workers (64.8 ms); the search ends with the last 16 layers
+    # on the fourth server alone (55.1 ms)
+    "4 servers of 4": (
+        Topology((Level("gpus", 4, 1e10), Level("servers", 4, 1e9))),
+        64.809,
+        [("node1", "node25", 12), ("node26", "node41", 4)],
+        55.089,
+    ),
+}
+
+
+@pytest.mark.parametrize("cluster", sorted(WALKS))
+def test_the_planner_finds_a_faster_plan_beside_the_dynamic_programs(
+    vgg16: Profile, cluster: str
+) -> None:
+    topology, start_ms, stages, time_ms = WALKS[cluster]
+    result = plan_profile(vgg16, topology=topology, options=PlanOptions())
     assert result.refined is not None
-    assert result.refined.start_ms == pytest.approx(148.508, abs=1e-3)
+    assert result.refined.start_ms == pytest.approx(start_ms, abs=1e-3)
     plan = result.plan
-    assert [(s.first_layer, s.last_layer, s.replicas) for s in plan.stages] == [
-        ("node1", "node25", 9),
-        ("node26", "node41", 1),
-    ]
+    assert [(s.first_layer, s.last_layer, s.replicas) for s in plan.stages] == stages
+    assert plan.stages[-1].ranks[-1] == topology.num_workers - 1  # the last worker's stage
     assert plan.prediction is not None and plan.prediction.method == "simulated"
-    assert plan.prediction.time_per_minibatch_ms == pytest.approx(81.190, abs=1e-3)
+    assert plan.prediction.time_per_minibatch_ms == pytest.approx(time_ms, abs=1e-3)
     assert result.refined.time_ms == plan.prediction.time_per_minibatch_ms
 
 
@@ -264,25 +287,6 @@ def test_the_search_leaves_the_original_arithmetic_alone(vgg16: Profile) -> None
     original = PlanOptions(schedule="1f1b", cost_model="pipedream")
     flat = Topology.single_level(4, 1e9)
     assert plan_profile(vgg16, topology=flat, options=original).refined is None
-
-
-def test_the_search_walks_a_plan_of_two_levels(vgg16: Profile) -> None:
-    """4 servers of 4 workers (10 GB/s inside, 1 GB/s between): the dynamic program runs the
-    first 32 layers on 3 servers and a pipeline of 3 stages on the fourth, one of them a layer
-    without compute on 2 workers (64.8 ms simulated); the search ends with the last 16
-    layers on the fourth server alone (55.1 ms)."""
-    servers = Topology((Level("gpus", 4, 1e10), Level("servers", 4, 1e9)))
-    result = plan_profile(vgg16, topology=servers, options=PlanOptions())
-    assert result.refined is not None
-    assert result.refined.start_ms == pytest.approx(64.809, abs=1e-3)
-    plan = result.plan
-    assert [(s.first_layer, s.last_layer, s.replicas) for s in plan.stages] == [
-        ("node1", "node25", 12),
-        ("node26", "node41", 4),
-    ]
-    assert plan.stages[1].ranks == (12, 13, 14, 15)  # the fourth server
-    assert plan.prediction is not None
-    assert plan.prediction.time_per_minibatch_ms == pytest.approx(55.089, abs=1e-3)
 
 
 def test_no_search_keeps_the_fastest_of_the_three_and_says_nothing(
