@@ -88,8 +88,8 @@ class Refined:
     start_ms: float
     """The simulated time per minibatch of the plan the search started from."""
     tried: int
-    """Plans tried (the start's neighbours and theirs, each once): simulated, or ruled out by
-    their lower bound."""
+    """Plans tried (the start's neighbours and theirs, each once): simulated, ruled out by
+    their lower bound, or left out (they did not fit, or were too big to simulate)."""
     simulated: int
     """Of those, the plans simulated (the others did not fit, were too big to simulate, or
     were ruled out)."""
