@@ -33,7 +33,8 @@ pipeline, over the workers of one unit, takes the edits above. An outer pipeline
 
 * a cut moved by 1, 2 or 4 layers, the inner pipelines of the stages on either side growing
   or shrinking at that end, down to the workers (where a stage would empty, the move is out);
-* a unit moved from one outer stage to another, running that stage's pipeline.
+* a unit moved from one outer stage to another, running that stage's pipeline (where stages
+  may be replicated).
 
 Outer stages are neither merged nor split (their units' pipelines would have to be made
 anew). On the original VGG-16 profile, 4 servers of 4 workers (10 GB/s inside, 1 GB/s
