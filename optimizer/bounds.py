@@ -24,10 +24,10 @@ candidate whose bound exceeds the fastest time simulated so far need not be simu
 too short for its steady state can average less, while a backlog of messages builds up; ruling
 such a candidate out is right, as its steady state is slower.)
 
-It holds for fixed times only: with a spread of forward and backward times, or of message
-times, the simulation draws from it, and the bound is not defined (it raises). In a transfer
-pool (``unit_capacity``, ``duplex``, ``per_rank``) links and interfaces share bandwidth
-rather than taking turns, and the bound counts compute alone.
+It holds for fixed times only: a simulation given a spread of forward and backward times, or
+a network with a spread of message times, draws from it (for the latter the bound raises). In
+a transfer pool (``unit_capacity``, ``duplex``, ``per_rank``) links and interfaces share
+bandwidth rather than taking turns, and the bound counts compute alone.
 """
 
 from __future__ import annotations

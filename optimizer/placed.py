@@ -18,14 +18,15 @@ the ranks and back (``v = 2``). A plan for them is found in four steps:
    messages, and the V's and the interleaving's messages are not free;
 4. memory per worker comes from those tables too (:mod:`~pipedream.optimizer.table_memory`).
 
-The fastest per microbatch is kept. The candidates are simulated in the order of a lower bound
-on their time (:mod:`~pipedream.optimizer.bounds`: a worker's compute, a link's or an
+The fastest per microbatch is kept. The candidates are simulated in the order of a lower
+bound on their time (:mod:`~pipedream.optimizer.bounds`: a worker's compute, a link's or an
 interface's transfers), and those whose bound the fastest so far beats are not simulated at
 all: on the original ResNet-50 profile, 16 workers at 1 GB/s, interleaved-1f1b with 32
-microbatches simulates 1 of its 24 candidates. Microbatches per minibatch: given, or by default the
-smallest multiple of ``P`` that is at least ``max(4, 2 P)`` (interleaved needs a multiple of
-``P``; both need about ``2 P`` to fill the pipeline). ``interleaved-1f1b`` without
-``--virtual-stages`` tries 2, 3 and 4 stages per worker (as many as the layers allow).
+microbatches simulates 1 of its 24 candidates. Microbatches per minibatch: given, or by
+default the smallest multiple of ``P`` that is at least ``max(4, 2 P)`` (interleaved needs a
+multiple of ``P``; both need about ``2 P`` to fill the pipeline). ``interleaved-1f1b``
+without ``--virtual-stages`` tries 2, 3 and 4 stages per worker (as many as the layers
+allow).
 """
 
 from __future__ import annotations
@@ -356,9 +357,8 @@ def placed_plan(
     best_rank = (math.inf, 0, 0)
     for index in order:
         layout, cluster = layouts[index]
-        if best is not None:
-            if layout.bound_per_microbatch_ms > best_rank[0] * (1 + BOUND_SLACK):
-                break  # sorted: no candidate left can be faster
+        if layout.bound_per_microbatch_ms > best_rank[0] * (1 + BOUND_SLACK):
+            break  # sorted: no candidate left can be faster than the best (inf: none yet)
         candidate = _simulated(layout, profile, topology, cluster)
         if candidate is None:
             continue  # no finite time
