@@ -128,7 +128,7 @@ class _Solver:
         self.ocum = _prefix(costs.optimizer_state_bytes)
         self.tables: dict[tuple[int, object], dict[int, FloatArray]] = {}
         self.dense: dict[tuple[object, ...], list[StageTimes]] = {}
-        self.dense_budget = _DENSE_FLOATS // max(1, n * n)  # matrices kept per level
+        self.dense_budget = _DENSE_FLOATS // max(1, n * n)  # matrices kept at once
 
     def key(self, context: Context) -> object:
         if self.limit is None or self.memory is None:
@@ -195,16 +195,21 @@ class _Solver:
             )
             key = (level, r, self.key(child))
             bases = self.range_tables(level - 1, child)
-        if dense and key in self.dense:
+        key = (*key, lo, hi)
+        if key in self.dense:
             return self.dense[key]
         times = [
             self._times(level, r, count, base[lo : hi + 1, lo : hi + 1], lo, hi, mask)
             for count, base in bases.items()
         ]
-        if dense:
+        # a one-start problem asks for the same stage times at every larger unit count: kept
+        # as matrices, its gathers are lookups too (in half the budget: the levels solved for
+        # all starts keep the other half whatever came before)
+        keep = len(self.dense) < (self.dense_budget if dense else self.dense_budget // 2)
+        if dense or keep:
             times = [t.materialised() for t in times]
-            if len(self.dense) < self.dense_budget:
-                self.dense[key] = times
+        if keep:
+            self.dense[key] = times
         return times
 
     def _times(

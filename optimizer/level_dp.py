@@ -25,6 +25,7 @@ fewer units.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -105,7 +106,7 @@ def solve_level(
         first = np.full(len(ends), start, dtype=np.int64)
         entry_rows = np.zeros(len(ends), dtype=np.int64)
     first, ends = first.astype(np.int64), ends.astype(np.int64)
-    flat = entry_rows * n + ends
+    entries = _Entries(first, ends, entry_rows, entry_rows * n + ends)
     state = _State(problem, rows, want_choices)
     for m in range(1, units + 1):
         if m in problem.replica_choices:
@@ -116,33 +117,108 @@ def solve_level(
         for r in problem.replica_choices:
             if r >= m:
                 break
+            prefixes = state.prefixes(m - r)
+            if prefixes is None:
+                continue
             stage_times = problem.source(r, m - r)
-            for prefix_count, prefix, envelope in state.prefixes(m - r):
-                for times in stage_times:
-                    count = prefix_count + times.count
-                    if problem.max_count and count > problem.max_count:
+            found = {
+                (c, t): candidate
+                for t, times in enumerate(stage_times)
+                for c, candidate in _last_stages(state, prefixes, times, m, entries)
+            }
+            # applied in one order (prefix count, then stage times): ties go to the first
+            for c, prefix_count in enumerate(prefixes.counts):
+                for t, times in enumerate(stage_times):
+                    if (c, t) not in found:
                         continue
-                    cutoff = state.cutoff(count, m, flat, times.out[ends])
-                    value, split, computed = minmax_product(
-                        prefix,
-                        times.later_at,
-                        envelope=envelope,
-                        rows=entry_rows,
-                        I=first,
-                        J=ends,
-                        q_key=times.q_key,
-                        q_flat=None if times.matrix is None else times.matrix.ravel(),
-                        cutoff=cutoff,
-                        want_argmin=want_choices,
-                    )
-                    at = flat if computed is None else flat[computed]
+                    at, value, split = found[(c, t)]
                     cut = np.maximum(value, times.out[at % n])
+                    count = prefix_count + times.count
                     state.improve(
                         count, m, at, cut, value, split=split, replicas=r, child=times.count
                     )
         if problem.use_fewer and m > 1:
             state.fewer(m)
     return state.result()
+
+
+_BATCH = 1 << 21
+"""Most entries (prefix counts x ranges) in one call of the (min, max) product."""
+
+
+@dataclass(frozen=True)
+class _Entries:
+    """The ranges ``first[e]..ends[e]`` whose pipelines a level's tables hold."""
+
+    first: IntArray
+    ends: IntArray
+    rows: IntArray
+    """Each entry's row in the tables (its start; 0 when solved for one start)."""
+    flat: IntArray
+    """Each entry's index in a raveled table."""
+
+
+def _last_stages(
+    state: _State, prefixes: _Prefixes, times: StageTimes, m: int, entries: _Entries
+) -> list[tuple[int, tuple[IntArray, FloatArray, IntArray | None]]]:
+    """``(prefix index, (flat entries, value, split))``: the pipelines on ``m`` units that end
+    with a stage of ``times`` after a prefix of each count, for the entries that may improve.
+
+    The prefixes of every count go through :func:`minmax_product` together, their tables
+    stacked as rows, so that the product's fixed cost is paid once per batch, not per count.
+    """
+    problem, rows, flat = state.problem, state.rows, entries.flat
+    size = len(flat)
+    out = times.out[entries.ends]
+    q_flat = None if times.matrix is None else times.matrix.ravel()
+    allowed = len(prefixes.counts)  # the counts are ascending: the allowed ones come first
+    if problem.max_count:
+        allowed = bisect_right(prefixes.counts, problem.max_count - times.count)
+    per_call = max(1, _BATCH // max(1, size))
+    found = []
+    for lo in range(0, allowed, per_call):
+        hi = min(lo + per_call, allowed)
+        counts = prefixes.counts[lo:hi]
+        cutoffs = [state.cutoff(count + times.count, m, flat, out) for count in counts]
+        batch = np.arange(len(counts), dtype=np.int64)
+        value, split, computed = minmax_product(
+            _stacked(prefixes.tables[lo:hi]),
+            times.later_at,
+            envelope=_stacked(prefixes.envelopes[lo:hi]),
+            rows=(batch[:, None] * rows + entries.rows[None, :]).ravel(),
+            I=np.tile(entries.first, len(counts)),
+            J=np.tile(entries.ends, len(counts)),
+            q_key=times.q_key,
+            q_flat=q_flat,
+            cutoff=np.concatenate(cutoffs),
+            want_argmin=state.want,
+        )
+        done = np.arange(len(counts) * size) if computed is None else computed
+        bounds = np.searchsorted(done, batch * size).tolist() + [len(done)]
+        for index in range(len(counts)):
+            part = slice(bounds[index], bounds[index + 1])
+            if part.start == part.stop:
+                continue
+            at = flat[done[part] - index * size]
+            found.append((lo + index, (at, value[part], None if split is None else split[part])))
+    return found
+
+
+def _stacked(tables: list[FloatArray]) -> FloatArray:
+    """The tables' rows, one table after the other (a single table as it is)."""
+    return tables[0] if len(tables) == 1 else np.concatenate(tables)
+
+
+@dataclass(frozen=True)
+class _Prefixes:
+    """The final ``cut`` tables on some number of units that hold a finite prefix."""
+
+    counts: list[int]
+    """Their counts of flattened stages, ascending."""
+    tables: list[FloatArray]
+    """The tables, in that order."""
+    envelopes: list[FloatArray]
+    """Their :func:`suffix_envelope`."""
 
 
 class _State:
@@ -156,7 +232,7 @@ class _State:
         self.whole: dict[tuple[int, int], FloatArray] = {}  # only if the range is `open`
         self.cut_choices: dict[tuple[int, int], Choices] = {}
         self.whole_choices: dict[tuple[int, int], Choices] = {}
-        self.envelopes: dict[tuple[int, int], FloatArray] = {}
+        self.stacked: dict[int, _Prefixes | None] = {}
         self.keep_all_whole = want_choices
 
     def _table(
@@ -236,17 +312,25 @@ class _State:
             threshold = np.maximum(threshold, whole.reshape(-1)[flat])
         return threshold
 
-    def prefixes(self, m: int) -> list[tuple[int, FloatArray, FloatArray]]:
+    def prefixes(self, m: int) -> _Prefixes | None:
         """The final ``cut`` tables on ``m`` units that hold some finite prefix, with their
-        suffix envelopes (computed once: every larger ``m`` reuses them)."""
-        found = []
-        for (count, units), table in sorted(self.cut.items()):
-            if units != m or not np.isfinite(table).any():
-                continue
-            if (count, units) not in self.envelopes:
-                self.envelopes[(count, units)] = suffix_envelope(table)
-            found.append((count, table, self.envelopes[(count, units)]))
-        return found
+        suffix envelopes (None: none). Computed once: every larger ``m`` reuses them."""
+        if m not in self.stacked:
+            found = [
+                (count, table)
+                for (count, units), table in sorted(self.cut.items())
+                if units == m and np.isfinite(table).any()
+            ]
+            self.stacked[m] = (
+                _Prefixes(
+                    [count for count, _ in found],
+                    [table for _, table in found],
+                    [suffix_envelope(table) for _, table in found],
+                )
+                if found
+                else None
+            )
+        return self.stacked[m]
 
     def fewer(self, m: int) -> None:
         """use_fewer_workers: the best on ``m - 1`` units is also a plan for ``m``."""

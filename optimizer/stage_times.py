@@ -4,8 +4,9 @@ The dynamic program asks for a stage's time at scattered ``(first, last)`` pairs
 points that :mod:`~pipedream.optimizer.minmax` scans) and, for single-stage pipelines, along
 whole rows. Materialising ``n x n`` matrices for every replica count costs ``O(n^2)`` memory
 and time each, which dominates once a level has many units, so :class:`StageTimes` computes
-times from prefix sums on demand and materialises its matrix only when asked (an inner level
-solved for all starts gathers so often that one matrix per replica count pays off).
+times from prefix sums on demand and materialises its matrix only when asked (the hierarchy
+keeps one matrix per replica count, within a memory budget: a level solved for all starts, and
+one solved for a single start at every unit count, gather from it often enough to pay).
 
 A stage of layers ``x..y`` on ``r`` units (see :mod:`~pipedream.optimizer.cost_model`)::
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from pipedream.formats import Level, Topology
+from pipedream.optimizer import level_dp
 from pipedream.optimizer.cost_model import COST_MODELS, LayerCosts
 from pipedream.optimizer.hierarchy import solve_cluster
 from pipedream.optimizer.memory import MemoryModel
@@ -121,6 +122,19 @@ def test_dp_by_stage_count_matches_brute_force(seed: int) -> None:
     for count, solution in found.items():
         assert solution.num_stages == count
         assert solution.time_ms == pytest.approx(expected[count], rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_prefixes_of_every_count_solved_together_or_one_by_one_agree(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The level DP batches the prefix tables of all counts into one (min, max) product, up to
+    a number of entries; one count per product must give the same partitions."""
+    costs, cluster = random_case(100 + seed)
+    together = solve_cluster(costs, cluster, by_stage_count=True)
+    assert len(together) >= 2  # several counts, so the batches hold several
+    monkeypatch.setattr(level_dp, "_BATCH", 1)
+    assert solve_cluster(costs, cluster, by_stage_count=True) == together
 
 
 @pytest.mark.parametrize("seed", range(16))
