@@ -16,7 +16,15 @@ whatever the schedule, in a simulated run
   a rank sends one message at a time and receives one at a time on each level.
 
 Every minibatch needs that work, so in the steady state the time between two minibatches is
-at least the largest of those sums (:func:`minibatch_lower_bound`). The bound leaves out
+at least the largest of those sums.
+
+A schedule that flushes adds a bound of its own: a copy of the pipeline starts a minibatch
+only after its previous one has updated every stage, so the time between two of its
+minibatches is at least the longest chain of one minibatch's actions, from the first forward
+to the last update, with every rank running its table in order and every message taking its
+transfer and latency but never waiting for a busy link. With ``r`` copies, each runs every
+``r``-th minibatch: per minibatch that is the chain over ``r``. :func:`minibatch_lower_bound`
+is the largest of all of them. The sums leave out
 weight copies, tied parameters' messages, receive postings and every wait, so it is below
 the steady state's time, often well below, but never above it
 (``tests/unit/test_optimizer_bounds.py`` checks that on the original profiles' plans). A
@@ -27,7 +35,8 @@ such a candidate out is right, as its steady state is slower.)
 It holds for fixed times only: a simulation given a spread of forward and backward times, or
 a network with a spread of message times, draws from it (for the latter the bound raises). In
 a transfer pool (``unit_capacity``, ``duplex``, ``per_rank``) links and interfaces share
-bandwidth rather than taking turns, and the bound counts compute alone.
+bandwidth rather than taking turns, and the bound counts compute, and messages their latency
+alone.
 """
 
 from __future__ import annotations
@@ -37,7 +46,15 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from pipedream.formats.plan import Plan
-from pipedream.optimizer.simulator import Network, StageWork, message_bytes, pipeline_edges
+from pipedream.optimizer.simulator import (
+    Network,
+    StageWork,
+    message_bytes,
+    pipeline_edges,
+    tied_pairs,
+)
+from pipedream.schedules import Action, Op, PipelineSpec, build_tables, lookup, spec_from_plan
+from pipedream.schedules.validate import Message, message_of
 
 __all__ = ["BOUND_SLACK", "minibatch_lower_bound"]
 
@@ -82,11 +99,123 @@ def minibatch_lower_bound(plan: Plan, work: Sequence[StageWork], network: Networ
                 link_ms[min(a, b), max(a, b)] += transfer
                 interface_ms[sender, level, True] += transfer
                 interface_ms[receiver, level, False] += transfer
-    bound = max(rank_ms.values(), default=0.0)
-    pooled = (network.unit_capacity, network.duplex, network.per_rank)
-    if any(x is not None for x in pooled):
+    bound = max(max(rank_ms.values(), default=0.0), flush_chain_ms(plan, work, network))
+    if _pooled(network):
         return bound
     bound = max(bound, max(link_ms.values(), default=0.0))
     if network.interface:
         bound = max(bound, max(interface_ms.values(), default=0.0))
     return bound
+
+
+def flush_chain_ms(plan: Plan, work: Sequence[StageWork], network: Network) -> float:
+    """Under a schedule that flushes, the longest chain of one minibatch's actions per copy,
+    over the copies (module docstring); 0 for an asynchronous schedule, or stages replicated
+    unequally (a stage's replicas then update at their own pace)."""
+    copies = {placement.replicas for placement in plan.stages}
+    if lookup(plan.schedule).asynchronous or len(copies) != 1:
+        return 0.0
+    (r,) = copies
+    edges, tied = pipeline_edges(work), tied_pairs(work)
+    spec = spec_from_plan(plan, 0, r, edges, tied)  # one minibatch per copy
+    return _ChainRun(build_tables(spec), work, network, spec).finish() / r
+
+
+def _pooled(network: Network) -> bool:
+    """Whether transfers share bandwidth in a pool (their time is not the link's alone)."""
+    return any(x is not None for x in (network.unit_capacity, network.duplex, network.per_rank))
+
+
+class _ChainRun:
+    """The tables run from time 0 with every wait left out but the tables' own order, the
+    messages (each its transfer and latency, on a link of its own) and the allreduces: every
+    action starts no later than in a simulation, so the run's end is a chain's length."""
+
+    def __init__(
+        self,
+        tables: dict[int, list[Action]],
+        work: Sequence[StageWork],
+        network: Network,
+        spec: PipelineSpec,
+    ) -> None:
+        self.tables, self.work, self.network, self.spec = tables, work, network, spec
+        self.clock = dict.fromkeys(tables, 0.0)
+        self.position = dict.fromkeys(tables, 0)
+        self.arrival: dict[Message, float] = {}
+        self.allreduce: dict[tuple[int, int], dict[int, float]] = {}  # (stage, index) -> ranks
+
+    def finish(self) -> float:
+        """Run every table to its end; the time the last action ends."""
+        moved = True
+        while moved:
+            moved = False
+            for rank in self.tables:
+                while self._step(rank):
+                    moved = True
+        stuck = [r for r, p in self.position.items() if p < len(self.tables[r])]
+        assert not stuck, f"the tables deadlock at ranks {stuck}"  # built tables never do
+        return max(self.clock.values(), default=0.0)
+
+    def _step(self, rank: int) -> bool:
+        """Run ``rank``'s next action if it can start; whether it did."""
+        table, position = self.tables[rank], self.position[rank]
+        if position >= len(table):
+            return False
+        action = table[position]
+        op, stage, now = action.op, action.stage, self.clock[rank]
+        if op.is_receive:
+            arrival = self.arrival.get(message_of(rank, action))
+            if arrival is None:
+                return False
+            now = max(now, arrival)
+        elif op.is_send:
+            self.arrival[message_of(rank, action)] = now + self._message_ms(rank, action)
+        elif op is Op.ALLREDUCE:
+            arrived = self.allreduce.setdefault((stage, action.index), {})
+            arrived[rank] = now
+            members = self.spec.stage_ranks[stage]
+            if len(arrived) < len(members):
+                return False  # the last replica to arrive runs it for all
+            end = max(arrived.values())
+            end += self.network.allreduce_ms(self.work[stage].parameter_bytes, members)
+            for member in members:
+                self.clock[member] = end
+                self.position[member] += 1
+            return True
+        else:
+            now += self._compute_ms(action)
+        self.clock[rank] = now
+        self.position[rank] = position + 1
+        return True
+
+    def _message_ms(self, rank: int, action: Action) -> float:
+        """From a send's start to its message's arrival, with a link of its own."""
+        peer, peer_stage = action.peer, action.peer_stage
+        assert peer is not None and peer_stage is not None
+        if peer == rank:
+            return 0.0  # handed over between two stages of the rank
+        if _pooled(self.network):
+            return self.network.latency_ms
+        if action.op is Op.SEND_ACT:
+            size = message_bytes(self.work, action.stage, peer_stage, gradient=False)
+        elif action.op is Op.SEND_GRAD:
+            size = message_bytes(self.work, peer_stage, action.stage, gradient=True)
+        else:  # a tied parameter's gradient or new version
+            size = self.work[action.stage].tied_bytes[peer_stage]
+        return self.network.transfer_ms(size, rank, peer) + self.network.latency_ms
+
+    def _compute_ms(self, action: Action) -> float:
+        """A forward, backward (or half), or update, as the simulator times it, without the
+        weight copy an update may add."""
+        work, op = self.work[action.stage], action.op
+        if op is Op.UPDATE:
+            return work.update_ms
+        duration = {
+            Op.FORWARD: work.forward_ms,
+            Op.BACKWARD: work.backward_ms,
+            Op.BACKWARD_INPUT: work.backward_ms * work.input_share,
+            Op.BACKWARD_WEIGHT: work.backward_ms * (1 - work.input_share),
+        }[op]
+        if op in (Op.BACKWARD, Op.BACKWARD_WEIGHT) and action.index % self.spec.microbatches:
+            duration += work.accumulate_ms  # .grad holds the earlier ones
+        return duration

@@ -9,7 +9,7 @@ import pytest
 
 from pipedream.formats import Plan, Profile, StagePlan, Topology
 from pipedream.optimizer import placed
-from pipedream.optimizer.bounds import minibatch_lower_bound
+from pipedream.optimizer.bounds import flush_chain_ms, minibatch_lower_bound
 from pipedream.optimizer.planner import build_plan
 from pipedream.optimizer.simulator import Network, StageWork, simulate
 from pipedream.optimizer.tree import Cluster, Node
@@ -59,11 +59,28 @@ def test_a_replica_does_its_share_of_the_minibatches_with_their_update_and_allre
 
 def test_a_link_carries_both_directions_one_message_at_a_time() -> None:
     # 2 microbatches, an activation and a gradient of 0.5 ms each: the link is busy 2 ms per
-    # minibatch, each worker computes 1 ms
+    # minibatch, each worker computes 1 ms (2bw does not flush: no chain, below)
     work = [StageWork(0.25, 0.25, 0, 1000.0), StageWork(0.25, 0.25, 0, 0)]
-    plan = plan_of("1f1b", [(0,), (1,)], microbatches=2)
+    plan = plan_of("2bw", [(0,), (1,)], microbatches=2)
     assert minibatch_lower_bound(plan, work, SLOW) == pytest.approx(2.0)
     assert simulated(plan, work, SLOW) >= 2.0
+
+
+def test_a_flushing_pipeline_takes_at_least_its_chain_per_minibatch() -> None:
+    # the same under 1f1b, which flushes: forward 0 on worker 0 (0.25), its activation (0.5),
+    # forward 0 and backward 0 on worker 1 (0.5), its gradient (0.5), then backward 0 on
+    # worker 0, which waits for the gradient of backward 1 (sent at 1.75, there at 2.25) and
+    # runs it: 2.5 ms; the link's 2 ms and the workers' 1 ms are less
+    work = [StageWork(0.25, 0.25, 0, 1000.0), StageWork(0.25, 0.25, 0, 0)]
+    plan = plan_of("1f1b", [(0,), (1,)], microbatches=2)
+    assert flush_chain_ms(plan, work, SLOW) == pytest.approx(2.5)
+    assert minibatch_lower_bound(plan, work, SLOW) == pytest.approx(2.5)
+    assert simulated(plan, work, SLOW) == pytest.approx(2.5)
+    # copies of a pipeline run every other minibatch each; the allreduce joins them
+    copies = plan_of("1f1b", [(0, 2), (1, 3)], microbatches=2)
+    assert flush_chain_ms(copies, work, SLOW) == pytest.approx(2.5 / 2)
+    # unequal replicas update at their own pace: no chain
+    assert flush_chain_ms(plan_of("1f1b", [(0, 2), (1,)], microbatches=2), work, SLOW) == 0.0
 
 
 @pytest.mark.parametrize(("interface", "bound"), [(True, 0.5), (False, 1 / 3)])
@@ -93,7 +110,7 @@ def test_stages_on_one_worker_hand_over_without_a_message() -> None:
 
 def test_a_transfer_pool_bounds_compute_alone_and_a_spread_has_no_bound() -> None:
     work = [StageWork(0.25, 0.25, 0, 1000.0), StageWork(0.25, 0.25, 0, 0)]
-    plan = plan_of("1f1b", [(0,), (1,)], microbatches=2)
+    plan = plan_of("2bw", [(0,), (1,)], microbatches=2)
     pooled = Network((64,), (2e6,), duplex=2.0)
     assert minibatch_lower_bound(plan, work, pooled) == pytest.approx(1.0)
     spread = Network((64,), (2e6,), message_spread=(0.5, 1.5))
@@ -118,7 +135,7 @@ def _trees(layers: int) -> list[tuple[Node, ...]]:
 
 
 @pytest.mark.parametrize(
-    ("schedule", "m"), [("pipedream", 1), ("2bw", 4), ("1f1b", 4), ("zb-h1", 4)]
+    ("schedule", "m"), [("pipedream", 1), ("2bw", 4), ("1f1b", 4), ("gpipe", 4), ("zb-h1", 4)]
 )
 def test_the_bound_never_exceeds_the_simulation(original: Profile, schedule: str, m: int) -> None:
     topology = Topology.single_level(4, 1e9)
