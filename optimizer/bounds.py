@@ -18,12 +18,13 @@ whatever the schedule, in a simulated run
 Every minibatch needs that work, so in the steady state the time between two minibatches is
 at least the largest of those sums.
 
-A schedule that flushes adds a bound of its own: a copy of the pipeline starts a minibatch
-only after its previous one has updated every stage, so the time between two of its
-minibatches is at least the longest chain of one minibatch's actions, from the first forward
-to the last update, with every rank running its table in order and every message taking its
-transfer and latency but never waiting for a busy link. With ``r`` copies, each runs every
-``r``-th minibatch: per minibatch that is the chain over ``r``. :func:`minibatch_lower_bound`
+A schedule that flushes adds a bound of its own: the rank of a copy's first stage starts a
+minibatch only once it has done its part of the previous one (the first forward needs the
+updated weights, and a rank runs its table in order), so the time between two of its
+minibatches is at least the longest chain from that first forward to the end of that rank's
+part, with every rank running its table in order and every message taking its transfer and
+latency but never waiting for a busy link. With ``r`` copies, each runs every ``r``-th
+minibatch: per minibatch that is the chain over ``r``. :func:`minibatch_lower_bound`
 is the largest of all of them. The sums leave out
 weight copies, tied parameters' messages, receive postings and every wait, so it is below
 the steady state's time, often well below, but never above it
@@ -118,7 +119,17 @@ def flush_chain_ms(plan: Plan, work: Sequence[StageWork], network: Network) -> f
     (r,) = copies
     edges, tied = pipeline_edges(work), tied_pairs(work)
     spec = spec_from_plan(plan, 0, r, edges, tied)  # one minibatch per copy
-    return _ChainRun(build_tables(spec), work, network, spec).finish() / r
+    # a tied copy receives the new version before its first forward of the next minibatch:
+    # in these tables, at their end, which in a longer run comes after the next one started
+    tables = {
+        rank: [action for action in table if action.op is not Op.RECV_WEIGHTS]
+        for rank, table in build_tables(spec).items()
+    }
+    run = _ChainRun(tables, work, network, spec)
+    run.finish()
+    # a copy starts its next minibatch once its first stage's rank has done this one; the
+    # other ranks may still be busy then (updates, deferred weight gradients)
+    return max(run.clock[rank] for rank in spec.stage_ranks[0]) / r
 
 
 def _pooled(network: Network) -> bool:
@@ -129,7 +140,8 @@ def _pooled(network: Network) -> bool:
 class _ChainRun:
     """The tables run from time 0 with every wait left out but the tables' own order, the
     messages (each its transfer and latency, on a link of its own) and the allreduces: every
-    action starts no later than in a simulation, so the run's end is a chain's length."""
+    action starts no later, after the first forward, than in a simulation, so each rank's
+    end is the length of a chain from that forward."""
 
     def __init__(
         self,
@@ -144,8 +156,8 @@ class _ChainRun:
         self.arrival: dict[Message, float] = {}
         self.allreduce: dict[tuple[int, int], dict[int, float]] = {}  # (stage, index) -> ranks
 
-    def finish(self) -> float:
-        """Run every table to its end; the time the last action ends."""
+    def finish(self) -> None:
+        """Run every table to its end (:attr:`clock`: when each rank's last action ends)."""
         moved = True
         while moved:
             moved = False
@@ -154,7 +166,6 @@ class _ChainRun:
                     moved = True
         stuck = [r for r, p in self.position.items() if p < len(self.tables[r])]
         assert not stuck, f"the tables deadlock at ranks {stuck}"  # built tables never do
-        return max(self.clock.values(), default=0.0)
 
     def _step(self, rank: int) -> bool:
         """Run ``rank``'s next action if it can start; whether it did."""

@@ -79,6 +79,14 @@ def test_a_flushing_pipeline_takes_at_least_its_chain_per_minibatch() -> None:
     # copies of a pipeline run every other minibatch each; the allreduce joins them
     copies = plan_of("1f1b", [(0, 2), (1, 3)], microbatches=2)
     assert flush_chain_ms(copies, work, SLOW) == pytest.approx(2.5 / 2)
+    # the chain ends with the first stage's rank: a later rank's update may overlap the next
+    # minibatch (one microbatch, 0.25 ms passes: worker 0 is done at 1 ms, worker 1's update
+    # of 5 ms ends at 5.75, but worker 1 needs 5.5 ms per minibatch, and so does the pipeline)
+    slow_update = [StageWork(0.25, 0.25, 0, 0), StageWork(0.25, 0.25, 0, 0, update_ms=5.0)]
+    one = plan_of("1f1b", [(0,), (1,)])
+    assert flush_chain_ms(one, slow_update, FREE) == pytest.approx(1.0)
+    assert minibatch_lower_bound(one, slow_update, FREE) == pytest.approx(5.5)
+    assert simulated(one, slow_update, FREE) == pytest.approx(5.5)
     # unequal replicas update at their own pace: no chain
     assert flush_chain_ms(plan_of("1f1b", [(0, 2), (1,)], microbatches=2), work, SLOW) == 0.0
 
