@@ -25,9 +25,9 @@ minibatches is at least the longest chain from that first forward to the end of 
 part, with every rank running its table in order and every message taking its transfer and
 latency but never waiting for a busy link. With ``r`` copies, each runs every ``r``-th
 minibatch: per minibatch that is the chain over ``r``. :func:`minibatch_lower_bound`
-is the largest of all of them. The sums leave out
-weight copies, tied parameters' messages, receive postings and every wait, so it is below
-the steady state's time, often well below, but never above it
+is the largest of all of them. The sums leave out weight copies, tied parameters' messages,
+receive postings and every wait, the chain all but the messages' own time, so the bound is
+below the steady state's time, often well below, but never above it
 (``tests/unit/test_optimizer_bounds.py`` checks that on the original profiles' plans). A
 candidate whose bound exceeds the fastest time simulated so far need not be simulated. (A run
 too short for its steady state can average less, while a backlog of messages builds up; ruling
@@ -127,8 +127,9 @@ def flush_chain_ms(plan: Plan, work: Sequence[StageWork], network: Network) -> f
     }
     run = _ChainRun(tables, work, network, spec)
     run.finish()
-    # a copy starts its next minibatch once its first stage's rank has done this one; the
-    # other ranks may still be busy then (updates, deferred weight gradients)
+    # a copy starts its next minibatch once its first stage's rank has done this one (that
+    # rank's part ends with its allreduces and updates: nothing after them waits for another
+    # rank); the other ranks may still be busy then (updates, deferred weight gradients)
     return max(run.clock[rank] for rank in spec.stage_ranks[0]) / r
 
 
