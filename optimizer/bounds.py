@@ -26,8 +26,8 @@ part, with every rank running its table in order and every message taking its tr
 latency but never waiting for a busy link. With ``r`` copies, each runs every ``r``-th
 minibatch: per minibatch that is the chain over ``r``. :func:`minibatch_lower_bound`
 is the largest of all of them. The sums leave out weight copies, tied parameters' messages,
-receive postings and every wait, the chain all but the messages' own time, so the bound is
-below the steady state's time, often well below, but never above it
+postings and every wait, the chain weight copies, postings and every wait but a message's own
+transfer, so the bound is below the steady state's time, often well below, but never above it
 (``tests/unit/test_optimizer_bounds.py`` checks that on the original profiles' plans). A
 candidate whose bound exceeds the fastest time simulated so far need not be simulated. (A run
 too short for its steady state can average less, while a backlog of messages builds up; ruling

@@ -137,14 +137,29 @@ def candidate_cuts(
 
 def stage_times(costs: LayerCosts, cluster: Cluster) -> FloatArray:
     """``[i, j]``: layers ``i..j`` as one unreplicated stage on the innermost level (compute
-    and transfers overlap, the larger counts), ``inf`` below the diagonal."""
+    and transfers overlap, the larger counts), ``inf`` below the diagonal: what
+    :meth:`~pipedream.optimizer.cost_model.CostModel.stage_cost` gives each range, at once.
+    An unreplicated stage has no allreduce."""
     n = costs.num_layers
     model = cluster.model(0)
-    out = np.full((n, n), np.inf)
+    first, last = np.arange(n)[:, None], np.arange(n)[None, :]
+    # each row summed from its first layer on, in the order CostModel.stage_cost sums
+    compute = np.full((n, n), np.inf)
+    layer_ms = np.asarray(costs.compute_ms, dtype=np.float64)
     for i in range(n):
-        for j in range(i, n):
-            out[i, j] = model.stage_cost(costs, first=i, last=j, replicas=1).total_ms
-    return out
+        compute[i, i:] = np.cumsum(layer_ms[i:])
+    out_ms = model.transfer_ms(np.array([costs.cut_bytes(k) for k in range(n)]), replicas=1)
+    in_ms = np.concatenate(([0.0], out_ms[:-1]))  # the cut before layer i
+    charge_in, charge_out = first > 0, last < n - 1
+    if model.name == "pipedream":
+        charge_out = charge_in & charge_out
+    times = np.maximum(compute, np.where(charge_in, in_ms[:, None], 0.0))
+    np.maximum(times, np.where(charge_out, out_ms[None, :], 0.0), out=times)
+    if costs.tied:
+        tied = costs.tied.exchanged_bytes(first, last)
+        np.maximum(times, model.tied_ms(tied, replicas=1), out=times)
+    times[first > last] = np.inf
+    return times
 
 
 def default_placed_microbatches(workers: int) -> int:

@@ -9,18 +9,28 @@ ms, ZB-H1 ``m (F + B) + (S - 1)(F + I - W)`` with I = W = B / 2.
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 import numpy as np
 import pytest
+from test_optimizer_hierarchy import random_costs
 from test_optimizer_schedules import profile_of
 
 from pipedream.errors import PlanningError
 from pipedream.formats import Plan, Profile, Topology
 from pipedream.formats.profile import TiedParameter
-from pipedream.optimizer.placed import balanced_spans, copy_counts, default_placed_microbatches
+from pipedream.optimizer.cost_model import COST_MODELS
+from pipedream.optimizer.placed import (
+    balanced_spans,
+    copy_counts,
+    default_placed_microbatches,
+    stage_times,
+)
 from pipedream.optimizer.planner import PlanOptions, plan_profile
 from pipedream.optimizer.report import format_summary
+from pipedream.optimizer.tied_costs import TiedLayers
+from pipedream.optimizer.tree import Cluster
 
 EIGHT = profile_of([10] * 8, [0] * 8, [0] * 8, acts=[100] * 8)
 TWO_WORKERS = Topology.single_level(2, 1e9)
@@ -237,3 +247,21 @@ def test_a_plan_too_big_to_simulate_is_not_the_leanest_that_does_not_fit() -> No
     # the memory of plans that were never candidates (it said "does not fit: its leanest ...")
     with pytest.raises(PlanningError, match="too big to simulate; use fewer microbatches"):
         _plan("zbv", 20000, memory=1.0)
+
+
+@pytest.mark.parametrize("cost_model", COST_MODELS)
+@pytest.mark.parametrize("seed", range(3))
+def test_stage_times_are_the_cost_models_stage_costs(cost_model: str, seed: int) -> None:
+    """The matrix computed at once holds, bit for bit, what the cost model gives each range
+    (the cuts it balances must not change with rounding)."""
+    rng = random.Random(seed)
+    costs = random_costs(rng, 12)
+    if seed:
+        costs = replace(costs, tied=TiedLayers(((0, 11), (3, 5, 8)), (3e6, 1e6)))
+    cluster = Cluster.from_topology(Topology.single_level(4, 1e9), cost_model=cost_model)
+    model = cluster.model(0)
+    expected = np.full((12, 12), np.inf)
+    for i in range(12):
+        for j in range(i, 12):
+            expected[i, j] = model.stage_cost(costs, first=i, last=j, replicas=1).total_ms
+    assert np.array_equal(stage_times(costs, cluster), expected)
