@@ -26,7 +26,7 @@ fits: pin the minibatch with ``--microbatches``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pipedream.errors import PlanningError
 from pipedream.formats.topology import Topology
@@ -76,6 +76,11 @@ class Request:
     """Allow idle workers when that is no slower."""
     memory_limit: float | None = None
     """Bytes per worker, or None."""
+    solved: dict[tuple[object, ...], dict[int, Solution]] = field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
+    """The dynamic program's answers so far (:func:`_solve`): schedules that pose the same
+    problem share one (a request made with ``dataclasses.replace`` starts without)."""
 
 
 @dataclass(frozen=True)
@@ -105,16 +110,25 @@ class Outcome:
 
 
 def _solve(request: Request, schedule: str, m: int, counted: bool) -> dict[int, Solution]:
-    cluster = Cluster.from_topology(request.topology, cost_model=request.cost_model, microbatches=m)
-    return solve_cluster(
-        request.costs,
-        cluster,
-        straight=request.straight or not lookup(schedule).replicates,
-        use_fewer_workers=request.use_fewer_workers,
-        memory=MemoryModel(schedule, m),
-        memory_limit=request.memory_limit,
-        by_stage_count=counted,
-    )
+    """The dynamic program's best partitions (per stage count if ``counted``). The schedule
+    enters only through the memory estimate, with a limit, and whether it replicates stages:
+    without a limit, ``--schedule auto``'s schedules of one ``m`` share their answer."""
+    straight = request.straight or not lookup(schedule).replicates
+    key = (m, counted, straight, None if request.memory_limit is None else schedule)
+    if key not in request.solved:
+        cluster = Cluster.from_topology(
+            request.topology, cost_model=request.cost_model, microbatches=m
+        )
+        request.solved[key] = solve_cluster(
+            request.costs,
+            cluster,
+            straight=straight,
+            use_fewer_workers=request.use_fewer_workers,
+            memory=MemoryModel(schedule, m),
+            memory_limit=request.memory_limit,
+            by_stage_count=counted,
+        )
+    return request.solved[key]
 
 
 def _pick(schedule: str, m: int, found: dict[int, Solution]) -> Solution | None:

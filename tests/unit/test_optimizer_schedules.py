@@ -8,7 +8,8 @@ import pytest
 
 from pipedream.errors import PlanningError
 from pipedream.formats import LayerProfile, Profile, Topology
-from pipedream.optimizer.cost_model import minibatch_ms
+from pipedream.optimizer import search
+from pipedream.optimizer.cost_model import LayerCosts, minibatch_ms
 from pipedream.optimizer.memory import Context, MemoryModel
 from pipedream.optimizer.planner import PlanOptions, make_plan, plan_profile
 from pipedream.schedules import Op, PipelineSpec, build_tables
@@ -142,6 +143,36 @@ def test_auto_picks_the_fastest_schedule_and_microbatches() -> None:
     )
     assert {o.microbatches for o in pinned.candidates} == {4}
     assert pinned.plan.schedule == "2bw"
+
+
+def test_auto_solves_each_dynamic_program_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a memory limit the schedules of one m pose one problem (2bw, 1f1b, gpipe and
+    zb-h1 counted by stages; pipedream and pipedream-vs at m = 1): solved once, each
+    schedule's answer as if solved alone. With a limit the schedules' memory differs, and
+    each is solved on its own."""
+    calls: list[tuple[int, bool, bool]] = []
+    real = search.solve_cluster
+
+    def counted(costs, cluster, **options):  # type: ignore[no-untyped-def]
+        calls.append((cluster.microbatches, options["by_stage_count"], options["straight"]))
+        return real(costs, cluster, **options)
+
+    def request(memory_limit: float | None = None) -> search.Request:
+        costs = LayerCosts.from_profile(TWO)
+        return search.Request(costs, CLUSTER, "symmetric", memory_limit=memory_limit)
+
+    monkeypatch.setattr(search, "solve_cluster", counted)
+    outcomes = search.solve_auto(request(), microbatches=None)
+    assert sorted(calls) == [(1, False, False)] + [(m, True, False) for m in (2, 4, 8, 16, 32)]
+    assert len(outcomes) == 2 + 4 * 5
+    for outcome in outcomes:
+        alone = search.solve_schedule(
+            request(), schedule=outcome.schedule, microbatches=outcome.microbatches
+        )
+        assert alone == outcome
+    calls.clear()
+    search.solve_auto(request(memory_limit=1e9), microbatches=None)
+    assert len(calls) == 2 + 4 * 5
 
 
 def test_auto_respects_memory() -> None:
