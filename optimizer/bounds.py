@@ -220,14 +220,7 @@ class _ChainRun:
         """A forward, backward (or half), or update, as the simulator times it, without the
         weight copy an update may add."""
         work, op = self.work[action.stage], action.op
-        if op is Op.UPDATE:
-            return work.update_ms
-        duration = {
-            Op.FORWARD: work.forward_ms,
-            Op.BACKWARD: work.backward_ms,
-            Op.BACKWARD_INPUT: work.backward_ms * work.input_share,
-            Op.BACKWARD_WEIGHT: work.backward_ms * (1 - work.input_share),
-        }[op]
+        duration = work.action_ms(op)
         if op in (Op.BACKWARD, Op.BACKWARD_WEIGHT) and action.index % self.spec.microbatches:
             duration += work.accumulate_ms  # .grad holds the earlier ones
         return duration

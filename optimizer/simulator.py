@@ -153,6 +153,17 @@ class StageWork:
     microbatch, for a pipeline wired by the profile's values; None: the next stage only, with
     ``output_bytes`` each way."""
 
+    def action_ms(self, op: Op) -> float:
+        """A forward, backward (or one of its halves) or update of this stage, as profiled:
+        before a spread, the adding of its gradients into ``.grad`` or a weight copy."""
+        return {
+            Op.FORWARD: self.forward_ms,
+            Op.BACKWARD: self.backward_ms,
+            Op.BACKWARD_INPUT: self.backward_ms * self.input_share,
+            Op.BACKWARD_WEIGHT: self.backward_ms * (1 - self.input_share),
+            Op.UPDATE: self.update_ms,
+        }[op]
+
 
 @dataclass(frozen=True)
 class Network:
@@ -856,13 +867,7 @@ class _Run:
             return
         else:
             work = self.work[stage]
-            duration = {
-                Op.FORWARD: work.forward_ms,
-                Op.BACKWARD: work.backward_ms,
-                Op.BACKWARD_INPUT: work.backward_ms * work.input_share,
-                Op.BACKWARD_WEIGHT: work.backward_ms * (1 - work.input_share),
-                Op.UPDATE: work.update_ms,
-            }[op]
+            duration = work.action_ms(op)
             if self.spread is not None and op is not Op.UPDATE:
                 ratios = self.spread.forward if op is Op.FORWARD else self.spread.backward
                 duration *= self.rng.choice(ratios)
