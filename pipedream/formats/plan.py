@@ -7,6 +7,7 @@ their first and last layer (inclusive).
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from dataclasses import dataclass, field
@@ -354,10 +355,14 @@ def _check_ranks(
             fix = "place the stages as the schedule does"
             raise reader.error("stages", str(exc), fix) from None
     if len(seen) != world_size:
-        missing = sorted(set(range(world_size)) - set(seen))
+        # every rank seen is below world_size, so the first few missing lie within reach
+        # (world_size itself may be huge: never enumerate it)
+        missing = list(itertools.islice((r for r in range(world_size) if r not in seen), 8))
+        more = world_size - len(seen) - len(missing)
+        listed = f"{missing}" + (f" and {more} more" if more else "")
         raise reader.error(
             "world_size",
-            f"is {world_size} but ranks {missing} run no stage",
+            f"is {world_size} but ranks {listed} run no stage",
             f"set world_size to {len(seen)} or assign those ranks",
         )
 

@@ -638,6 +638,10 @@ CASES: list[tuple[str, str, Edit, str, str, str]] = [
      "each rank runs exactly one stage replica"),
     ("plan-rank-missing", "plan", _set("world_size", value=5), "world_size",
      "is 5 but ranks [3, 4] run no stage", "set world_size to 3 or assign those ranks"),
+    # a huge world_size is named, not enumerated (which took all the host's memory)
+    ("plan-world-size-huge", "plan", _set("world_size", value=10**12), "world_size",
+     "is 1000000000000 but ranks [3, 4, 5, 6, 7, 8, 9, 10] and 999999999989 more run no stage",
+     "set world_size to 3 or assign those ranks"),
     ("plan-rank-negative", "plan", _set("stages", 0, "ranks", value=[-1, 1]),
      "stages[0].ranks[0]", "must be >= 0, got -1", "use 0 or more"),
     ("plan-rank-string", "plan", _set("stages", 0, "ranks", value=[0, "one"]),
