@@ -232,7 +232,7 @@ class _State:
         self.whole: dict[tuple[int, int], FloatArray] = {}  # only if the range is `open`
         self.cut_choices: dict[tuple[int, int], Choices] = {}
         self.whole_choices: dict[tuple[int, int], Choices] = {}
-        self.stacked: dict[int, _Prefixes | None] = {}
+        self.final_prefixes: dict[int, _Prefixes | None] = {}
         self.keep_all_whole = want_choices
 
     def _table(
@@ -315,13 +315,13 @@ class _State:
     def prefixes(self, m: int) -> _Prefixes | None:
         """The final ``cut`` tables on ``m`` units that hold some finite prefix, with their
         suffix envelopes (None: none). Computed once: every larger ``m`` reuses them."""
-        if m not in self.stacked:
+        if m not in self.final_prefixes:
             found = [
                 (count, table)
                 for (count, units), table in sorted(self.cut.items())
                 if units == m and np.isfinite(table).any()
             ]
-            self.stacked[m] = (
+            self.final_prefixes[m] = (
                 _Prefixes(
                     [count for count, _ in found],
                     [table for _, table in found],
@@ -330,7 +330,7 @@ class _State:
                 if found
                 else None
             )
-        return self.stacked[m]
+        return self.final_prefixes[m]
 
     def fewer(self, m: int) -> None:
         """use_fewer_workers: the best on ``m - 1`` units is also a plan for ``m``."""
