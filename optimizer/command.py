@@ -28,7 +28,12 @@ from pathlib import Path
 from pipedream.errors import PlanningError
 from pipedream.formats.plan import Plan, save_plan
 from pipedream.formats.profile import Profile, load_profile
-from pipedream.formats.topology import DEFAULT_BANDWIDTH, Topology, load_topology
+from pipedream.formats.topology import (
+    DEFAULT_BANDWIDTH,
+    MAX_LEVEL_WORKERS,
+    Topology,
+    load_topology,
+)
 from pipedream.formats.units import parse_bandwidth, parse_bytes
 from pipedream.optimizer.baselines import baselines, simulated_baselines
 from pipedream.optimizer.cost_model import LayerCosts
@@ -62,6 +67,12 @@ def topology_from_args(args: argparse.Namespace) -> Topology:
         )
     if workers < 1:
         raise PlanningError(f"--workers {workers}: must be at least 1")
+    if workers > MAX_LEVEL_WORKERS:
+        raise PlanningError(
+            f"--workers {workers}: one level holds at most {MAX_LEVEL_WORKERS} workers (the "
+            "dynamic program grows with the square of a level's workers); describe a larger "
+            "cluster in levels with --topology, e.g. GPUs per server, then servers"
+        )
     value = DEFAULT_BANDWIDTH
     if bandwidth is not None:
         try:

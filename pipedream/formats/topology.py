@@ -27,6 +27,8 @@ from pipedream.formats.yamlio import read_yaml_mapping, write_yaml
 
 __all__ = [
     "DEFAULT_BANDWIDTH",
+    "MAX_LEVEL_WORKERS",
+    "MAX_WORKERS",
     "TOPOLOGY_FORMAT",
     "Level",
     "Topology",
@@ -37,6 +39,12 @@ __all__ = [
 TOPOLOGY_FORMAT = "pipedream/topology@1"
 DEFAULT_BANDWIDTH = 1e9
 """PipeDream's default bandwidth (bytes/s) when only a worker count is given."""
+MAX_WORKERS = 1 << 20
+"""Most workers a topology describes (the product of its levels)."""
+MAX_LEVEL_WORKERS = 4096
+"""Most units in one level. The planner's dynamic program on a level grows with the square of
+its units (a level of thousands takes minutes), while levels of a few hundred each describe any
+real cluster: GPUs per server, servers per rack, racks."""
 
 
 @dataclass(frozen=True)
@@ -108,10 +116,17 @@ class Topology:
         levels = []
         for i, raw in enumerate(reader.list("levels")):
             level_reader = reader.child(raw, f"levels[{i}]")
+            workers = level_reader.int("workers", minimum=1)
+            if workers > MAX_LEVEL_WORKERS:
+                raise level_reader.error(
+                    "workers",
+                    f"{workers} units in one level, at most {MAX_LEVEL_WORKERS} supported",
+                    "split the level in two (e.g. GPUs per server, then servers)",
+                )
             levels.append(
                 Level(
                     name=level_reader.str("name", f"level{i}"),
-                    workers=level_reader.int("workers", minimum=1),
+                    workers=workers,
                     bandwidth=level_reader.number(
                         "bandwidth", parse=parse_bandwidth, positive=True
                     ),
@@ -121,9 +136,11 @@ class Topology:
         memory = reader.number("memory", None, parse=parse_bytes, positive=True)
         reader.finish()
         topology = cls(levels=tuple(levels), memory=memory)
-        if topology.num_workers > 1 << 20:
+        if topology.num_workers > MAX_WORKERS:
             raise reader.error(
-                "levels", f"describes {topology.num_workers} workers", "at most 1048576 supported"
+                "levels",
+                f"describes {topology.num_workers} workers",
+                f"at most {MAX_WORKERS} supported",
             )
         return topology
 

@@ -226,6 +226,8 @@ def test_cli_topology_file(profile_file: Path, tmp_path: Path) -> None:
         ([], "no cluster given"),
         (["--workers", "2", "--topology", "t.yaml"], "not both"),
         (["--workers", "0"], "--workers 0"),
+        (["--workers", "1000000000000"], "one level holds at most 4096 workers"),
+        (["--workers", "4097"], "describe a larger cluster in levels with --topology"),
         (["--workers", "2", "--bandwidth", "fast"], "cannot parse 'fast'"),
         (["--workers", "2", "--bandwidth", "0"], "must be positive"),
         (["--workers", "2", "--memory", "lots"], "--memory"),
