@@ -189,7 +189,7 @@ def test_ci_runs_the_readme_test_command() -> None:
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     section = readme.split("## Set up and run the tests", 1)[1]
     command = section.split("```bash\n", 1)[1].split("\n", 1)[0]
-    assert command.endswith("-m pytest"), command
+    assert " -m pytest" in command, command
     ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
     lines = [line.replace(" -q ", " ") for line in ci.splitlines()]
     assert command in lines
