@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from pipedream import __version__
 from pipedream.errors import PipedreamError, RunFailure
+from pipedream.outputs import check_output
 
 __all__ = ["build_parser", "main"]
 
@@ -30,6 +31,16 @@ _HANDLERS = {
     "trace": "pipedream.runtime.trace_export:run_command",
     "simulate": "pipedream.optimizer.simulate_command:run",
 }
+
+_OUTPUTS = {
+    "profile": (("output", "-o", "profile.yaml"), ("plot", "--plot", "profile.png")),
+    "plan": (("output", "-o", "plan.yaml"),),
+    "simulate": (("png", "--png", "timeline.png"),),
+    "export": (("output", "-o", "model.pt"),),
+    "trace": (("output", "-o", "trace.json"), ("png", "--png", "timeline.png")),
+}
+"""Each verb's output options: ``(attribute, option, an example file name)``, checked before
+the work (an example ending in .png: an image)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -382,6 +393,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     module_name, _, function = _HANDLERS[args.verb].partition(":")
     try:
+        for attribute, option, example in _OUTPUTS.get(args.verb, ()):
+            if getattr(args, attribute) is not None:
+                image = example.endswith(".png")
+                check_output(getattr(args, attribute), option, example=example, image=image)
         handler = getattr(importlib.import_module(module_name), function)
         code = handler(args)
     except PipedreamError as exc:

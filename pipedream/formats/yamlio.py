@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 
 from pipedream.errors import FormatError
+from pipedream.outputs import OutputError
 
 __all__ = ["atomic_write_text", "read_yaml_mapping", "write_yaml"]
 
@@ -56,6 +57,8 @@ def read_yaml_mapping(path: str | os.PathLike[str], *, what: str) -> dict[str, A
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     """Write ``text`` to ``path`` atomically: a temporary file in the same folder, fsync, rename."""
     target = Path(path)
+    if target.exists() and not target.is_file():  # renaming over it would replace a device
+        raise OutputError(f"{target}: exists and is not a regular file; write to a file path")
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:

@@ -1,0 +1,79 @@
+"""Output paths of the commands (``-o``, ``--png``, ``--plot``), checked before any work.
+
+A profile can take minutes and a plan search longer: a path that cannot be written must fail at
+once, in one line, not with a traceback after the work (or, as root, by replacing a device such
+as ``/dev/null`` with the file). :func:`check_output` refuses an empty path, a directory, an
+existing path that is not a regular file, a folder that cannot be created or written, and for
+images a file type matplotlib does not write; it creates the missing folders, as the writers
+would.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from pipedream.errors import PipedreamError
+
+__all__ = ["IMAGE_SUFFIXES", "OutputError", "check_output"]
+
+IMAGE_SUFFIXES = (
+    ".png",
+    ".pdf",
+    ".svg",
+    ".svgz",
+    ".jpg",
+    ".jpeg",
+    ".tif",
+    ".tiff",
+    ".webp",
+    ".eps",
+    ".ps",
+    ".pgf",
+)
+"""The file types matplotlib's default backend writes, chosen by the file's suffix."""
+
+
+class OutputError(PipedreamError):
+    """An output path that cannot be written."""
+
+
+def check_output(path: str, option: str, *, example: str, image: bool = False) -> None:
+    """Raise :class:`OutputError` unless ``path`` (given as ``option``) can be written as a
+    file; create its missing folders. ``example`` is a file name the messages suggest."""
+    if not path:
+        raise OutputError(f"{option} '': give a file path such as {example}")
+    target = Path(path)
+    if target.is_dir():
+        raise OutputError(
+            f"{option} {path}: is a directory; give a file path such as {target / example}"
+        )
+    if target.exists() and not target.is_file():
+        raise OutputError(
+            f"{option} {path}: exists and is not a regular file (a device, a pipe or a "
+            "socket); give the path of a file to write"
+        )
+    if image and target.suffix.lower() not in IMAGE_SUFFIXES:
+        shown = f"'{target.suffix}'" if target.suffix else "no suffix"
+        raise OutputError(
+            f"{option} {path}: unsupported image type ({shown}); end the name in .png, .svg or .pdf"
+        )
+    folder = target.parent
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise OutputError(
+            f"{option} {path}: {existing} is a file, not a folder; choose another path"
+        )
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".check", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise OutputError(
+            f"{option} {path}: cannot write in its folder {folder} ({reason}); choose another path"
+        ) from None

@@ -1,0 +1,94 @@
+"""Output paths (``-o``, ``--png``, ``--plot``) that cannot be written fail at once, in one line
+with exit code 2, before any work: not with a traceback after it, and never by replacing a
+device such as ``/dev/null`` with the file (pipedream/outputs.py)."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from pipedream.errors import PipedreamError
+from pipedream.formats.yamlio import write_yaml
+from pipedream.outputs import check_output
+
+from launching import run_main
+
+
+@pytest.fixture
+def places(tmp_path: Path) -> Path:
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("not a folder\n")
+    return tmp_path
+
+
+# (verb and its inputs, the output option, the path under tmp_path, what the line says); the
+# inputs need not exist: the outputs are checked first
+CASES = [
+    (["plan", "p.yaml", "--workers", "2"], "-o", "adir",
+     "-o {d}/adir: is a directory; give a file path such as {d}/adir/plan.yaml"),
+    (["plan", "p.yaml", "--workers", "2"], "-o", "afile/plan.yaml",
+     "-o {d}/afile/plan.yaml: {d}/afile is a file, not a folder; choose another path"),
+    (["profile", "digits", "-o", "x.yaml"], "--plot", "profile.txt",
+     "--plot {d}/profile.txt: unsupported image type ('.txt'); end the name in .png, .svg or "
+     ".pdf"),
+    (["profile", "digits"], "-o", "afile/sub/p.yaml",
+     "-o {d}/afile/sub/p.yaml: {d}/afile is a file, not a folder; choose another path"),
+    (["simulate", "plan.yaml"], "--png", "timeline",
+     "--png {d}/timeline: unsupported image type (no suffix); end the name in .png, .svg or "
+     ".pdf"),
+    (["trace", "run"], "--png", "adir",
+     "--png {d}/adir: is a directory; give a file path such as {d}/adir/timeline.png"),
+    (["trace", "run"], "-o", "adir", "-o {d}/adir: is a directory; give a file path such as "
+     "{d}/adir/trace.json"),
+    (["export", "run/checkpoints/step-000001"], "-o", "afile/m.pt",
+     "-o {d}/afile/m.pt: {d}/afile is a file, not a folder; choose another path"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("command", "option", "where", "message"), CASES)
+def test_an_output_that_cannot_be_written_is_one_line(
+    places: Path, command: list[str], option: str, where: str, message: str
+) -> None:
+    result = run_main(*command, option, str(places / where))
+    assert result.returncode == 2, result.stderr
+    verb = command[0]
+    assert result.stderr == f"pipedream {verb}: error: {message.format(d=places)}\n"
+
+
+def test_an_empty_output_path_is_refused(places: Path) -> None:
+    result = run_main("plan", "p.yaml", "--workers", "2", "-o", "")
+    assert result.returncode == 2
+    assert result.stderr == "pipedream plan: error: -o '': give a file path such as plan.yaml\n"
+
+
+@pytest.mark.skipif(not Path("/dev/null").is_char_device(), reason="needs /dev/null")
+def test_a_device_is_never_replaced(places: Path) -> None:
+    """As root, writing the plan by renaming a temporary file over ``/dev/null`` replaced the
+    device with a regular file."""
+    result = run_main("plan", "p.yaml", "--workers", "2", "-o", "/dev/null")
+    assert result.returncode == 2
+    assert "-o /dev/null: exists and is not a regular file" in result.stderr
+    assert Path("/dev/null").is_char_device()
+
+
+def test_the_writer_refuses_a_target_that_is_not_a_file(places: Path) -> None:
+    fifo = places / "pipe.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(PipedreamError, match="exists and is not a regular file"):
+        write_yaml(fifo, {"a": 1})
+    assert stat.S_ISFIFO(fifo.stat().st_mode)
+
+
+def test_missing_folders_are_created(places: Path) -> None:
+    check_output(str(places / "new" / "sub" / "plan.yaml"), "-o", example="plan.yaml")
+    assert (places / "new" / "sub").is_dir()
+    assert list((places / "new" / "sub").iterdir()) == []  # the probe is gone
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_a_folder_that_cannot_be_written(places: Path) -> None:
+    with pytest.raises(PipedreamError, match=r"cannot write in its folder /proc \("):
+        check_output("/proc/plan.yaml", "-o", example="plan.yaml")
