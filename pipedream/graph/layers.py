@@ -196,16 +196,19 @@ class LayerGraph:
         by_length = sorted(self.layers, key=len, reverse=True)
         layer_of: dict[str, int] = {}
         current = None
+        owning: set[int] = set()  # layers whose module runs some operation
         for node in self.nodes:
             path = _module_path(node)
             match = next((name for name in by_length if path and _within(path, name)), None)
             if match is not None:
                 current = index[match]
+                owning.add(current)
             layer_of[node.name] = current if current is not None else -1
+        # a name that is no module of the model would own only the root-level operations
+        # around it: refused below, like a module that runs nothing
         for node in self.nodes:  # root-level nodes before the first layer join it
             if layer_of[node.name] == -1:
                 layer_of[node.name] = 0
-        seen_end: dict[int, int] = {}
         previous = 0
         for node in self.nodes:
             layer = layer_of[node.name]
@@ -215,13 +218,16 @@ class LayerGraph:
                     f"{self.layers[previous]!r} (node {node.name}); layers must be contiguous in "
                     "execution order: choose a coarser granularity (--depth or --layers)"
                 )
-            seen_end[layer] = seen_end.get(layer, 0) + 1
             previous = layer
-        empty = [name for i, name in enumerate(self.layers) if i not in seen_end]
+        empty = [name for i, name in enumerate(self.layers) if i not in owning]
         if empty:
+            modules = list(
+                dict.fromkeys(p.split(".")[0] for p in map(_module_path, self.nodes) if p)
+            )
             raise WorkloadError(
-                f"layers {empty} run no operation in the traced model; use module paths of the "
-                f"model (its layers at this granularity: {self.layers[:6]}...)"
+                f"layers {empty[:6]}{'...' if len(empty) > 6 else ''} run no operation in the "
+                "traced model; use module paths of the model (its top-level modules: "
+                f"{', '.join(repr(m) for m in modules[:8])}{', ...' if len(modules) > 8 else ''})"
             )
         return layer_of
 

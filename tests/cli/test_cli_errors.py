@@ -160,6 +160,19 @@ def test_train_plan_layers_differ_from_the_model(tmp_path: Path) -> None:
     assert "re-run `pipedream profile` and `pipedream plan`" in line
 
 
+def test_train_one_stage_plan_of_a_layer_the_model_lacks(tmp_path: Path) -> None:
+    """A name that is no module of the model used to own every root-level operation, so a
+    one-layer plan of any name trained the whole model."""
+    data = _single(first="a", last="a", layers=["a"])
+    path = _plan(tmp_path, data)
+    line = _one_line(run_main("train", str(path), "--steps", "1"), "pipedream train: error: ")
+    assert line.startswith(
+        f"pipedream train: error: {path}: layers: do not match the traced model: layers ['a'] "
+        "run no operation in the traced model; use module paths of the model (its top-level "
+        "modules: '0', '1', '2')"
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # pipedream train: the plan against the launch
 
