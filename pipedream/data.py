@@ -39,7 +39,8 @@ class MicrobatchStream:
 
     def _permutation(self, epoch: int) -> Tensor:
         if epoch != self._epoch:
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            # torch takes seeds in [-2**63, 2**64), wrapping negative ones; so does this, any seed
+            generator = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % (1 << 64))
             self._order = torch.randperm(self.num_samples, generator=generator)
             self._epoch = epoch
         return self._order

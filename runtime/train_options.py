@@ -50,6 +50,12 @@ def segments(steps: int, every: int, start: int = 0) -> list[tuple[int, int]]:
     return out
 
 
+MIN_TIMEOUT_S = 1.0
+"""Shortest ``--timeout``: below a second the rendezvous itself times out."""
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""Longest ``--timeout``, a week (beyond what the process groups' timers hold, it overflowed)."""
+
+
 def check_options(options: TrainOptions) -> None:
     """Options that cannot work (each rank checks them, and ``launch.sh`` before it starts
     any)."""
@@ -62,9 +68,10 @@ def check_options(options: TrainOptions) -> None:
         )
     if options.keep < 0:
         raise LaunchError(f"--keep must be >= 0, got {options.keep}; 0 keeps every checkpoint")
-    if options.timeout <= 0:
+    if not MIN_TIMEOUT_S <= options.timeout <= MAX_TIMEOUT_S:  # also nan
         raise LaunchError(
-            f"--timeout must be > 0 seconds, got {options.timeout}; e.g. --timeout 300"
+            f"--timeout must be {MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g} seconds, got "
+            f"{options.timeout:g}; e.g. --timeout 300"
         )
 
 

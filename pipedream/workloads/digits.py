@@ -22,7 +22,7 @@ from torch.utils.data import TensorDataset
 
 from pipedream.errors import WorkloadError
 from pipedream.workload import Workload
-from pipedream.workloads.common import optimizer_factory
+from pipedream.workloads.common import optimizer_factory, torch_seed
 
 __all__ = ["NUM_CLASSES", "NUM_FEATURES", "DigitsSplit", "accuracy", "build", "load_split"]
 
@@ -57,7 +57,7 @@ def load_split(*, test_fraction: float, seed: int) -> DigitsSplit:
     data = load_digits()
     inputs = torch.tensor(data.data, dtype=torch.float32)
     targets = torch.tensor(data.target, dtype=torch.long)
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(torch_seed(seed))
     test_parts, train_parts = [], []
     for label in range(NUM_CLASSES):
         # Per-class split so every digit is equally represented in the test set.
@@ -112,7 +112,7 @@ def build(
     make_optimizer = optimizer_factory(optimizer, lr=lr, momentum=momentum)
     split = load_split(test_fraction=test_fraction, seed=data_seed)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.manual_seed(torch_seed(seed))
         blocks = [
             nn.Sequential(nn.Linear(NUM_FEATURES if i == 0 else width, width), nn.ReLU())
             for i in range(layers)

@@ -38,7 +38,7 @@ from torch.utils.data import TensorDataset
 
 from pipedream.errors import WorkloadError
 from pipedream.workload import Workload
-from pipedream.workloads.common import optimizer_factory
+from pipedream.workloads.common import optimizer_factory, torch_seed
 
 __all__ = [
     "Block",
@@ -271,9 +271,9 @@ def build(
         lr = default_learning_rate(dim)
     make_optimizer = optimizer_factory(optimizer, lr=lr, momentum=momentum)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.manual_seed(torch_seed(seed))
         model = build_model(config)
-    generator = torch.Generator().manual_seed(data_seed)
+    generator = torch.Generator().manual_seed(torch_seed(data_seed))
     chain = markov_chain(vocab, branching, generator)
     train = sample_sequences(chain, num_sequences=samples, length=seq + 1, generator=generator)
     test = sample_sequences(chain, num_sequences=test_samples, length=seq + 1, generator=generator)

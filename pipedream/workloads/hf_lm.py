@@ -38,7 +38,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from pipedream.errors import WorkloadError
 from pipedream.workload import Workload
-from pipedream.workloads.common import optimizer_factory
+from pipedream.workloads.common import optimizer_factory, torch_seed
 from pipedream.workloads.gpt import entropy_rate, markov_chain, sample_sequences
 
 __all__ = ["FAMILIES", "IGNORE", "PaddedTokens", "build", "hf_config", "lm_loss", "wrap"]
@@ -275,7 +275,7 @@ def build(
         tie=tie,
     )
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.manual_seed(torch_seed(seed))
         model = transformers.AutoModelForCausalLM.from_config(settings)
     model.train()
     workload = wrap(
@@ -336,7 +336,7 @@ def wrap(
         )
     if samples < 1 or test_samples < 1 or microbatch_size < 1:
         raise WorkloadError("hf-lm: samples, test_samples and microbatch_size must be >= 1")
-    generator = torch.Generator().manual_seed(data_seed)
+    generator = torch.Generator().manual_seed(torch_seed(data_seed))
     train, test, best = _windows(
         tokens=tokens,
         vocab=vocab,

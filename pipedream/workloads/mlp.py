@@ -13,7 +13,7 @@ from torch.utils.data import TensorDataset
 
 from pipedream.errors import WorkloadError
 from pipedream.workload import Workload
-from pipedream.workloads.common import optimizer_factory
+from pipedream.workloads.common import optimizer_factory, torch_seed
 
 __all__ = ["build"]
 
@@ -40,7 +40,7 @@ def build(
             f"mlp: layers, width and samples must be >= 1, got {layers}, {width}, {samples}"
         )
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.manual_seed(torch_seed(seed))
         blocks = [_block(in_features if i == 0 else width, width) for i in range(layers)]
         model = nn.Sequential(*blocks, nn.Linear(width, out_features))
         teacher = nn.Sequential(nn.Linear(in_features, 32), nn.Tanh(), nn.Linear(32, out_features))

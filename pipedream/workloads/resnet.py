@@ -18,7 +18,7 @@ from torch.utils.data import TensorDataset
 
 from pipedream.errors import WorkloadError
 from pipedream.workload import Workload
-from pipedream.workloads.common import optimizer_factory
+from pipedream.workloads.common import optimizer_factory, torch_seed
 
 __all__ = ["BasicBlock", "ResNet", "build"]
 
@@ -76,7 +76,7 @@ class ResNet(nn.Module):
 
 
 def _images(count: int, size: int, classes: int, seed: int) -> tuple[Tensor, Tensor]:
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(torch_seed(seed))
     labels = torch.randint(0, classes, (count,), generator=generator)
     coords = torch.arange(size, dtype=torch.float32)
     ys, xs = torch.meshgrid(coords, coords, indexing="ij")
@@ -107,7 +107,7 @@ def build(
     if min(width, stages, blocks, classes, size, samples, microbatch_size) < 1:
         raise WorkloadError("resnet: width, stages, blocks, classes, size and samples must be >= 1")
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.manual_seed(torch_seed(seed))
         model = ResNet(width=width, stages=stages, blocks=blocks, classes=classes)
     images, labels = _images(samples, size, classes, data_seed)
     return Workload(

@@ -266,7 +266,20 @@ def test_launch_sh_malformed_plan(tmp_path: Path) -> None:
             id="checkpoint-every",
         ),
         pytest.param(
-            _two_stages(), ["--timeout", "0"], "--timeout must be > 0 seconds", id="timeout"
+            _two_stages(),
+            ["--timeout", "0"],
+            "--timeout must be 1 to 604800 seconds, got 0; e.g. --timeout 300",
+            id="timeout",
+        ),
+        # nan passed every comparison, and inf or 1e308 overflowed the process group's timer
+        *(
+            pytest.param(
+                _two_stages(),
+                ["--timeout", value],
+                f"--timeout must be 1 to 604800 seconds, got {value}",
+                id=f"timeout-{value}",
+            )
+            for value in ("nan", "inf", "1e+308", "0.001")
         ),
         pytest.param(
             straight_plan("mlp", [["0", "2"]], replicas=[2], workload_args=MLP_ARGS),

@@ -67,3 +67,24 @@ def test_microbatch_larger_than_the_dataset_spans_epochs() -> None:
     assert len(indices) == 25 and sorted(indices[:10]) == list(range(10))
     assert sorted(indices[10:20]) == list(range(10))
     assert stream.targets(0).tolist() == [7 * i for i in indices]
+
+
+def test_any_integer_seeds_the_order_as_torch_wraps_it() -> None:
+    """Seeds of 2**63 and more overflowed torch's generator (a traceback from ``--seed``); every
+    seed torch took, negative ones included, keeps its order."""
+    inputs, targets = _samples()
+    dataset = TensorDataset(inputs, targets)
+    for seed in (-3, 0, 5, 2**40):
+        stream = MicrobatchStream(dataset, 10, seed)
+        expected = torch.randperm(10, generator=torch.Generator().manual_seed(seed * 1_000_003))
+        assert torch.equal(stream.microbatch(0)[1], targets[expected])
+    huge = MicrobatchStream(dataset, 10, 10**30)
+    wrapped = torch.Generator().manual_seed((10**30 * 1_000_003) % 2**64)
+    assert torch.equal(huge.microbatch(0)[1], targets[torch.randperm(10, generator=wrapped)])
+
+
+def test_workloads_take_any_integer_seed() -> None:
+    from pipedream.workloads.mlp import build
+
+    small, huge = build(seed=3, samples=8), build(seed=3 + 2**64, samples=8)
+    assert all(torch.equal(a, b) for a, b in zip(small.model.parameters(), huge.model.parameters()))
