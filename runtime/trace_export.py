@@ -98,6 +98,8 @@ def run_command(args: argparse.Namespace) -> int:
 
     if args.skip is not None and args.plan is None:  # before anything is written
         raise TraceError("--skip applies to the accounting: give the run's plan with --plan")
+    if args.skip is not None and args.skip < 0:
+        raise TraceError(f"--skip {args.skip}: must be >= 0 minibatches")
     traces = load_traces(args.run_dir)
     output = write_chrome_trace(traces, args.output or Path(args.run_dir) / "trace.json")
     count = sum(len(t.events) for t in traces)

@@ -139,6 +139,11 @@ def test_the_trace_verb_prints_the_accounting(tmp_path, capsys) -> None:
     assert main(["trace", str(run_dir), "--skip", "1", "-o", str(tmp_path / "t.json")]) == 2
     assert "--skip applies to the accounting" in capsys.readouterr().err
     assert not (tmp_path / "t.json").exists()  # refused before anything is written
+    negative = ["trace", str(run_dir), "--plan", str(tmp_path / "plan.yaml"), "--skip", "-1"]
+    assert main([*negative, "-o", str(tmp_path / "t.json")]) == 2
+    # it said "leaving out the first -1 does not leave 2 to measure between", after writing
+    assert "--skip -1: must be >= 0 minibatches" in capsys.readouterr().err
+    assert not (tmp_path / "t.json").exists()
 
 
 def test_the_ideal_of_a_sleep_plan_comes_from_its_layers() -> None:
