@@ -123,8 +123,9 @@ def _out_of_order(action: Action, done: Mapping[Op, set[int]]) -> str:
         return f"second forward of microbatch {index}" if index in done[op] else ""
     if index not in done[Op.FORWARD]:
         return f"backward of {index} before its forward"
-    halves = done[Op.BACKWARD_INPUT] | done[Op.BACKWARD_WEIGHT]
-    if op is Op.BACKWARD and index in halves:
+    # membership, never a union of the sets: that copied them at every action (quadratic)
+    halves = index in done[Op.BACKWARD_INPUT] or index in done[Op.BACKWARD_WEIGHT]
+    if op is Op.BACKWARD and halves:
         return f"backward of {index} both whole and in halves"
     if op is Op.BACKWARD_INPUT and index in done[Op.BACKWARD]:
         return f"backward of {index} both whole and in halves"

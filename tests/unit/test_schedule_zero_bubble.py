@@ -107,3 +107,24 @@ def test_bad_shapes_and_what_runs_today() -> None:
     PipelineSpec("zbv", ((0, 2), (1, 3), (1, 3), (0, 2)), 2, 2).validate()  # two Vs
     PipelineSpec("zb-h1", ((0, 1), (2,)), 2, 2).validate()  # replicas as 1f1b's
     assert lookup("zbv").several_stages_per_rank and not lookup("zb-h1").several_stages_per_rank
+
+
+class _NoUnion(set):  # type: ignore[type-arg]
+    def __or__(self, other: object) -> set:  # type: ignore[type-arg, override]
+        raise AssertionError("a union copies the microbatches done at every action")
+
+
+def test_checking_an_action_does_not_copy_what_is_done() -> None:
+    """The order check built the union of the split backwards' sets at every action, so
+    validating m microbatches took O(m^2): zb-h1 with m = 4096 on 4 ranks took 358 s in
+    ``launch.sh``'s check, now about 5 s."""
+    from pipedream.schedules.actions import Action
+    from pipedream.schedules.validate import _out_of_order
+
+    done = {op: _NoUnion() for op in Op}
+    done[Op.FORWARD].update({0, 1})
+    done[Op.BACKWARD_INPUT].add(0)
+    assert _out_of_order(Action(Op.BACKWARD, 0, 1), done) == ""
+    assert (
+        _out_of_order(Action(Op.BACKWARD, 0, 0), done) == "backward of 0 both whole and in halves"
+    )
