@@ -51,9 +51,11 @@ def segments(steps: int, every: int, start: int = 0) -> list[tuple[int, int]]:
 
 
 MIN_TIMEOUT_S = 1.0
-"""Shortest ``--timeout``: below a second the rendezvous itself times out."""
+"""Shortest ``--timeout``: the process groups' rendezvous needs about that long (0.001 s timed
+it out)."""
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
-"""Longest ``--timeout``, a week (beyond what the process groups' timers hold, it overflowed)."""
+"""Longest ``--timeout``, a week: long enough for any silent peer worth waiting for, and far
+below what the process groups' timers hold (``inf`` and ``1e308`` overflowed them)."""
 
 
 def check_options(options: TrainOptions) -> None:
