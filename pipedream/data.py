@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset, TensorDataset
 
-__all__ = ["MicrobatchStream", "collate"]
+__all__ = ["MicrobatchStream", "collate", "torch_seed"]
 
 
 class MicrobatchStream:
@@ -39,8 +39,7 @@ class MicrobatchStream:
 
     def _permutation(self, epoch: int) -> Tensor:
         if epoch != self._epoch:
-            # torch takes seeds in [-2**63, 2**64), wrapping negative ones; so does this, any seed
-            generator = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % (1 << 64))
+            generator = torch.Generator().manual_seed(torch_seed(self.seed * 1_000_003 + epoch))
             self._order = torch.randperm(self.num_samples, generator=generator)
             self._epoch = epoch
         return self._order
@@ -92,3 +91,10 @@ def collate(values: list[Any]) -> Any:
     if isinstance(first, tuple):
         return tuple(collate(list(parts)) for parts in zip(*values))
     return torch.stack([torch.as_tensor(value) for value in values])
+
+
+def torch_seed(seed: int) -> int:
+    """``seed`` as torch's generators take it: any integer, reduced to 64 bits the way torch
+    wraps a negative one (so every seed torch accepted keeps its draws, and a larger one no
+    longer overflows)."""
+    return seed % (1 << 64)

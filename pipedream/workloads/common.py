@@ -9,7 +9,7 @@ from torch import nn
 
 from pipedream.errors import WorkloadError
 
-__all__ = ["OPTIMIZERS", "optimizer_factory", "torch_seed"]
+__all__ = ["OPTIMIZERS", "optimizer_factory"]
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 
@@ -31,10 +31,3 @@ def optimizer_factory(
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay or 0.01)
 
     return build
-
-
-def torch_seed(seed: int) -> int:
-    """``seed`` as torch's generators take it: any integer, reduced to 64 bits the way torch
-    wraps a negative one (so every seed torch accepted keeps its draws, and a larger one no
-    longer overflows)."""
-    return seed % (1 << 64)

@@ -20,9 +20,10 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
+from pipedream.data import torch_seed
 from pipedream.errors import WorkloadError
 from pipedream.workload import Workload
-from pipedream.workloads.common import optimizer_factory, torch_seed
+from pipedream.workloads.common import optimizer_factory
 
 __all__ = ["NUM_CLASSES", "NUM_FEATURES", "DigitsSplit", "accuracy", "build", "load_split"]
 

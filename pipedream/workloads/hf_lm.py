@@ -36,9 +36,10 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset, TensorDataset
 
+from pipedream.data import torch_seed
 from pipedream.errors import WorkloadError
 from pipedream.workload import Workload
-from pipedream.workloads.common import optimizer_factory, torch_seed
+from pipedream.workloads.common import optimizer_factory
 from pipedream.workloads.gpt import entropy_rate, markov_chain, sample_sequences
 
 __all__ = ["FAMILIES", "IGNORE", "PaddedTokens", "build", "hf_config", "lm_loss", "wrap"]

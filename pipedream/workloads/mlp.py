@@ -11,9 +11,10 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from pipedream.data import torch_seed
 from pipedream.errors import WorkloadError
 from pipedream.workload import Workload
-from pipedream.workloads.common import optimizer_factory, torch_seed
+from pipedream.workloads.common import optimizer_factory
 
 __all__ = ["build"]
 
