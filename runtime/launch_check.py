@@ -1,9 +1,10 @@
 """``python -m pipedream.runtime.launch_check PLAN [--nnodes N] [--nproc-per-node P]
 [-- TRAIN_OPTIONS...]``.
 
-Used by ``launch.sh`` before torchrun starts: validates the plan, its action tables and the
-options for ``pipedream train`` (as every rank would, and a checkpoint to resume from), and
-prints the number of processes per node, or prints the error and exits with status 2.
+Used by ``launch.sh`` before torchrun starts: validates the plan, its action tables, its
+workload's name and options (without building the model) and the options for ``pipedream
+train`` (as every rank would, and a checkpoint to resume from), and prints the number of
+processes per node, or prints the error and exits with status 2.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pipedream.errors import LaunchError, PipedreamError
 from pipedream.formats.plan import Plan, load_plan
 from pipedream.runtime.train_options import check_options, check_segments, train_options
 from pipedream.schedules import validate_plan_schedule, validation_bound
+from pipedream.workload_options import check_workload
 
 __all__ = ["check_train_options", "main", "processes_per_node"]
 
@@ -92,6 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ) from None
         count = processes_per_node(plan.world_size, nnodes=nnodes, nproc_per_node=nproc)
         validate_plan_schedule(plan, [validation_bound(plan)], source=args.plan)
+        check_workload(plan.workload, plan.workload_args, source=args.plan)
         check_train_options(args.plan, plan, argv[split + 1 :])
         print(count)
     except PipedreamError as exc:

@@ -377,6 +377,48 @@ def test_launch_sh_checks_the_train_options_before_torchrun(tmp_path: Path) -> N
     assert helped.returncode == 0 and helped.stdout.startswith("usage: pipedream train")
 
 
+def test_launch_sh_checks_the_workload_before_torchrun(tmp_path: Path) -> None:
+    """Without the check, each rank printed the error and torchrun its report (exit 1)."""
+    path = _plan(tmp_path, _two_stages(workload_args={**MLP_ARGS, "widht": "8"}))
+    result = launch(path, "--steps", "1", "--no-progress", timeout=60)
+    line = _one_line(result, "launch.sh: error: ")
+    assert line == (
+        f"launch.sh: error: {path}: workload_args.widht: workload 'mlp' has no option 'widht'; "
+        "its options are: layers, width, in_features, out_features, samples, lr, momentum, "
+        "optimizer, seed"
+    )
+    assert result.stdout == ""  # torchrun never started
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            {"workload": "mpl"},
+            "workload: unknown workload 'mpl'; use a built-in name (mlp, gpt, digits, resnet, "
+            "sleep, hf-lm) or package.module:function",
+        ),
+        (
+            {"workload": "my_models.lm:build"},
+            "workload: workload 'my_models.lm:build': cannot import module 'my_models.lm' "
+            "(No module named 'my_models'); check the name and that the module is on PYTHONPATH",
+        ),
+        (
+            {"workload_args": {**MLP_ARGS, "layers": "two"}},
+            "workload_args.layers: 'two' is not a valid int for workload 'mlp'; write a whole "
+            "number such as 8",
+        ),
+    ],
+)
+def test_launch_check_refuses_the_workload_every_rank_would(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], changes: dict[str, Any], message: str
+) -> None:
+    path = _plan(tmp_path, _two_stages(**changes))
+    code = launch_check.main([str(path), "--", "--steps", "1"])
+    captured = capsys.readouterr()
+    assert (code, captured.out, captured.err) == (2, "", f"launch.sh: error: {path}: {message}\n")
+
+
 # ---------------------------------------------------------------------------------------------
 # pipedream train: the workload named by the plan
 

@@ -1,0 +1,310 @@
+"""A workload's name and ``KEY=VALUE`` options, checked against its factory's signature.
+
+The signature is read in one of two ways. :func:`runtime_signature` asks ``inspect`` of the
+imported factory (what :func:`pipedream.workload.load_workload` uses before calling it).
+:func:`source_signature` reads the factory's ``def`` in its module's source with ``ast``,
+importing nothing but the packages above the module. ``launch.sh`` uses it through
+:func:`check_workload`, to refuse a plan's unknown workload, missing module, unknown option or
+badly typed value in one line before any process starts, without the seconds of importing torch
+that every rank pays again.
+
+Both ways give the same :class:`Signature`, and :func:`keyword_args` converts the options with
+it. Where the source leaves a question open (a decorated factory, a name bound twice, a module
+without Python source), :func:`source_signature` gives up and the ranks check.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipedream.errors import WorkloadError
+
+__all__ = [
+    "BUILTIN_WORKLOADS",
+    "Signature",
+    "check_workload",
+    "convert",
+    "import_error",
+    "keyword_args",
+    "missing_function",
+    "runtime_signature",
+    "source_signature",
+    "split_target",
+    "unknown_option",
+    "where",
+]
+
+BUILTIN_WORKLOADS: dict[str, str] = {
+    "mlp": "pipedream.workloads.mlp:build",
+    "gpt": "pipedream.workloads.gpt:build",
+    "digits": "pipedream.workloads.digits:build",
+    "resnet": "pipedream.workloads.resnet:build",
+    "sleep": "pipedream.workloads.sleep:build",
+    "hf-lm": "pipedream.workloads.hf_lm:build",
+}
+"""Built-in workload names and the factories they stand for."""
+
+WRAP = "pipedream.workloads.hf_lm:wrap"
+"""What trains a factory's ``transformers`` model; it takes the options the factory does not."""
+
+_KINDS: dict[str, type] = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+@dataclass(frozen=True)
+class Signature:
+    """The keyword options a factory takes, in order, and the type each value converts to."""
+
+    names: tuple[str, ...]
+    kinds: Mapping[str, type | None]
+    """``int``, ``float`` or ``bool`` where the value is converted; ``None`` (or ``str``): the
+    string is passed as it is."""
+    accepts_any: bool
+    """The factory has ``**kwargs``: every key is an option, passed as a string."""
+
+    def drop_first(self) -> Signature:
+        """Without the first parameter (``wrap``'s model, which is no option)."""
+        return Signature(self.names[1:], self.kinds, self.accepts_any)
+
+
+def where(source: str | None, field: str) -> str:
+    """``"FILE: FIELD: "`` when the workload comes from a file (a plan), else nothing."""
+    return f"{source}: {field}: " if source else ""
+
+
+def split_target(name: str, *, source: str | None = None) -> tuple[str, str]:
+    """``(module, function)`` that the workload ``name`` stands for."""
+    module_name, sep, attr = BUILTIN_WORKLOADS.get(name, name).partition(":")
+    if not sep or not module_name or not attr:
+        raise WorkloadError(
+            f"{where(source, 'workload')}unknown workload {name!r}; use a built-in name "
+            f"({', '.join(BUILTIN_WORKLOADS)}) or package.module:function"
+        )
+    return module_name, attr
+
+
+def import_error(name: str, module_name: str, exc: BaseException, source: str | None) -> str:
+    """The message for a workload whose module cannot be imported."""
+    return (
+        f"{where(source, 'workload')}workload {name!r}: cannot import module {module_name!r} "
+        f"({exc}); check the name and that the module is on PYTHONPATH"
+    )
+
+
+def missing_function(name: str, module_name: str, attr: str, source: str | None) -> str:
+    """The message for a workload whose module lacks the function."""
+    return (
+        f"{where(source, 'workload')}workload {name!r}: module {module_name!r} has no "
+        f"function {attr!r}; check the name after the colon"
+    )
+
+
+def runtime_signature(function: Callable[..., Any]) -> Signature:
+    """The signature of an imported factory, as ``inspect`` reports it."""
+    names: list[str] = []
+    kinds: dict[str, type | None] = {}
+    accepts_any = False
+    for param in inspect.signature(function).parameters.values():
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            accepts_any = True
+            continue
+        if param.kind is inspect.Parameter.VAR_POSITIONAL:
+            continue
+        names.append(param.name)
+        annotation = param.annotation
+        if annotation is inspect.Parameter.empty:
+            has_default = param.default is not inspect.Parameter.empty
+            kinds[param.name] = type(param.default) if has_default else None
+        elif isinstance(annotation, str):  # ``from __future__ import annotations``
+            kinds[param.name] = _KINDS.get(annotation.removesuffix(" | None"))
+        else:  # ``int | None`` unpostponed is no type: its value is passed as a string
+            kinds[param.name] = annotation if isinstance(annotation, type) else None
+    return Signature(tuple(names), kinds, accepts_any)
+
+
+def source_signature(module_name: str, attr: str) -> Signature | None:
+    """The signature of ``module_name.attr`` read from its source without importing it.
+
+    Raises ``ImportError`` where the module does not exist (packages above it are imported to
+    find it) and ``AttributeError`` where its source never names ``attr``. ``None`` where the
+    source does not settle the signature: no Python source, a ``def`` that is decorated or not
+    at the top level, the name bound more than once, a star import.
+    """
+    spec = importlib.util.find_spec(module_name)
+    if spec is None:
+        raise ModuleNotFoundError(f"No module named {module_name!r}")
+    if spec.origin is None or not spec.origin.endswith(".py"):
+        return None
+    try:
+        text = importlib.util.decode_source(Path(spec.origin).read_bytes())
+        tree = ast.parse(text)
+    except (OSError, SyntaxError, ValueError):
+        return None  # the import in the ranks says what is wrong
+    postponed = any(
+        isinstance(node, ast.ImportFrom)
+        and node.module == "__future__"
+        and any(alias.name == "annotations" for alias in node.names)
+        for node in tree.body
+    )
+    bound = [_bound_names(node) for node in tree.body]
+    if any("*" in names for names in bound):
+        return None  # a star import may bind any name
+    bindings = [node for node, names in zip(tree.body, bound, strict=True) if attr in names]
+    if not bindings:
+        dynamic = any("__getattr__" in names for names in bound)
+        if attr not in text and not dynamic:  # not even a string could make it
+            raise AttributeError(f"module {module_name!r} has no attribute {attr!r}")
+        return None
+    if len(bindings) != 1 or not isinstance(bindings[0], ast.FunctionDef | ast.AsyncFunctionDef):
+        return None
+    function = bindings[0]
+    if function.decorator_list:
+        return None
+    arguments = function.args
+    positional = [*arguments.posonlyargs, *arguments.args]
+    defaults: list[ast.expr | None] = [None] * (len(positional) - len(arguments.defaults))
+    defaults += arguments.defaults
+    defaults += arguments.kw_defaults
+    names: list[str] = []
+    kinds: dict[str, type | None] = {}
+    for arg, default in zip([*positional, *arguments.kwonlyargs], defaults, strict=True):
+        names.append(arg.arg)
+        kinds[arg.arg] = _source_kind(arg.annotation, default, postponed)
+    return Signature(tuple(names), kinds, arguments.kwarg is not None)
+
+
+def _bound_names(statement: ast.stmt) -> set[str]:
+    """The module-level names a top-level statement binds or deletes (``"*"``: any name).
+
+    Looks into ``if``/``try``/``for``/``with`` blocks but not into the bodies of functions and
+    classes, whose names are their own.
+    """
+    names: set[str] = set()
+    todo: list[ast.AST] = [statement]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+        elif not isinstance(node, ast.Lambda):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store | ast.Del):
+                names.add(node.id)
+            todo.extend(ast.iter_child_nodes(node))
+    return names
+
+
+def _source_kind(
+    annotation: ast.expr | None, default: ast.expr | None, postponed: bool
+) -> type | None:
+    """What :func:`runtime_signature` would find for one parameter, from its source."""
+    if annotation is None:
+        if default is None:
+            return None
+        try:
+            return type(ast.literal_eval(default))
+        except ValueError:
+            return None  # a default that is no literal: the ranks convert the value
+    if postponed:  # the annotation is the compiler's text of it ("int | None")
+        return _KINDS.get(ast.unparse(annotation).removesuffix(" | None"))
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+        return _KINDS.get(annotation.value.removesuffix(" | None"))
+    if isinstance(annotation, ast.Name):  # a builtin type (unless the module shadows it)
+        return _KINDS.get(annotation.id)
+    return None
+
+
+_CONVERT_FIX: dict[Any, str] = {
+    int: "write a whole number such as 8",
+    float: "write a number such as 0.05",
+    bool: "write true or false",
+}
+
+
+def convert(
+    value: str, kind: type | None, *, key: str, workload: str, source: str | None = None
+) -> Any:
+    """The option ``key=value`` as the factory takes it: an int, float or bool where ``kind`` is
+    one, else the string."""
+    try:
+        if kind is bool:
+            lowered = value.lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if kind in (int, float):
+            return kind(value)
+    except ValueError:
+        kind_name = kind.__name__ if kind else "value"
+        fix = _CONVERT_FIX.get(kind, "check the value")
+        if source:
+            raise WorkloadError(
+                f"{where(source, f'workload_args.{key}')}{value!r} is not a valid {kind_name} "
+                f"for workload {workload!r}; {fix}"
+            ) from None
+        raise WorkloadError(
+            f"workload {workload!r}: --workload-arg {key}={value!r} is not a valid {kind_name}; "
+            f"{fix}"
+        ) from None
+    return value
+
+
+def keyword_args(
+    signature: Signature, args: Mapping[str, str], *, name: str, source: str | None
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The options ``signature`` takes, converted to its types, and the rest (as given)."""
+    kwargs: dict[str, Any] = {}
+    rest: dict[str, str] = {}
+    for key, value in args.items():
+        if key not in signature.names and not signature.accepts_any:
+            rest[key] = value
+            continue
+        kind = signature.kinds.get(key)
+        kwargs[key] = convert(value, kind, key=key, workload=name, source=source)
+    return kwargs, rest
+
+
+def unknown_option(signature: Signature, key: str, *, name: str, source: str | None) -> None:
+    """Raise the error for an option ``key`` that the factory ``name`` does not take."""
+    known = ", ".join(p for p in signature.names if p != "microbatch_size") or "none"
+    raise WorkloadError(
+        f"{where(source, f'workload_args.{key}')}workload {name!r} has no option "
+        f"{key!r}; its options are: {known}"
+    )
+
+
+def check_workload(
+    name: str, args: Mapping[str, str] | None = None, *, source: str | None = None
+) -> None:
+    """Refuse what :func:`~pipedream.workload.load_workload` would refuse before calling the
+    factory (an unknown name, a module or function that is not there, an unknown option, a
+    value of the wrong type), without importing the factory's module or torch.
+
+    An option the factory lacks passes if ``hf_lm.wrap`` takes it, since a factory may return
+    a ``transformers`` model. Whatever the source leaves open, and the checks a factory makes
+    itself, are left to the ranks.
+    """
+    module_name, attr = split_target(name, source=source)
+    try:
+        signature = source_signature(module_name, attr)
+    except (ImportError, ValueError) as exc:
+        raise WorkloadError(import_error(name, module_name, exc, source)) from None
+    except AttributeError:
+        raise WorkloadError(missing_function(name, module_name, attr, source)) from None
+    if signature is None:
+        return
+    _, rest = keyword_args(signature, args or {}, name=name, source=source)
+    if not rest:
+        return
+    wrap = source_signature(*split_target(WRAP))
+    assert wrap is not None, "hf_lm.wrap is a plain top-level def"
+    _, unknown = keyword_args(wrap.drop_first(), rest, name=name, source=source)
+    if unknown:
+        unknown_option(signature, next(iter(unknown)), name=name, source=source)
