@@ -66,7 +66,7 @@ from pipedream.optimizer.verify import (
     simulation_work,
     steady_ms,
 )
-from pipedream.schedules import SCHEDULES, lookup
+from pipedream.schedules import MAX_MICROBATCHES, SCHEDULES, lookup
 
 __all__ = [
     "AUTO",
@@ -156,6 +156,11 @@ def _check_options(options: PlanOptions) -> None:
     m = options.microbatches
     if m is not None and m < 1:
         raise PlanningError(f"--microbatches {m}: must be at least 1")
+    if m is not None and m > MAX_MICROBATCHES:
+        raise PlanningError(
+            f"--microbatches {m}: at most {MAX_MICROBATCHES} supported; use fewer, larger "
+            "microbatches (profile with a larger --microbatch-size)"
+        )
     one_microbatch = options.schedule != AUTO and SCHEDULES[options.schedule].one_microbatch
     if m is not None and m != 1 and one_microbatch:
         raise PlanningError(

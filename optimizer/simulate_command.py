@@ -151,20 +151,32 @@ a few hundred MB of events); the planner's own simulations stop far sooner."""
 
 
 def _max_minibatches(plan: Plan, steps: int | None, network: Network) -> int:
-    """The longest run the simulation may take; refuses a plan whose shortest run is longer
-    (replica counts that repeat only after very many minibatches)."""
+    """The longest run the simulation may take; refuses a plan whose shortest run is longer,
+    naming what makes it long: the steps asked for, the microbatches, the replica counts."""
     per_minibatch = 2 * plan.world_size * plan.microbatches
     needed = steps if steps is not None else default_steps(plan, network)
-    if needed * per_minibatch > MAX_ACTIONS:
+    if needed * per_minibatch <= MAX_ACTIONS:
+        return MAX_ACTIONS // per_minibatch
+    period = plan.steps_multiple
+    fixes = []
+    fitting = MAX_ACTIONS // per_minibatch // period * period
+    if steps is not None and fitting >= period:
+        fixes.append(f"--steps {fitting}")
+    if plan.microbatches > 1:
+        fixes.append("fewer microbatches per minibatch (plan --microbatches)")
+    if period > 1 and 3 * period * per_minibatch > MAX_ACTIONS:  # the steady state's 3 periods
         replicas = [stage.replicas for stage in plan.stages]
-        period = plan.steps_multiple
-        raise PlanningError(
-            f"simulating this plan takes {needed} minibatches, {needed * per_minibatch:,} "
-            f"forwards and backwards (at most {MAX_ACTIONS:,}): its replica counts {replicas} "
-            f"repeat only every {period} minibatches; give replica counts with a smaller "
-            "least common multiple (training needs --steps in multiples of it too)"
+        fixes.append(
+            f"replica counts with a smaller least common multiple: {replicas} repeat only every "
+            f"{period} minibatches (training needs --steps in multiples of it too)"
         )
-    return MAX_ACTIONS // per_minibatch
+    if not fixes:
+        fixes.append("fewer workers")
+    raise PlanningError(
+        f"simulating this plan takes {needed} minibatches of {plan.microbatches} microbatch(es) "
+        f"on {plan.world_size} ranks, {needed * per_minibatch:,} forwards and backwards (at "
+        f"most {MAX_ACTIONS:,}); use {', or '.join(fixes)}"
+    )
 
 
 def _trace_skip(args: argparse.Namespace) -> int | None:

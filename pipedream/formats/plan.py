@@ -20,7 +20,7 @@ from pipedream.formats.topology import Topology
 from pipedream.formats.yamlio import read_yaml_mapping, write_yaml
 from pipedream.schedules.registry import SCHEDULES
 from pipedream.schedules.schedule import Schedule
-from pipedream.schedules.spec import PipelineSpec
+from pipedream.schedules.spec import MAX_MICROBATCHES, PipelineSpec
 
 __all__ = [
     "PLAN_FORMAT",
@@ -244,6 +244,12 @@ class Plan:
             )
         microbatch_size = reader.int("microbatch_size", minimum=1)
         microbatches = reader.int("microbatches", 1, minimum=1)
+        if microbatches > MAX_MICROBATCHES:
+            raise reader.error(
+                "microbatches",
+                f"must be <= {MAX_MICROBATCHES}, got {microbatches}",
+                "split each minibatch into fewer, larger microbatches",
+            )
         if SCHEDULES[schedule].one_microbatch and microbatches != 1:
             raise reader.error(
                 "microbatches",

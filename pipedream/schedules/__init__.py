@@ -40,7 +40,7 @@ from pipedream.schedules.posting import (
 )
 from pipedream.schedules.registry import SCHEDULES, lookup
 from pipedream.schedules.schedule import Schedule
-from pipedream.schedules.spec import PipelineSpec, warmup_depth
+from pipedream.schedules.spec import MAX_MICROBATCHES, PipelineSpec, warmup_depth
 from pipedream.schedules.tables import build_tables, compute_order, forward_versions
 from pipedream.schedules.validate import format_grid, simulate_dependencies, validate_tables
 from pipedream.schedules.versions import VersionUse, version_use
@@ -53,6 +53,7 @@ __all__ = [
     "RECEIVE_WINDOW",
     "SCHEDULES",
     "SENDS",
+    "MAX_MICROBATCHES",
     "MAX_STAGES_PER_RANK",
     "VALIDATION_MINIBATCHES",
     "Action",

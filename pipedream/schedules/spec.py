@@ -8,7 +8,13 @@ from dataclasses import dataclass
 
 from pipedream.errors import ScheduleError
 
-__all__ = ["PipelineSpec", "warmup_depth"]
+__all__ = ["MAX_MICROBATCHES", "PipelineSpec", "warmup_depth"]
+
+MAX_MICROBATCHES = 16384
+"""Microbatches per minibatch at most. Every rank builds and checks tables with actions for
+each microbatch of each of its stages, and the planner simulates them: far beyond this, that
+takes minutes and gigabytes before the first step, for no gain a larger microbatch would not
+give."""
 
 
 @dataclass(frozen=True)
@@ -102,8 +108,10 @@ class PipelineSpec:
         schedule = lookup(self.schedule)
         if self.num_stages < 1:
             raise ScheduleError("a pipeline needs at least one stage")
-        if self.microbatches < 1:
-            raise ScheduleError(f"microbatches must be >= 1, got {self.microbatches}")
+        if not 1 <= self.microbatches <= MAX_MICROBATCHES:
+            raise ScheduleError(
+                f"microbatches must be 1 to {MAX_MICROBATCHES}, got {self.microbatches}"
+            )
         problem = schedule.microbatches_problem(self.microbatches, self.num_stages)
         if problem:
             raise ScheduleError(problem)

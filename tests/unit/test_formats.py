@@ -635,6 +635,11 @@ CASES: list[tuple[str, str, Edit, str, str, str]] = [
     ("plan-microbatches-pipedream-vs", "plan",
      lambda d: d.update(schedule="pipedream-vs", microbatches=2), "microbatches",
      "must be 1 for schedule 'pipedream-vs', got 2", "use schedule '2bw'"),
+    # tables of 10^12 microbatches: every rank ran out of memory building them
+    ("plan-microbatches-huge", "plan",
+     lambda d: d.update(schedule="1f1b", microbatches=10**12), "microbatches",
+     "must be <= 16384, got 1000000000000",
+     "split each minibatch into fewer, larger microbatches"),
     ("plan-rank-out-of-range", "plan", _set("stages", 1, "ranks", value=[3]),
      "stages[1].ranks", "rank 3 is out of range for world_size 3", "use ranks 0..2"),
     ("plan-rank-duplicated", "plan", _set("stages", 1, "ranks", value=[1]),

@@ -233,6 +233,10 @@ def test_cli_topology_file(profile_file: Path, tmp_path: Path) -> None:
         (["--workers", "2", "--memory", "lots"], "--memory"),
         (["--workers", "2", "--schedule", "zb"], "unknown schedule 'zb'"),
         (["--workers", "2", "--microbatches", "3"], "must be 1"),
+        (
+            ["--workers", "2", "--schedule", "zb-h1", "--microbatches", "1000000"],
+            "--microbatches 1000000: at most 16384 supported; use fewer, larger microbatches",
+        ),
         (["--workers", "9", "--straight"], "use --workers 4 or fewer"),
     ],
 )

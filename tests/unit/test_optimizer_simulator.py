@@ -499,10 +499,36 @@ def test_a_plan_too_long_to_simulate_is_refused_in_one_line() -> None:
     workers) repeat every 815100 minibatches: the simulation ran out of memory (22 GB before
     it was killed, at 1000 workers)."""
     plan = plan_of("pipedream", [39, 76, 75, 110])
-    repeat = r"replica counts \[39, 76, 75, 110\] repeat only every 815100 minibatches"
-    with pytest.raises(PlanningError, match=repeat):
+    with pytest.raises(PlanningError) as refused:
         _max_minibatches(plan, None, FAST)
+    assert str(refused.value) == (
+        "simulating this plan takes 9781200 minibatches of 1 microbatch(es) on 300 ranks, "
+        "5,868,720,000 forwards and backwards (at most 2,000,000); use replica counts with a "
+        "smaller least common multiple: [39, 76, 75, 110] repeat only every 815100 minibatches "
+        "(training needs --steps in multiples of it too)"
+    )
     assert _max_minibatches(plan_of("pipedream", [2, 1]), None, FAST) == MAX_ACTIONS // 6
+
+
+@pytest.mark.parametrize(
+    ("steps", "fixes"),
+    [
+        (None, "fewer microbatches per minibatch (plan --microbatches)"),
+        (100, "--steps 12, or fewer microbatches per minibatch (plan --microbatches)"),
+    ],
+)
+def test_a_plan_of_many_microbatches_too_long_to_simulate_blames_them(
+    steps: int | None, fixes: str
+) -> None:
+    """It used to blame the replica counts, whose period (4) was not the problem."""
+    plan = plan_of("1f1b", [4], microbatches=16384)
+    with pytest.raises(PlanningError) as refused:
+        _max_minibatches(plan, steps, FAST)
+    needed = steps or default_steps(plan, FAST)
+    assert str(refused.value) == (
+        f"simulating this plan takes {needed} minibatches of 16384 microbatch(es) on 4 ranks, "
+        f"{needed * 2 * 4 * 16384:,} forwards and backwards (at most 2,000,000); use {fixes}"
+    )
 
 
 @pytest.mark.parametrize(

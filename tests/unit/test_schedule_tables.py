@@ -179,6 +179,9 @@ def test_bad_specs_raise() -> None:
         PipelineSpec("pipedream", ((0, 1),), 1, 3).validate()
     with pytest.raises(ScheduleError, match="unknown schedule"):
         straight("zigzag", 2, 2).validate()
+    with pytest.raises(ScheduleError, match="microbatches must be 1 to 16384, got 16385"):
+        straight("1f1b", 2, 1, microbatches=16385).validate()
+    straight("1f1b", 2, 1, microbatches=16384).validate()
 
 
 def test_grid_format() -> None:
