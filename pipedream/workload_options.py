@@ -27,6 +27,7 @@ from pipedream.errors import WorkloadError
 
 __all__ = [
     "BUILTIN_WORKLOADS",
+    "IMPORTED",
     "Signature",
     "check_workload",
     "convert",
@@ -49,6 +50,10 @@ BUILTIN_WORKLOADS: dict[str, str] = {
     "hf-lm": "pipedream.workloads.hf_lm:build",
 }
 """Built-in workload names and the factories they stand for."""
+
+IMPORTED = "pipedream-import"
+"""``IMPORTED:NAME`` is the workload of a profile converted from the original PipeDream's
+``graph.txt``: there is no model to train."""
 
 WRAP = "pipedream.workloads.hf_lm:wrap"
 """What trains a factory's ``transformers`` model; it takes the options the factory does not."""
@@ -79,6 +84,12 @@ def where(source: str | None, field: str) -> str:
 
 def split_target(name: str, *, source: str | None = None) -> tuple[str, str]:
     """``(module, function)`` that the workload ``name`` stands for."""
+    if name.startswith(IMPORTED + ":"):
+        raise WorkloadError(
+            f"{where(source, 'workload')}{name!r} is the workload of a profile imported from "
+            "PipeDream's graph.txt, which can be planned and simulated but not trained; profile "
+            "your model with `pipedream profile WORKLOAD` and plan that profile to train it"
+        )
     module_name, sep, attr = BUILTIN_WORKLOADS.get(name, name).partition(":")
     if not sep or not module_name or not attr:
         raise WorkloadError(

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from pipedream.errors import FormatError
 from pipedream.formats.profile import LayerProfile, Profile, ProfileValue
+from pipedream.workload_options import IMPORTED
 
 __all__ = ["GraphNode", "import_pipedream_graph", "parse_pipedream_graph", "topological_order"]
 
@@ -290,9 +291,9 @@ def import_pipedream_graph(
     )
     name = Path(path).stem if Path(path).stem != "graph" else Path(path).resolve().parent.name
     return Profile(
-        workload=f"pipedream-import:{name}",
+        workload=f"{IMPORTED}:{name}",
         microbatch_size=_infer_microbatch_size(nodes),
-        device="pipedream-import",
+        device=IMPORTED,
         dtype="float32",
         layers=tuple(layers),
         cut_bytes=tuple(cuts),

@@ -142,6 +142,7 @@ def test_a_name_only_used_in_a_function_body_does_not_count_as_bound(tmp_path, m
         ("mlp", {"lr": "fast"}),
         ("hf-lm", {"tie": "maybe"}),
         ("gpt", {"colour": "red"}),
+        ("pipedream-import:vgg16", {}),
     ],
 )
 @pytest.mark.parametrize("source", [None, "plan.yaml"])
@@ -171,6 +172,17 @@ def test_options_of_the_wrapper_pass_since_a_factory_may_return_a_transformers_m
     assert str(refused.value) == (
         "plan.yaml: workload_args.colour: workload 'wl_model:model' has no option 'colour'; "
         "its options are: layers"
+    )
+
+
+def test_an_imported_profiles_workload_says_it_cannot_be_trained() -> None:
+    """It said: cannot import module 'pipedream-import'."""
+    with pytest.raises(WorkloadError) as refused:
+        check_workload("pipedream-import:vgg16", source="plan.yaml")
+    assert str(refused.value) == (
+        "plan.yaml: workload: 'pipedream-import:vgg16' is the workload of a profile imported "
+        "from PipeDream's graph.txt, which can be planned and simulated but not trained; "
+        "profile your model with `pipedream profile WORKLOAD` and plan that profile to train it"
     )
 
 
