@@ -48,6 +48,7 @@ from pipedream.runtime.loss_log import LossLog
 from pipedream.runtime.metrics import MetricsLogger
 from pipedream.runtime.rng_state import seed_segment
 from pipedream.runtime.routing import input_needs_grad
+from pipedream.runtime.segments import Segments
 from pipedream.runtime.stage_layout import StageLayout, stage_layout
 from pipedream.runtime.stage_worker import StageWorker, WorkerConfig
 from pipedream.runtime.summary import RankStats, peak_memory_bytes, report
@@ -126,7 +127,7 @@ def train(options: TrainOptions) -> int:
     device, backend = placement.device, placement.backend
     posting = validate_plan_schedule(
         plan,
-        {count for _, count in todo},
+        todo.counts,
         source=source,
         edges=layout.edges,
         tied=layout.tied_pairs,
@@ -299,7 +300,7 @@ class _RankJob:
 
     def _segments(
         self,
-        todo: list[tuple[int, int]],
+        todo: Segments,
         workers: dict[int, StageWorker],
         loss_log: LossLog,
         trace: list[TracedAction] | None,
@@ -348,7 +349,7 @@ class _RankJob:
             self.last_checkpoint = directory
         return compute_s, elapsed_s
 
-    def run(self, todo: list[tuple[int, int]], resume_from: Path | None) -> int:
+    def run(self, todo: Segments, resume_from: Path | None) -> int:
         first, count = todo[0]
         table = self._table(first, count)
         workers = {stage: self._worker(stage, table, first) for stage in self.stage_indices}

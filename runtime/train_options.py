@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 from pipedream.errors import LaunchError
 from pipedream.formats.plan import Plan
+from pipedream.runtime.segments import Segments
+from pipedream.schedules import MAX_TABLE_ACTIONS, actions_per_minibatch
 
 __all__ = ["TrainOptions", "check_options", "check_segments", "segments", "train_options"]
 
@@ -35,19 +37,13 @@ class TrainOptions:
     progress: bool = True
 
 
-def segments(steps: int, every: int, start: int = 0) -> list[tuple[int, int]]:
+def segments(steps: int, every: int, start: int = 0) -> Segments:
     """(first minibatch, count) of each stretch between checkpoints, from ``start`` on.
 
     Boundaries are multiples of ``every`` counted from 0, so a resumed run drains and
     checkpoints at exactly the same minibatches as an uninterrupted one.
     """
-    bounds = sorted({*range(every, steps, every)} if every > 0 else set()) + [steps]
-    out, current = [], start
-    for bound in bounds:
-        if bound > current:
-            out.append((current, bound - current))
-            current = bound
-    return out
+    return Segments(start=start, steps=steps, every=every)
 
 
 MIN_TIMEOUT_S = 1.0
@@ -79,9 +75,10 @@ def check_options(options: TrainOptions) -> None:
 
 def check_segments(options: TrainOptions, plan: Plan, *, start: int = 0) -> None:
     """The stretches between checkpoints, from ``start`` (where a resumed run begins), must be
-    whole rounds of every stage's replicas."""
+    whole rounds of every stage's replicas, and short enough for a rank's action table."""
     multiple = plan.steps_multiple
-    for first, count in segments(options.steps, options.checkpoint_every, start):
+    stretches = segments(options.steps, options.checkpoint_every, start)
+    for first, count in stretches.representatives():
         if count % multiple:
             resumed = f"; the run resumes at step {start}" if start else ""
             counts = sorted({stage.replicas for stage in plan.stages if stage.replicas > 1})
@@ -96,6 +93,24 @@ def check_segments(options: TrainOptions, plan: Plan, *, start: int = 0) -> None
                 f"{which}, so --steps and --checkpoint-every must be multiples of {multiple}"
                 f"{lcm} (a segment of {count} minibatches starts at {first}{resumed})"
             )
+    longest = max(stretches.counts, default=0)
+    per_minibatch = actions_per_minibatch(plan)
+    if longest * per_minibatch > MAX_TABLE_ACTIONS:
+        fitting = MAX_TABLE_ACTIONS // per_minibatch // multiple * multiple
+        fix = (
+            f"use --checkpoint-every {fitting} or less (each stretch between checkpoints runs "
+            "as one table)"
+            if fitting >= 1
+            else "use fewer microbatches per minibatch"
+        )
+        every = options.checkpoint_every
+        given = f"--checkpoint-every {every}" if every else "no --checkpoint-every"
+        raise LaunchError(
+            f"a stretch of {longest} minibatches between checkpoints (--steps {options.steps}, "
+            f"{given}) needs action tables of up to {longest * per_minibatch:,} actions per "
+            f"rank (at most {MAX_TABLE_ACTIONS:,}: about 2 GB of host memory, built before the "
+            f"stretch starts); {fix}"
+        )
 
 
 def train_options(args: argparse.Namespace) -> TrainOptions:

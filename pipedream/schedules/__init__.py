@@ -25,7 +25,9 @@ from pipedream.schedules.actions import (
 from pipedream.schedules.host_waits import host_stall, posting_for
 from pipedream.schedules.plan_spec import (
     MAX_STAGES_PER_RANK,
+    MAX_TABLE_ACTIONS,
     VALIDATION_MINIBATCHES,
+    actions_per_minibatch,
     message_routes,
     plan_posting,
     spec_from_plan,
@@ -55,8 +57,10 @@ __all__ = [
     "SENDS",
     "MAX_MICROBATCHES",
     "MAX_STAGES_PER_RANK",
+    "MAX_TABLE_ACTIONS",
     "VALIDATION_MINIBATCHES",
     "Action",
+    "actions_per_minibatch",
     "Op",
     "PipelineSpec",
     "Posting",

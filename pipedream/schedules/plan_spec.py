@@ -26,6 +26,8 @@ if TYPE_CHECKING:  # the plan format validates schedules with this package
 
 __all__ = [
     "MAX_STAGES_PER_RANK",
+    "MAX_TABLE_ACTIONS",
+    "actions_per_minibatch",
     "VALIDATION_MINIBATCHES",
     "message_routes",
     "plan_posting",
@@ -40,6 +42,12 @@ VALIDATION_MINIBATCHES = 64
 MAX_STAGES_PER_RANK = 16
 """Stages one rank may run (the runtime's message tags have room for this many squared stage
 pairs between two ranks)."""
+
+
+MAX_TABLE_ACTIONS = 10_000_000
+"""Actions one rank's table may hold for a stretch of a run between checkpoints. A rank builds
+the whole table, and what it derives from it, before the stretch's first step: about 200 bytes
+an action, so this many take about 2 GB of host memory per rank."""
 
 
 def spec_from_plan(
@@ -63,6 +71,16 @@ def spec_from_plan(
         edges=edges,
         tied=tied,
     )
+
+
+def actions_per_minibatch(plan: Plan) -> int:
+    """The most actions any rank's table holds per minibatch of ``plan`` (its stages as a plain
+    chain: a skip connection adds its messages). Every microbatch and every minibatch puts the
+    same actions in a table wherever it falls, so a table of ``k`` minibatches holds ``k``
+    times this."""
+    multiple = plan.steps_multiple
+    tables = build_tables(spec_from_plan(plan, 0, multiple))
+    return -(-max(len(table) for table in tables.values()) // multiple)
 
 
 def validation_bound(plan: Plan) -> int:

@@ -327,6 +327,15 @@ REPLICATED = straight_plan("mlp", [["0", "2"]], replicas=[2], workload_args=MLP_
             "pipedream train: error: argument --steps: invalid int value: 'many'",
             id="steps-not-int",
         ),
+        pytest.param(  # the ranks would have built tables of gigabytes before the first step
+            ["--steps", "100000000"],
+            "launch.sh: error: a stretch of 100000000 minibatches between checkpoints (--steps "
+            "100000000, no --checkpoint-every) needs action tables of up to 200,000,000 "
+            "actions per rank (at most 10,000,000: about 2 GB of host memory, built before the "
+            "stretch starts); use --checkpoint-every 5000000 or less (each stretch between "
+            "checkpoints runs as one table)",
+            id="stretch-too-long",
+        ),
         pytest.param(
             ["--steps", "2", "--resume", "auto"],  # launch.sh's default run dir would be new
             "launch.sh: error: --resume auto needs --run-dir (the run whose checkpoints to use)",
