@@ -22,6 +22,7 @@ from torch.utils.data import Dataset
 from pipedream.errors import WorkloadError
 from pipedream.workload_options import (
     BUILTIN_WORKLOADS,
+    check_required,
     import_error,
     keyword_args,
     missing_function,
@@ -102,6 +103,7 @@ def load_workload(
     takes_size = "microbatch_size" in signature.names or signature.accepts_any
     if microbatch_size is not None and takes_size:
         kwargs["microbatch_size"] = microbatch_size
+    check_required(signature, kwargs, name=name, source=source)
     workload = factory(**kwargs)
     if isinstance(workload, nn.Module) and hasattr(getattr(workload, "config", None), "vocab_size"):
         from pipedream.workloads.hf_lm import wrap  # a transformers causal LM

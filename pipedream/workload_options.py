@@ -18,7 +18,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ __all__ = [
     "BUILTIN_WORKLOADS",
     "IMPORTED",
     "Signature",
+    "check_required",
     "check_workload",
     "convert",
     "import_error",
@@ -71,10 +72,14 @@ class Signature:
     string is passed as it is."""
     accepts_any: bool
     """The factory has ``**kwargs``: every key is an option, passed as a string."""
+    required: tuple[str, ...] = ()
+    """The options without a default, which every call must give."""
 
     def drop_first(self) -> Signature:
         """Without the first parameter (``wrap``'s model, which is no option)."""
-        return Signature(self.names[1:], self.kinds, self.accepts_any)
+        first = self.names[:1]
+        required = tuple(name for name in self.required if name not in first)
+        return Signature(self.names[1:], self.kinds, self.accepts_any, required)
 
 
 def where(source: str | None, field: str) -> str:
@@ -119,6 +124,7 @@ def runtime_signature(function: Callable[..., Any]) -> Signature:
     """The signature of an imported factory, as ``inspect`` reports it."""
     names: list[str] = []
     kinds: dict[str, type | None] = {}
+    required: list[str] = []
     accepts_any = False
     for param in inspect.signature(function).parameters.values():
         if param.kind is inspect.Parameter.VAR_KEYWORD:
@@ -127,6 +133,8 @@ def runtime_signature(function: Callable[..., Any]) -> Signature:
         if param.kind is inspect.Parameter.VAR_POSITIONAL:
             continue
         names.append(param.name)
+        if param.default is inspect.Parameter.empty:
+            required.append(param.name)
         annotation = param.annotation
         if annotation is inspect.Parameter.empty:
             has_default = param.default is not inspect.Parameter.empty
@@ -135,7 +143,7 @@ def runtime_signature(function: Callable[..., Any]) -> Signature:
             kinds[param.name] = _KINDS.get(annotation.removesuffix(" | None"))
         else:  # ``int | None`` unpostponed is no type: its value is passed as a string
             kinds[param.name] = annotation if isinstance(annotation, type) else None
-    return Signature(tuple(names), kinds, accepts_any)
+    return Signature(tuple(names), kinds, accepts_any, tuple(required))
 
 
 def source_signature(module_name: str, attr: str) -> Signature | None:
@@ -183,10 +191,12 @@ def source_signature(module_name: str, attr: str) -> Signature | None:
     defaults += arguments.kw_defaults
     names: list[str] = []
     kinds: dict[str, type | None] = {}
-    for arg, default in zip([*positional, *arguments.kwonlyargs], defaults, strict=True):
+    parameters = [*positional, *arguments.kwonlyargs]
+    for arg, default in zip(parameters, defaults, strict=True):
         names.append(arg.arg)
         kinds[arg.arg] = _source_kind(arg.annotation, default, postponed)
-    return Signature(tuple(names), kinds, arguments.kwarg is not None)
+    required = tuple(arg.arg for arg, default in zip(parameters, defaults) if default is None)
+    return Signature(tuple(names), kinds, arguments.kwarg is not None, required)
 
 
 def _bound_names(statement: ast.stmt) -> set[str]:
@@ -282,6 +292,19 @@ def keyword_args(
     return kwargs, rest
 
 
+def check_required(
+    signature: Signature, given: Collection[str], *, name: str, source: str | None
+) -> None:
+    """Refuse a call that leaves out an option without a default."""
+    missing = [option for option in signature.required if option not in given]
+    if missing:
+        fix = "add it to workload_args" if source else f"give --workload-arg {missing[0]}=VALUE"
+        raise WorkloadError(
+            f"{where(source, 'workload_args')}workload {name!r} needs "
+            f"{', '.join(repr(option) for option in missing)}, which has no default; {fix}"
+        )
+
+
 def unknown_option(signature: Signature, key: str, *, name: str, source: str | None) -> None:
     """Raise the error for an option ``key`` that the factory ``name`` does not take."""
     known = ", ".join(p for p in signature.names if p != "microbatch_size") or "none"
@@ -311,7 +334,8 @@ def check_workload(
         raise WorkloadError(missing_function(name, module_name, attr, source)) from None
     if signature is None:
         return
-    _, rest = keyword_args(signature, args or {}, name=name, source=source)
+    given, rest = keyword_args(signature, args or {}, name=name, source=source)
+    check_required(signature, [*given, "microbatch_size"], name=name, source=source)
     if not rest:
         return
     wrap = source_signature(*split_target(WRAP))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 
 import torch
@@ -20,8 +21,12 @@ def optimizer_factory(
     """Return a function that builds optimizer ``name`` over a set of parameters."""
     if name not in OPTIMIZERS:
         raise WorkloadError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)}")
-    if lr <= 0:
-        raise WorkloadError(f"learning rate must be > 0, got lr={lr}")
+    if not (math.isfinite(lr) and lr > 0):
+        raise WorkloadError(f"learning rate must be a positive number, got lr={lr}; e.g. lr=0.01")
+    if not (math.isfinite(momentum) and 0 <= momentum < 1):
+        raise WorkloadError(f"momentum must be in [0, 1), got momentum={momentum}; e.g. 0.9")
+    if not (math.isfinite(weight_decay) and weight_decay >= 0):
+        raise WorkloadError(f"weight decay must be >= 0, got weight_decay={weight_decay}")
 
     def build(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         if name == "sgd":

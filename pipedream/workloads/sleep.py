@@ -42,7 +42,10 @@ from pipedream.errors import WorkloadError
 from pipedream.workload import Workload
 from pipedream.workloads.common import optimizer_factory
 
-__all__ = ["LATENESS", "SleepLayer", "build", "precise_sleep", "zero_loss"]
+__all__ = ["LATENESS", "MAX_SLEEP_MS", "SleepLayer", "build", "precise_sleep", "zero_loss"]
+
+MAX_SLEEP_MS = 3_600_000.0
+"""A layer's forward or backward sleeps at most an hour (inf and nan reached ``time.sleep``)."""
 
 _ZEROS: dict[tuple[tuple[int, ...], torch.dtype, str], Tensor] = {}
 
@@ -241,9 +244,10 @@ def build(
             f"sleep: layers, samples and microbatch_size must be >= 1, got {layers}, "
             f"{samples}, {microbatch_size}"
         )
-    if forward_ms < 0 or backward_ms < 0:
+    if not all(0 <= ms <= MAX_SLEEP_MS for ms in (forward_ms, backward_ms)):
         raise WorkloadError(
-            f"sleep: forward_ms and backward_ms must be >= 0, got {forward_ms}, {backward_ms}"
+            f"sleep: forward_ms and backward_ms must be 0 to {MAX_SLEEP_MS:g} (an hour), got "
+            f"{forward_ms}, {backward_ms}"
         )
     if weight_ms is not None and not 0 <= weight_ms <= backward_ms:
         raise WorkloadError(

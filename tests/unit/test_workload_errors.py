@@ -35,6 +35,26 @@ from pipedream.workload import load_workload, parse_workload_args
             "workload 'mlp': --workload-arg lr='fast' is not a valid float; write a number",
         ),
         ("mlp", {"colour": "red"}, "workload 'mlp' has no option 'colour'; its options are: "),
+        # each of these reached torch or time.sleep, which raised from inside the ranks
+        ("mlp", {"lr": "nan"}, "learning rate must be a positive number, got lr=nan; e.g. "),
+        ("gpt", {"lr": "inf"}, "learning rate must be a positive number, got lr=inf; e.g. "),
+        ("digits", {"momentum": "-0.5"}, "momentum must be in [0, 1), got momentum=-0.5; e.g."),
+        ("resnet", {"momentum": "nan"}, "momentum must be in [0, 1), got momentum=nan; e.g."),
+        (
+            "sleep",
+            {"forward_ms": "inf"},
+            "sleep: forward_ms and backward_ms must be 0 to 3.6e+06 (an hour), got inf, 20.0",
+        ),
+        (
+            "sleep",
+            {"backward_ms": "nan"},
+            "sleep: forward_ms and backward_ms must be 0 to 3.6e+06 (an hour), got 10.0, nan",
+        ),
+        (
+            "json:loads",
+            {},
+            "workload 'json:loads' needs 's', which has no default; give --workload-arg s=VALUE",
+        ),
     ],
 )
 def test_command_line_errors(name: str, args: dict[str, str], message: str) -> None:

@@ -118,6 +118,21 @@ def test_the_source_gives_up_where_it_leaves_the_signature_open(
     assert source_signature(name, "build") is None
 
 
+def test_options_without_a_default_are_required(tmp_path, monkeypatch) -> None:
+    source = "def build(path, /, size: int, *, seed: int, mode='a', **extra): ...\n"
+    name = _module(tmp_path, monkeypatch, "wl_required", source)
+    signature = source_signature(name, "build")
+    assert signature is not None and signature.required == ("path", "size", "seed")
+    assert signature == runtime_signature(importlib.import_module(name).build)
+    with pytest.raises(WorkloadError) as refused:
+        check_workload(f"{name}:build", {"path": "p", "size": "3"}, source="plan.yaml")
+    assert str(refused.value) == (
+        "plan.yaml: workload_args: workload 'wl_required:build' needs 'seed', which has no "
+        "default; add it to workload_args"
+    )
+    check_workload(f"{name}:build", {"path": "p", "size": "3", "seed": "1"})
+
+
 def test_a_function_the_source_never_names_is_missing(tmp_path, monkeypatch) -> None:
     name = _module(tmp_path, monkeypatch, "wl_missing", "def make(): ...\n")
     with pytest.raises(AttributeError):
@@ -143,6 +158,8 @@ def test_a_name_only_used_in_a_function_body_does_not_count_as_bound(tmp_path, m
         ("hf-lm", {"tie": "maybe"}),
         ("gpt", {"colour": "red"}),
         ("pipedream-import:vgg16", {}),
+        ("json:loads", {}),  # a TypeError from the call before
+        ("json:loads", {"cls": "x"}),
     ],
 )
 @pytest.mark.parametrize("source", [None, "plan.yaml"])
