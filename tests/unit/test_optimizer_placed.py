@@ -243,10 +243,10 @@ def test_straight_keeps_one_copy_of_the_pipeline(schedule: str) -> None:
 
 
 def test_a_plan_too_big_to_simulate_is_not_the_leanest_that_does_not_fit() -> None:
-    # every candidate of 20000 microbatches is too big to simulate: that is the reason, not
+    # every candidate of 16384 microbatches is too big to simulate: that is the reason, not
     # the memory of plans that were never candidates (it said "does not fit: its leanest ...")
     with pytest.raises(PlanningError, match="too big to simulate; use fewer microbatches"):
-        _plan("zbv", 20000, memory=1.0)
+        _plan("zbv", 16384, memory=1.0)
 
 
 @pytest.mark.parametrize("cost_model", COST_MODELS)
