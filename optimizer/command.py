@@ -34,7 +34,7 @@ from pipedream.formats.topology import (
     Topology,
     load_topology,
 )
-from pipedream.formats.units import parse_bandwidth, parse_bytes
+from pipedream.formats.units import MIN_BANDWIDTH, parse_bandwidth, parse_bytes
 from pipedream.optimizer.baselines import baselines, simulated_baselines
 from pipedream.optimizer.cost_model import LayerCosts
 from pipedream.optimizer.planner import AUTO, PlanOptions, PlanResult, plan_profile
@@ -79,9 +79,10 @@ def topology_from_args(args: argparse.Namespace) -> Topology:
             value = parse_bandwidth(bandwidth)
         except ValueError as exc:
             raise PlanningError(f"--bandwidth: {exc}") from None
-        if value <= 0:
+        if value < MIN_BANDWIDTH:
             raise PlanningError(
-                f"--bandwidth {bandwidth!r}: must be positive, e.g. 1e9 or '10 GB/s'"
+                f"--bandwidth {bandwidth!r}: must be at least {MIN_BANDWIDTH:g} byte/s, e.g. "
+                "1e9 or '10 GB/s'"
             )
     return Topology.single_level(workers, value)
 

@@ -39,7 +39,7 @@ from pipedream.formats.plan import Plan, load_plan, profile_path
 from pipedream.formats.profile import PassSpread, Profile, load_profile
 from pipedream.formats.topology import DEFAULT_BANDWIDTH, Topology, load_topology
 from pipedream.formats.trace import load_traces
-from pipedream.formats.units import parse_bandwidth
+from pipedream.formats.units import MIN_BANDWIDTH, parse_bandwidth
 from pipedream.optimizer.measured import MeasuredRun, measure_run, measured_work
 from pipedream.optimizer.messages import link_times
 from pipedream.optimizer.simulator import (
@@ -102,8 +102,10 @@ def _positive_bandwidth(option: str, text: str, example: str) -> float:
         value = parse_bandwidth(text)
     except ValueError as exc:
         raise PlanningError(f"{option}: {exc}") from None
-    if value <= 0:
-        raise PlanningError(f"{option} {text!r}: must be positive, e.g. {example}")
+    if value < MIN_BANDWIDTH:
+        raise PlanningError(
+            f"{option} {text!r}: must be at least {MIN_BANDWIDTH:g} byte/s, e.g. {example}"
+        )
     return value
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipedream.formats.reader import MappingReader
-from pipedream.formats.units import format_bytes, parse_bandwidth, parse_bytes
+from pipedream.formats.units import MIN_BANDWIDTH, format_bytes, parse_bandwidth, parse_bytes
 from pipedream.formats.yamlio import read_yaml_mapping, write_yaml
 
 __all__ = [
@@ -123,13 +123,16 @@ class Topology:
                     f"{workers} units in one level, at most {MAX_LEVEL_WORKERS} supported",
                     "split the level in two (e.g. GPUs per server, then servers)",
                 )
+            bandwidth = level_reader.number("bandwidth", parse=parse_bandwidth, positive=True)
+            if bandwidth < MIN_BANDWIDTH:
+                raise level_reader.error(
+                    "bandwidth",
+                    f"{bandwidth:g} bytes/s is below {MIN_BANDWIDTH:g} byte/s",
+                    "write the link's bandwidth, e.g. 1e9 or '10 GB/s'",
+                )
             levels.append(
                 Level(
-                    name=level_reader.str("name", f"level{i}"),
-                    workers=workers,
-                    bandwidth=level_reader.number(
-                        "bandwidth", parse=parse_bandwidth, positive=True
-                    ),
+                    name=level_reader.str("name", f"level{i}"), workers=workers, bandwidth=bandwidth
                 )
             )
             level_reader.finish()

@@ -5,7 +5,11 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["format_bytes", "parse_bandwidth", "parse_bytes"]
+__all__ = ["MIN_BANDWIDTH", "format_bytes", "parse_bandwidth", "parse_bytes"]
+
+MIN_BANDWIDTH = 1.0
+"""The slowest link a cluster may describe, in bytes/s: slower ones made transfer times overflow
+(1e-300 B/s planned into an assertion and simulated forever)."""
 
 _PREFIX = {
     "": 1.0,

@@ -297,7 +297,15 @@ def hand_written(tmp_path: Path, replicas: tuple[int, ...] = (1, 1)) -> Path:
         ),
         (
             ["simulate", "{hand}", "--profile", "{profile}", "--host-bandwidth", "0"],
-            "--host-bandwidth '0': must be positive",
+            "--host-bandwidth '0': must be at least 1 byte/s, e.g. 2e9",
+        ),
+        (  # simulated forever
+            ["simulate", "{hand}", "--profile", "{profile}", "--host-bandwidth", "1e-300"],
+            "--host-bandwidth '1e-300': must be at least 1 byte/s, e.g. 2e9",
+        ),
+        (  # transfer times overflowed
+            ["simulate", "{hand}", "--profile", "{profile}", "--bandwidth", "1e-300"],
+            "--bandwidth '1e-300': must be at least 1 byte/s, e.g. 1e9",
         ),
         (
             ["simulate", "{hand}", "--profile", "{profile}", "--host-bandwidth", "lots"],

@@ -229,7 +229,11 @@ def test_cli_topology_file(profile_file: Path, tmp_path: Path) -> None:
         (["--workers", "1000000000000"], "one level holds at most 4096 workers"),
         (["--workers", "4097"], "describe a larger cluster in levels with --topology"),
         (["--workers", "2", "--bandwidth", "fast"], "cannot parse 'fast'"),
-        (["--workers", "2", "--bandwidth", "0"], "must be positive"),
+        (["--workers", "2", "--bandwidth", "0"], "must be at least 1 byte/s"),
+        (  # planned into an AssertionError
+            ["--workers", "2", "--bandwidth", "1e-300"],
+            "--bandwidth '1e-300': must be at least 1 byte/s, e.g. 1e9 or '10 GB/s'",
+        ),
         (["--workers", "2", "--memory", "lots"], "--memory"),
         (["--workers", "2", "--schedule", "zb"], "unknown schedule 'zb'"),
         (["--workers", "2", "--microbatches", "3"], "must be 1"),
