@@ -100,8 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="CPU: measure while K-1 more processes train the workload, as K ranks sharing "
         "this host will (default 1)",
     )
-    profile.add_argument("--warmup", type=int, default=3, help="untimed runs per layer")
-    profile.add_argument("--repeats", type=int, default=10, help="timed runs per layer (median)")
+    profile.add_argument(
+        "--warmup", type=int, default=None, help="untimed runs per layer (default 3)"
+    )
+    profile.add_argument(
+        "--repeats", type=int, default=None, help="timed runs per layer, their median (default 10)"
+    )
     profile.add_argument("-o", "--output", required=True, metavar="PROFILE")
 
     plan = verbs.add_parser("plan", help="split a profiled model into pipeline stages")

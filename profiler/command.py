@@ -45,11 +45,32 @@ from pipedream.profiler.graph_profile import (
     layer_graph,
     measure_graph,
 )
-from pipedream.profiler.measure import ProfilerError, measure_sequential, tied_parameters
+from pipedream.profiler.measure import (
+    ProfilerError,
+    check_repetitions,
+    measure_sequential,
+    tied_parameters,
+)
 from pipedream.profiler.overhead import measure_data_reads, measure_loss, measure_overhead
 from pipedream.workload import Workload, load_workload, parse_workload_args
 
-__all__ = ["default_device", "format_table", "profile_workload", "run"]
+__all__ = [
+    "DEFAULT_REPEATS",
+    "DEFAULT_WARMUP",
+    "MAX_CONCURRENT",
+    "default_device",
+    "format_table",
+    "profile_workload",
+    "run",
+]
+
+DEFAULT_WARMUP = 3
+"""Untimed runs per layer before the timed ones (``--warmup``)."""
+DEFAULT_REPEATS = 10
+"""Timed runs per layer, of which the median is kept (``--repeats``)."""
+MAX_CONCURRENT = 256
+"""Most processes ``--concurrent`` trains on one host: more than the largest hosts have cores
+(100000 started that many processes)."""
 
 
 def default_device() -> torch.device:
@@ -156,8 +177,8 @@ def profile_workload(
     workload_args: dict[str, str],
     *,
     microbatch_size: int | None = None,
-    warmup: int = 3,
-    repeats: int = 10,
+    warmup: int = DEFAULT_WARMUP,
+    repeats: int = DEFAULT_REPEATS,
     device: torch.device | None = None,
     depth: int | None = None,
     patterns: Sequence[str] = (),
@@ -174,13 +195,16 @@ def profile_workload(
     """
     if microbatch_size is not None and microbatch_size < 1:
         raise ProfilerError(f"--microbatch-size must be >= 1, got {microbatch_size}")
-    if warmup < 0:
-        raise ProfilerError(f"--warmup must be >= 0, got {warmup}")
-    if repeats < 1:
-        raise ProfilerError(f"--repeats must be >= 1, got {repeats}")
-    if concurrent < 1:
+    check_repetitions(warmup, repeats)
+    if not 1 <= concurrent <= MAX_CONCURRENT:
         raise ProfilerError(
-            f"--concurrent must be >= 1 (processes training on the host), got {concurrent}"
+            f"--concurrent must be 1 to {MAX_CONCURRENT} (processes training on the host), got "
+            f"{concurrent}"
+        )
+    if depth is not None and patterns:
+        raise ProfilerError(
+            f"give --depth ({depth}) or --layers ({', '.join(patterns)}), not both: each "
+            "chooses the layers on its own"
         )
     device = device or default_device()
     if concurrent > 1 and device.type != "cpu":
@@ -310,15 +334,28 @@ def _share_the_host_like_ranks(concurrent: int, out: TextIO) -> None:
 def run(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
     """Entry point of ``pipedream profile`` (user errors raise ``PipedreamError``)."""
     out = out or sys.stdout
+    warmup = DEFAULT_WARMUP if args.warmup is None else args.warmup
+    repeats = DEFAULT_REPEATS if args.repeats is None else args.repeats
     if args.from_pipedream:
         if args.workload:
             raise ProfilerError(
                 f"give either a workload ({args.workload!r}) or --from-pipedream, not both"
             )
-        if getattr(args, "concurrent", 1) != 1:
+        measuring = {
+            "--workload-arg": args.workload_arg,
+            "--microbatch-size": args.microbatch_size,
+            "--depth": getattr(args, "depth", None),
+            "--layers": getattr(args, "layers", None),
+            "--concurrent": None if getattr(args, "concurrent", 1) == 1 else args.concurrent,
+            "--warmup": args.warmup,
+            "--repeats": args.repeats,
+        }
+        given = [option for option, value in measuring.items() if value not in (None, [])]
+        if given:
             raise ProfilerError(
-                "--concurrent measures a workload beside co-runners; an imported profile "
-                "measures nothing: leave --concurrent out"
+                f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for measuring a "
+                "workload; an imported profile measures nothing: leave "
+                f"{'it' if len(given) == 1 else 'them'} out"
             )
         from pipedream.profiler.pipedream_import import import_pipedream_graph
 
@@ -338,8 +375,8 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
             args.workload,
             parse_workload_args(args.workload_arg),
             microbatch_size=args.microbatch_size,
-            warmup=args.warmup,
-            repeats=args.repeats,
+            warmup=warmup,
+            repeats=repeats,
             device=torch.device(args.device) if getattr(args, "device", None) else None,
             depth=getattr(args, "depth", None),
             patterns=tuple(getattr(args, "layers", None) or ()),
@@ -354,8 +391,8 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
             else ""
         )
         how = (
-            f"measured on {profile.device}{threads}{beside}, median of {args.repeats} runs "
-            f"after {args.warmup} warm-up"
+            f"measured on {profile.device}{threads}{beside}, median of {repeats} runs "
+            f"after {warmup} warm-up"
         )
     save_profile(profile, args.output)
     if getattr(args, "plot", None):

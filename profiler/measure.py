@@ -217,12 +217,18 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+MAX_REPETITIONS = 100_000
+"""Most warm-up or timed runs per layer: a median of more moves nothing, and far more ran
+(every layer, forward and backward) for longer than anyone would wait."""
+
+
 def check_repetitions(warmup: int, repeats: int) -> None:
-    """Reject a negative ``warmup`` or ``repeats`` < 1 with a message naming the option."""
-    if warmup < 0:
-        raise ProfilerError(f"warmup (--warmup) must be >= 0, got {warmup}")
-    if repeats < 1:
-        raise ProfilerError(f"repeats (--repeats) must be >= 1, got {repeats}")
+    """Reject a ``warmup`` outside 0..:data:`MAX_REPETITIONS` or ``repeats`` outside
+    1..:data:`MAX_REPETITIONS` with a message naming the option."""
+    if not 0 <= warmup <= MAX_REPETITIONS:
+        raise ProfilerError(f"warmup (--warmup) must be 0 to {MAX_REPETITIONS}, got {warmup}")
+    if not 1 <= repeats <= MAX_REPETITIONS:
+        raise ProfilerError(f"repeats (--repeats) must be 1 to {MAX_REPETITIONS}, got {repeats}")
 
 
 def describe_layer(

@@ -103,14 +103,32 @@ def fake_workloads(monkeypatch: pytest.MonkeyPatch) -> str:
         (["profile", "mlp", "--workload-arg", "layers"], "not KEY=VALUE"),
         (["profile", "mlp", "--workload-arg", "layers=many"], "not a valid int"),
         (["profile"], "no workload given"),
-        (["profile", "mlp", "--repeats", "0"], "--repeats must be >= 1"),
-        (["profile", "mlp", "--warmup", "-1"], "--warmup must be >= 0"),
+        (["profile", "mlp", "--repeats", "0"], "repeats (--repeats) must be 1 to 100000, got 0"),
+        (["profile", "mlp", "--warmup", "-1"], "warmup (--warmup) must be 0 to 100000, got -1"),
+        (  # ran for ever
+            ["profile", "mlp", "--repeats", "1000000000000"],
+            "repeats (--repeats) must be 1 to 100000, got 1000000000000",
+        ),
         (["profile", "mlp", "--microbatch-size", "0"], "--microbatch-size must be >= 1"),
         (["profile", "mlp", "--from-pipedream", "graph.txt"], "not both"),
-        (["profile", "mlp", "--concurrent", "0"], "--concurrent must be >= 1"),
+        (["profile", "mlp", "--concurrent", "0"], "--concurrent must be 1 to 256"),
+        (  # started that many processes
+            ["profile", "mlp", "--concurrent", "100000"],
+            "--concurrent must be 1 to 256 (processes training on the host), got 100000",
+        ),
+        (  # --layers won and --depth was ignored
+            ["profile", "mlp", "--depth", "1", "--layers", "0"],
+            "give --depth (1) or --layers (0), not both: each chooses the layers on its own",
+        ),
         (
             ["profile", "--from-pipedream", "graph.txt", "--concurrent", "2"],
-            "an imported profile measures nothing: leave --concurrent out",
+            "--concurrent is for measuring a workload; an imported profile measures nothing: "
+            "leave it out",
+        ),
+        (  # accepted and ignored
+            ["profile", "--from-pipedream", "graph.txt", "--repeats", "3", "--depth", "2"],
+            "--depth, --repeats are for measuring a workload; an imported profile measures "
+            "nothing: leave them out",
         ),
         (["profile", "FAKE"], "torch.export could not trace DataDependent"),
     ],
