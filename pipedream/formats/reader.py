@@ -117,7 +117,15 @@ class MappingReader:
             raise self.error(
                 key, f"expected {_TYPE_NAMES[float]}, got {_describe(value)}", _FIX[float]
             )
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an integer beyond any float
+            power = int(value.bit_length() * math.log10(2))
+            raise self.error(
+                key,
+                f"must be a finite number, got an integer of about 10^{power}",
+                "write a finite number such as 1.5",
+            ) from None
         if not math.isfinite(value):
             raise self.error(
                 key, f"must be a finite number, got {value}", "write a finite number such as 1.5"

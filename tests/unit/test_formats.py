@@ -524,6 +524,10 @@ CASES: list[tuple[str, str, Edit, str, str, str]] = [
      "layers[0].forward_ms", "must be a finite number, got nan", "write a finite number"),
     ("profile-inf", "profile", _set("layers", 0, "backward_ms", value=math.inf),
      "layers[0].backward_ms", "must be a finite number, got inf", "write a finite number"),
+    # float() of it raised OverflowError
+    ("profile-huge-integer", "profile", _set("layers", 0, "forward_ms", value=10**400),
+     "layers[0].forward_ms", "must be a finite number, got an integer of about 10^400",
+     "write a finite number such as 1.5"),
     ("profile-tied-unknown-layer", "profile",
      _set("tied", value=[{"name": "w", "layers": ["0", "9"], "bytes": 8}]), "tied[0].layers",
      "names '9', which is not a layer of the profile", "list the names of the layers"),
