@@ -28,6 +28,7 @@ from torch import nn
 
 from pipedream.data import MicrobatchStream
 from pipedream.formats.profile import (
+    MAX_LAYERS,
     ActionOverhead,
     LayerProfile,
     PassSpread,
@@ -172,6 +173,15 @@ def format_table(profile: Profile) -> str:
     return "\n".join(table)
 
 
+def _check_layer_count(count: int, what: str, fix: str) -> None:
+    """Refuse, before measuring, a model of more layers than a profile may hold."""
+    if count > MAX_LAYERS:
+        raise ProfilerError(
+            f"the model has {count} {what}, at most {MAX_LAYERS} supported (planning grows "
+            f"with the square of the layers); {fix}"
+        )
+
+
 def profile_workload(
     name: str,
     workload_args: dict[str, str],
@@ -272,6 +282,11 @@ def _measure(
     passes: list[tuple[float, float]] = []
     options = {"warmup": warmup, "repeats": repeats, "optimizer": workload.optimizer}
     if isinstance(model, nn.Sequential) and depth is None and not patterns:
+        _check_layer_count(
+            len(model),
+            "children of its nn.Sequential",
+            "group them into fewer, larger modules (an nn.Sequential of blocks)",
+        )
         layers = measure_sequential(model, example, passes=passes, **options)
         tied = tied_parameters(
             [
@@ -281,6 +296,11 @@ def _measure(
         )
     else:
         graph = layer_graph(model, example, depth=depth, patterns=patterns)
+        _check_layer_count(
+            len(graph.layers),
+            "layers in its traced graph",
+            "profile coarser layers: a smaller --depth, or --layers patterns",
+        )
         layers = measure_graph(graph, model, example, passes=passes, **options)
         cut_bytes = tuple(graph.cut_bytes())
         values = tuple(graph_values(graph))

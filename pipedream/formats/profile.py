@@ -12,6 +12,7 @@ from pipedream.formats.reader import MappingReader
 from pipedream.formats.yamlio import read_yaml_mapping, write_yaml
 
 __all__ = [
+    "MAX_LAYERS",
     "PROFILE_FORMAT",
     "ActionOverhead",
     "LayerProfile",
@@ -24,6 +25,10 @@ __all__ = [
 ]
 
 PROFILE_FORMAT = "pipedream/profile@1"
+
+MAX_LAYERS = 4096
+"""Layers a profile may have: the planner's tables hold every range of layers, so their memory
+grows with the square of the layers (a two-level cluster took gigabytes at this many)."""
 
 
 @dataclass(frozen=True)
@@ -437,6 +442,13 @@ class Profile:
         dtype = reader.str("dtype")
         concurrent = reader.int("concurrent", 1, minimum=1)
         raw_layers = reader.list("layers")
+        if len(raw_layers) > MAX_LAYERS:
+            raise reader.error(
+                "layers",
+                f"{len(raw_layers)} layers, at most {MAX_LAYERS} supported (planning grows "
+                "with the square of the layers)",
+                "profile coarser layers: a smaller --depth, or --layers patterns",
+            )
         layers = []
         names: set[str] = set()
         for i, raw in enumerate(raw_layers):

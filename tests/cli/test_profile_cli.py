@@ -110,6 +110,11 @@ def fake_workloads(monkeypatch: pytest.MonkeyPatch) -> str:
             "repeats (--repeats) must be 1 to 100000, got 1000000000000",
         ),
         (["profile", "mlp", "--microbatch-size", "0"], "--microbatch-size must be >= 1"),
+        (  # a profile the planner could not hold in memory, after measuring every layer
+            ["profile", "mlp", "--workload-arg", "layers=4096"],
+            "the model has 4097 children of its nn.Sequential, at most 4096 supported (planning "
+            "grows with the square of the layers); group them into fewer, larger modules",
+        ),
         (["profile", "mlp", "--from-pipedream", "graph.txt"], "not both"),
         (["profile", "mlp", "--concurrent", "0"], "--concurrent must be 1 to 256"),
         (  # started that many processes

@@ -524,6 +524,10 @@ CASES: list[tuple[str, str, Edit, str, str, str]] = [
      "layers[0].forward_ms", "must be a finite number, got nan", "write a finite number"),
     ("profile-inf", "profile", _set("layers", 0, "backward_ms", value=math.inf),
      "layers[0].backward_ms", "must be a finite number, got inf", "write a finite number"),
+    # the planner's tables of every range ran out of memory (at 20000 layers)
+    ("profile-too-many-layers", "profile", _set("layers", value=[{}] * 4097), "layers",
+     "4097 layers, at most 4096 supported (planning grows with the square of the layers)",
+     "profile coarser layers: a smaller --depth, or --layers patterns"),
     # float() of it raised OverflowError
     ("profile-huge-integer", "profile", _set("layers", 0, "forward_ms", value=10**400),
      "layers[0].forward_ms", "must be a finite number, got an integer of about 10^400",
