@@ -11,6 +11,7 @@ options the factory does not).
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from pipedream.errors import WorkloadError
+from pipedream.formats.units import format_bytes
 from pipedream.workload_options import (
     BUILTIN_WORKLOADS,
     check_required,
@@ -83,6 +85,19 @@ def _resolve_factory(name: str, *, source: str | None = None) -> Callable[..., W
     return factory  # type: ignore[no-any-return]
 
 
+def _allocation_failure(exc: BaseException) -> str | None:
+    """What an allocator's failure says, in short (None: ``exc`` is not one)."""
+    if isinstance(exc, MemoryError):
+        return "Python ran out of memory"
+    text = str(exc)
+    if "can't allocate memory" not in text and "out of memory" not in text.lower():
+        return None
+    tried = re.search(r"tried to allocate (\d+) bytes", text)
+    if tried:
+        return f"it tried to allocate {format_bytes(int(tried.group(1)))} at once"
+    return text.strip().splitlines()[0]
+
+
 def load_workload(
     name: str,
     args: Mapping[str, str] | None = None,
@@ -104,7 +119,16 @@ def load_workload(
     if microbatch_size is not None and takes_size:
         kwargs["microbatch_size"] = microbatch_size
     check_required(signature, kwargs, name=name, source=source)
-    workload = factory(**kwargs)
+    try:
+        workload = factory(**kwargs)
+    except (MemoryError, RuntimeError) as exc:
+        reason = _allocation_failure(exc)
+        if reason is None:
+            raise
+        given = ", ".join(f"{key}={value}" for key, value in kwargs.items())
+        raise WorkloadError(
+            f"workload {name!r} ({given}) does not fit in memory: {reason}; choose smaller sizes"
+        ) from None
     if isinstance(workload, nn.Module) and hasattr(getattr(workload, "config", None), "vocab_size"):
         from pipedream.workloads.hf_lm import wrap  # a transformers causal LM
 

@@ -103,3 +103,28 @@ def test_parse_workload_args() -> None:
         "width": "16",
         "name": "a=b",
     }
+
+
+def test_a_workload_too_big_for_memory_says_so_in_one_line(tmp_path, monkeypatch) -> None:
+    """The allocator's RuntimeError came out as a traceback (e.g. mlp width=1000000000)."""
+    (tmp_path / "wl_huge.py").write_text(
+        "import torch\n\n"
+        "def build(size: int = 2**60):\n"
+        "    return torch.empty(size, dtype=torch.uint8)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(WorkloadError) as info:
+        load_workload("wl_huge:build", {"size": str(2**60)})
+    assert str(info.value) == (
+        f"workload 'wl_huge:build' (size={2**60}) does not fit in memory: it tried to allocate "
+        "1073741824.0 GiB at once; choose smaller sizes"
+    )
+
+
+def test_other_runtime_errors_of_a_factory_pass_through(tmp_path, monkeypatch) -> None:
+    (tmp_path / "wl_broken.py").write_text(
+        "def build():\n    raise RuntimeError('a bug in the factory')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RuntimeError, match="a bug in the factory"):
+        load_workload("wl_broken:build", {})
