@@ -166,7 +166,7 @@ def _max_minibatches(plan: Plan, steps: int | None, network: Network) -> int:
         fixes.append(f"--steps {fitting}")
     if plan.microbatches > 1:
         fixes.append("fewer microbatches per minibatch (plan --microbatches)")
-    if period > 1 and 3 * period * per_minibatch > MAX_ACTIONS:  # the steady state's 3 periods
+    if period > 1 and (steps is None or fitting < period):  # runs are counted in periods
         replicas = [stage.replicas for stage in plan.stages]
         fixes.append(
             f"replica counts with a smaller least common multiple: {replicas} repeat only every "

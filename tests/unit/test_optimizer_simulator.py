@@ -513,14 +513,19 @@ def test_a_plan_too_long_to_simulate_is_refused_in_one_line() -> None:
 @pytest.mark.parametrize(
     ("steps", "fixes"),
     [
-        (None, "fewer microbatches per minibatch (plan --microbatches)"),
+        (
+            None,
+            "fewer microbatches per minibatch (plan --microbatches), or replica counts with a "
+            "smaller least common multiple: [4] repeat only every 4 minibatches (training "
+            "needs --steps in multiples of it too)",
+        ),
         (100, "--steps 12, or fewer microbatches per minibatch (plan --microbatches)"),
     ],
 )
 def test_a_plan_of_many_microbatches_too_long_to_simulate_blames_them(
     steps: int | None, fixes: str
 ) -> None:
-    """It used to blame the replica counts, whose period (4) was not the problem."""
+    """It blamed only the replica counts; --steps given, they are no cause at all."""
     plan = plan_of("1f1b", [4], microbatches=16384)
     with pytest.raises(PlanningError) as refused:
         _max_minibatches(plan, steps, FAST)
@@ -528,6 +533,16 @@ def test_a_plan_of_many_microbatches_too_long_to_simulate_blames_them(
     assert str(refused.value) == (
         f"simulating this plan takes {needed} minibatches of 16384 microbatch(es) on 4 ranks, "
         f"{needed * 2 * 4 * 16384:,} forwards and backwards (at most 2,000,000); use {fixes}"
+    )
+
+
+def test_a_plan_too_long_to_simulate_for_its_workers_alone_says_fewer_workers() -> None:
+    plan = plan_of("pipedream", [1] * 710)
+    with pytest.raises(PlanningError) as refused:
+        _max_minibatches(plan, None, FAST)
+    assert str(refused.value) == (
+        "simulating this plan takes 1424 minibatches of 1 microbatch(es) on 710 ranks, "
+        "2,022,080 forwards and backwards (at most 2,000,000); use fewer workers"
     )
 
 
