@@ -151,10 +151,17 @@ def source_signature(module_name: str, attr: str) -> Signature | None:
 
     Raises ``ImportError`` where the module does not exist (packages above it are imported to
     find it) and ``AttributeError`` where its source never names ``attr``. ``None`` where the
-    source does not settle the signature: no Python source, a ``def`` that is decorated or not
-    at the top level, the name bound more than once, a star import.
+    source does not settle the signature: no Python source, a package above that fails to
+    import here (it may need the ranks' environment), a ``def`` that is decorated or not at
+    the top level, the name bound more than once or perhaps elsewhere (a star import, a
+    ``global`` statement, the name as a string, a ``__signature__``).
     """
-    spec = importlib.util.find_spec(module_name)
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except ImportError:
+        raise
+    except Exception:  # a package's __init__ failed: perhaps only outside torchrun
+        return None
     if spec is None:
         raise ModuleNotFoundError(f"No module named {module_name!r}")
     if spec.origin is None or not spec.origin.endswith(".py"):
@@ -171,8 +178,8 @@ def source_signature(module_name: str, attr: str) -> Signature | None:
         for node in tree.body
     )
     bound = [_bound_names(node) for node in tree.body]
-    if any("*" in names for names in bound):
-        return None  # a star import may bind any name
+    if any("*" in names for names in bound) or _bound_dynamically(tree, attr, text):
+        return None
     bindings = [node for node, names in zip(tree.body, bound, strict=True) if attr in names]
     if not bindings:
         dynamic = any("__getattr__" in names for names in bound)
@@ -192,11 +199,33 @@ def source_signature(module_name: str, attr: str) -> Signature | None:
     names: list[str] = []
     kinds: dict[str, type | None] = {}
     parameters = [*positional, *arguments.kwonlyargs]
+    shadowed = set().union(*bound) & _KINDS.keys()  # ``int`` etc. bound by the module
     for arg, default in zip(parameters, defaults, strict=True):
         names.append(arg.arg)
-        kinds[arg.arg] = _source_kind(arg.annotation, default, postponed)
+        kinds[arg.arg] = _source_kind(arg.annotation, default, postponed, shadowed)
     required = tuple(arg.arg for arg, default in zip(parameters, defaults) if default is None)
     return Signature(tuple(names), kinds, arguments.kwarg is not None, required)
+
+
+def _bound_dynamically(tree: ast.Module, attr: str, text: str) -> bool:
+    """Whether ``attr`` may be rebound where :func:`_bound_names` does not look: a function's
+    ``global attr``, the name as a string (``globals()["build"] = ...``, ``setattr``; the
+    strings of ``__all__`` aside), or a signature set by hand."""
+    if "__signature__" in text:
+        return True
+    listed = {
+        id(node)
+        for statement in tree.body
+        if isinstance(statement, ast.Assign | ast.AugAssign | ast.AnnAssign)
+        and "__all__" in _bound_names(statement)
+        for node in ast.walk(statement)
+    }
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global) and attr in node.names:
+            return True
+        if isinstance(node, ast.Constant) and node.value == attr and id(node) not in listed:
+            return True
+    return False
 
 
 def _bound_names(statement: ast.stmt) -> set[str]:
@@ -221,7 +250,7 @@ def _bound_names(statement: ast.stmt) -> set[str]:
 
 
 def _source_kind(
-    annotation: ast.expr | None, default: ast.expr | None, postponed: bool
+    annotation: ast.expr | None, default: ast.expr | None, postponed: bool, shadowed: set[str]
 ) -> type | None:
     """What :func:`runtime_signature` would find for one parameter, from its source."""
     if annotation is None:
@@ -235,7 +264,7 @@ def _source_kind(
         return _KINDS.get(ast.unparse(annotation).removesuffix(" | None"))
     if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
         return _KINDS.get(annotation.value.removesuffix(" | None"))
-    if isinstance(annotation, ast.Name):  # a builtin type (unless the module shadows it)
+    if isinstance(annotation, ast.Name) and annotation.id not in shadowed:  # a builtin type
         return _KINDS.get(annotation.id)
     return None
 
@@ -299,6 +328,8 @@ def check_required(
     missing = [option for option in signature.required if option not in given]
     if missing:
         fix = "add it to workload_args" if source else f"give --workload-arg {missing[0]}=VALUE"
+        if missing[0] == "microbatch_size" and not source:
+            fix = "give --microbatch-size B"
         raise WorkloadError(
             f"{where(source, 'workload_args')}workload {name!r} needs "
             f"{', '.join(repr(option) for option in missing)}, which has no default; {fix}"

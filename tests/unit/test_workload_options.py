@@ -103,13 +103,27 @@ def test_unpostponed_annotations_convert_only_builtin_types(tmp_path, monkeypatc
     [
         "def deco(f):\n    return f\n\n@deco\ndef build(layers: int = 2): ...\n",
         "def build(layers: int = 2): ...\n\nbuild = print\n",
+        "def build(layers=2): ...\n\ndef install():\n    global build\n    build = print\n",
+        "def build(layers=2): ...\n\nglobals()['build'] = print\n",
+        "def build(layers=2): ...\n\nbuild.__signature__ = None\n",
         "import sys\nif sys.platform:\n    def build(layers: int = 2): ...\n",
         "from os.path import *\n\ndef build(layers: int = 2): ...\n",
         "def __getattr__(name): ...\n",
         "__all__ = ['build']\n",  # named, never bound: perhaps through globals()
         "build = lambda layers=2: None\n",
     ],
-    ids=["decorated", "rebound", "nested", "star", "getattr", "named", "lambda"],
+    ids=[
+        "decorated",
+        "rebound",
+        "global",
+        "string",
+        "signature",
+        "nested",
+        "star",
+        "getattr",
+        "named",
+        "lambda",
+    ],
 )
 def test_the_source_gives_up_where_it_leaves_the_signature_open(
     tmp_path, monkeypatch, source: str
@@ -131,6 +145,41 @@ def test_options_without_a_default_are_required(tmp_path, monkeypatch) -> None:
         "default; add it to workload_args"
     )
     check_workload(f"{name}:build", {"path": "p", "size": "3", "seed": "1"})
+    sized = _module(tmp_path, monkeypatch, "wl_sized", "def build(microbatch_size): ...\n")
+    with pytest.raises(WorkloadError) as refused:
+        load_workload(f"{sized}:build")
+    assert str(refused.value) == (
+        "workload 'wl_sized:build' needs 'microbatch_size', which has no default; give "
+        "--microbatch-size B"
+    )
+
+
+def test_the_names_in_all_do_not_leave_the_signature_open(tmp_path, monkeypatch) -> None:
+    source = "__all__ = ['build']\n\ndef build(layers: int = 2): ...\n"
+    name = _module(tmp_path, monkeypatch, "wl_all", source)
+    assert source_signature(name, "build") == Signature(("layers",), {"layers": int}, False)
+
+
+def test_a_builtin_type_the_module_rebinds_converts_nothing(tmp_path, monkeypatch) -> None:
+    source = "from fractions import Fraction as float\n\ndef build(scale: float = 1): ...\n"
+    name = _module(tmp_path, monkeypatch, "wl_shadow", source)
+    assert source_signature(name, "build") == Signature(("scale",), {"scale": None}, False)
+    check_workload(f"{name}:build", {"scale": "1/3"})  # a Fraction, not a float
+
+
+def test_a_package_that_imports_only_under_torchrun_is_left_to_the_ranks(
+    tmp_path, monkeypatch
+) -> None:
+    """Its __init__ read LOCAL_RANK: the check raised KeyError and launch.sh stopped."""
+    package = tmp_path / "wl_ranked"
+    package.mkdir()
+    (package / "__init__.py").write_text("import os\nLOCAL_RANK = int(os.environ['LOCAL_RANK'])\n")
+    (package / "models.py").write_text("def build(layers: int = 2): ...\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    importlib.invalidate_caches()
+    assert source_signature("wl_ranked.models", "build") is None
+    check_workload("wl_ranked.models:build", {"layers": "3"})
 
 
 def test_a_function_the_source_never_names_is_missing(tmp_path, monkeypatch) -> None:
