@@ -173,11 +173,11 @@ def format_table(profile: Profile) -> str:
     return "\n".join(table)
 
 
-def _check_layer_count(count: int, what: str, fix: str) -> None:
-    """Refuse, before measuring, a model of more layers than a profile may hold."""
+def _check_layer_count(count: int, what: str, fix: str, *, model: str = "the model") -> None:
+    """Refuse, before measuring or writing, a model of more layers than a profile may hold."""
     if count > MAX_LAYERS:
         raise ProfilerError(
-            f"the model has {count} {what}, at most {MAX_LAYERS} supported (planning grows "
+            f"{model} has {count} {what}, at most {MAX_LAYERS} supported (planning grows "
             f"with the square of the layers); {fix}"
         )
 
@@ -380,6 +380,12 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
         from pipedream.profiler.pipedream_import import import_pipedream_graph
 
         profile = import_pipedream_graph(args.from_pipedream)
+        _check_layer_count(
+            len(profile.layers),
+            "nodes in its graph",
+            "merge nodes of the graph into coarser layers",
+            model=args.from_pipedream,
+        )
         how = f"imported from {args.from_pipedream}"
     else:
         if not args.workload:

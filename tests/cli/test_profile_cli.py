@@ -148,3 +148,26 @@ def test_bad_input_exits_2_with_one_line(
     assert expected in err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert not out.exists()
+
+
+def test_an_imported_graph_of_more_layers_than_a_profile_holds_is_not_written(
+    tmp_path: Path, capsys
+) -> None:
+    """It was written, and then every `pipedream plan` of it refused it."""
+    count = 4097
+    nodes = [
+        f"node{i} -- ReLU(inplace) -- forward_compute_time=0.5, backward_compute_time=0.2, "
+        "activation_size=1000.000, parameter_size=0.000"
+        for i in range(count)
+    ]
+    edges = [f"\tnode{i} -- node{i + 1}" for i in range(count - 1)]
+    graph = tmp_path / "graph.txt"
+    graph.write_text("\n".join(nodes + edges) + "\n")
+    out = tmp_path / "profile.yaml"
+    assert main(["profile", "--from-pipedream", str(graph), "-o", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"pipedream profile: error: {graph} has 4097 nodes in its graph, at most 4096 supported "
+        "(planning grows with the square of the layers); merge nodes of the graph into coarser "
+        "layers\n"
+    )
+    assert not out.exists()
