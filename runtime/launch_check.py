@@ -93,8 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "whole numbers"
             ) from None
         count = processes_per_node(plan.world_size, nnodes=nnodes, nproc_per_node=nproc)
+        check_workload(plan.workload, plan.workload_args, source=args.plan)  # cheap: first
         validate_plan_schedule(plan, [validation_bound(plan)], source=args.plan)
-        check_workload(plan.workload, plan.workload_args, source=args.plan)
         check_train_options(args.plan, plan, argv[split + 1 :])
         print(count)
     except PipedreamError as exc:

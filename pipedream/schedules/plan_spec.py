@@ -79,8 +79,14 @@ def actions_per_minibatch(plan: Plan) -> int:
     same actions in a table wherever it falls, so a table of ``k`` minibatches holds ``k``
     times this."""
     multiple = plan.steps_multiple
-    tables = build_tables(spec_from_plan(plan, 0, multiple))
-    return -(-max(len(table) for table in tables.values()) // multiple)
+    return -(-_longest_table(spec_from_plan(plan, 0, multiple)) // multiple)
+
+
+@functools.lru_cache(maxsize=64)
+def _longest_table(spec: PipelineSpec) -> int:
+    """The most actions any rank's table of ``spec`` holds, remembered: each rank checks the
+    stretches of its run twice (before and after it knows where a resumed run starts)."""
+    return max(len(table) for table in build_tables(spec).values())
 
 
 def validation_bound(plan: Plan) -> int:
