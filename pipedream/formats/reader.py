@@ -121,9 +121,10 @@ class MappingReader:
             value = float(value)
         except OverflowError:  # an integer beyond any float
             power = int(value.bit_length() * math.log10(2))
+            sign = "-" if value < 0 else ""
             raise self.error(
                 key,
-                f"must be a finite number, got an integer of about 10^{power}",
+                f"must be a finite number, got an integer of about {sign}10^{power}",
                 "write a finite number such as 1.5",
             ) from None
         if not math.isfinite(value):

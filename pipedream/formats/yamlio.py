@@ -42,6 +42,11 @@ def read_yaml_mapping(path: str | os.PathLike[str], *, what: str) -> dict[str, A
         raise FormatError(
             source, "", f"not valid YAML{where}", f"fix the syntax of this {what} file"
         ) from None
+    except ValueError as exc:  # an integer of over 4300 digits, a date such as 2026-13-45
+        reason = str(exc).split(";")[0]
+        raise FormatError(
+            source, "", f"holds a value YAML cannot read: {reason}", "correct or remove it"
+        ) from None
     if data is None:
         raise FormatError(source, "", f"the {what} file is empty", f"is this a {what} file?")
     if not isinstance(data, dict):

@@ -532,6 +532,9 @@ CASES: list[tuple[str, str, Edit, str, str, str]] = [
     ("profile-huge-integer", "profile", _set("layers", 0, "forward_ms", value=10**400),
      "layers[0].forward_ms", "must be a finite number, got an integer of about 10^400",
      "write a finite number such as 1.5"),
+    ("profile-huge-negative-integer", "profile", _set("layers", 0, "forward_ms", value=-10**400),
+     "layers[0].forward_ms", "must be a finite number, got an integer of about -10^400",
+     "write a finite number such as 1.5"),
     ("profile-tied-unknown-layer", "profile",
      _set("tied", value=[{"name": "w", "layers": ["0", "9"], "bytes": 8}]), "tied[0].layers",
      "names '9', which is not a layer of the profile", "list the names of the layers"),
@@ -777,6 +780,14 @@ def _directory(path: Path) -> None:
     path.mkdir()
 
 
+def _long_integer(path: Path) -> None:
+    path.write_text("format: x\nsize: " + "9" * 5000 + "\n")
+
+
+def _impossible_date(path: Path) -> None:
+    path.write_text("format: x\nwhen: 2026-13-45\n")
+
+
 def _missing(path: Path) -> None:
     pass
 
@@ -796,8 +807,14 @@ def _missing(path: Path) -> None:
         (_not_utf8, "cannot read {kind} file", "check its permissions and that it is UTF-8"),
         (_directory, "is a directory", "pass a {kind} YAML file"),
         (_missing, "{kind} file not found", "check the path"),
+        # both raised ValueError from inside the YAML reader
+        (_long_integer, "holds a value YAML cannot read: Exceeds the limit (4300 digits) for "
+         "integer string conversion: value has 5000 digits", "correct or remove it"),
+        (_impossible_date, "holds a value YAML cannot read: month must be in 1..12",
+         "correct or remove it"),
     ],
-    ids=["syntax", "empty", "comments-only", "list", "scalar", "not-utf8", "directory", "missing"],
+    ids=["syntax", "empty", "comments-only", "list", "scalar", "not-utf8", "directory", "missing",
+         "long-integer", "impossible-date"],
 )
 # fmt: on
 def test_unreadable_file(
