@@ -12,9 +12,9 @@ __all__ = ["MAX_MICROBATCHES", "PipelineSpec", "warmup_depth"]
 
 MAX_MICROBATCHES = 16384
 """Microbatches per minibatch at most. Every rank builds and checks tables with actions for
-each microbatch of each of its stages, and the planner simulates them: far beyond this, that
-takes minutes and gigabytes before the first step, for no gain a larger microbatch would not
-give."""
+each microbatch of each of its stages, and the planner simulates them: at this many that takes
+seconds and gigabytes before the first step, far beyond it more than a host has, for no gain a
+larger microbatch would not give."""
 
 
 @dataclass(frozen=True)

@@ -246,7 +246,7 @@ def build(
         )
     if not all(0 <= ms <= MAX_SLEEP_MS for ms in (forward_ms, backward_ms)):
         raise WorkloadError(
-            f"sleep: forward_ms and backward_ms must be 0 to {MAX_SLEEP_MS:g} (an hour), got "
+            f"sleep: forward_ms and backward_ms must be 0 to {MAX_SLEEP_MS:.0f} (an hour), got "
             f"{forward_ms}, {backward_ms}"
         )
     if weight_ms is not None and not 0 <= weight_ms <= backward_ms:

@@ -43,12 +43,12 @@ from pipedream.workload import load_workload, parse_workload_args
         (
             "sleep",
             {"forward_ms": "inf"},
-            "sleep: forward_ms and backward_ms must be 0 to 3.6e+06 (an hour), got inf, 20.0",
+            "sleep: forward_ms and backward_ms must be 0 to 3600000 (an hour), got inf, 20.0",
         ),
         (
             "sleep",
             {"backward_ms": "nan"},
-            "sleep: forward_ms and backward_ms must be 0 to 3.6e+06 (an hour), got 10.0, nan",
+            "sleep: forward_ms and backward_ms must be 0 to 3600000 (an hour), got 10.0, nan",
         ),
         (
             "json:loads",
