@@ -37,6 +37,7 @@ from pipedream.formats.profile import (
     TiedParameter,
     save_profile,
 )
+from pipedream.graph import LayerGraph
 from pipedream.host_memory import configure_host_memory
 from pipedream.model_io import batch_size, call_model, map_tensors
 from pipedream.profiler.corunners import Corunners, CorunnerSpec
@@ -228,10 +229,9 @@ def profile_workload(
     spec = CorunnerSpec(
         name, dict(workload_args), microbatch_size, torch.get_num_threads(), tuple(sys.path)
     )
+    graph = _layers(workload, device, depth=depth, patterns=patterns)
     with Corunners(spec, num_corunners=concurrent - 1):
-        measured = _measure(
-            workload, device, warmup=warmup, repeats=repeats, depth=depth, patterns=patterns
-        )
+        measured = _measure(workload, device, graph, warmup=warmup, repeats=repeats)
     param = next(iter(workload.model.parameters()), None)
     dtype = param.dtype if param is not None else torch.get_default_dtype()
     return Profile(
@@ -264,29 +264,47 @@ class _Measured:
     tied: tuple[TiedParameter, ...]
 
 
-def _measure(
-    workload: Workload,
-    device: torch.device,
-    *,
-    warmup: int,
-    repeats: int,
-    depth: int | None,
-    patterns: Sequence[str],
-) -> _Measured:
-    """The layers' costs, the bytes across every cut of a traced model and the tensors that
-    cross them, the runtime's costs, how much the whole passes varied, the parameters several
-    layers use."""
+def _layers(
+    workload: Workload, device: torch.device, *, depth: int | None, patterns: Sequence[str]
+) -> LayerGraph | None:
+    """The layers to measure: the traced graph grouped into them, or None for the children of
+    an ``nn.Sequential``; refused when there are more than a profile holds (before any
+    co-runner starts or anything is measured)."""
     model = workload.model.to(device)
-    example = map_tensors(lambda t: t.to(device), workload.example_input)
-    cut_bytes = values = None
-    passes: list[tuple[float, float]] = []
-    options = {"warmup": warmup, "repeats": repeats, "optimizer": workload.optimizer}
     if isinstance(model, nn.Sequential) and depth is None and not patterns:
         _check_layer_count(
             len(model),
             "children of its nn.Sequential",
             "group them into fewer, larger modules (an nn.Sequential of blocks)",
         )
+        return None
+    example = map_tensors(lambda t: t.to(device), workload.example_input)
+    graph = layer_graph(model, example, depth=depth, patterns=patterns)
+    _check_layer_count(
+        len(graph.layers),
+        "layers in its traced graph",
+        "profile coarser layers: a smaller --depth, or --layers patterns",
+    )
+    return graph
+
+
+def _measure(
+    workload: Workload,
+    device: torch.device,
+    graph: LayerGraph | None,
+    *,
+    warmup: int,
+    repeats: int,
+) -> _Measured:
+    """The layers' costs, the bytes across every cut of a traced model (``graph``; None: the
+    children of an ``nn.Sequential``) and the tensors that cross them, the runtime's costs, how
+    much the whole passes varied, the parameters several layers use."""
+    model = workload.model.to(device)
+    example = map_tensors(lambda t: t.to(device), workload.example_input)
+    cut_bytes = values = None
+    passes: list[tuple[float, float]] = []
+    options = {"warmup": warmup, "repeats": repeats, "optimizer": workload.optimizer}
+    if graph is None:
         layers = measure_sequential(model, example, passes=passes, **options)
         tied = tied_parameters(
             [
@@ -295,12 +313,6 @@ def _measure(
             ]
         )
     else:
-        graph = layer_graph(model, example, depth=depth, patterns=patterns)
-        _check_layer_count(
-            len(graph.layers),
-            "layers in its traced graph",
-            "profile coarser layers: a smaller --depth, or --layers patterns",
-        )
         layers = measure_graph(graph, model, example, passes=passes, **options)
         cut_bytes = tuple(graph.cut_bytes())
         values = tuple(graph_values(graph))

@@ -171,3 +171,18 @@ def test_an_imported_graph_of_more_layers_than_a_profile_holds_is_not_written(
         "layers\n"
     )
     assert not out.exists()
+
+
+def test_too_many_layers_are_refused_before_any_co_runner_starts(
+    tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The co-runners (up to 255 processes) started, built the workload, then were stopped."""
+    from pipedream.profiler import command
+
+    def no_corunners(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a co-runner started")
+
+    monkeypatch.setattr(command, "Corunners", no_corunners)
+    argv = ["profile", "mlp", "--workload-arg", "layers=4096", "--concurrent", "2"]
+    assert main([*argv, "-o", str(tmp_path / "p.yaml")]) == 2
+    assert "the model has 4097 children of its nn.Sequential" in capsys.readouterr().err
