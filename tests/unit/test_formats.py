@@ -444,6 +444,8 @@ def test_format_bytes() -> None:
     assert format_bytes(17179869184) == "16.0 GiB"
     assert format_bytes(1536) == "1.5 KiB"
     assert format_bytes(3 * 2**20) == "3.0 MiB"
+    assert format_bytes(2**60) == "1.0 EiB"  # it said 1073741824.0 GiB
+    assert format_bytes(1.5 * 2**40) == "1.5 TiB"
     assert format_bytes(100) == "100 B"
 
 

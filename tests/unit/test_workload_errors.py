@@ -117,7 +117,7 @@ def test_a_workload_too_big_for_memory_says_so_in_one_line(tmp_path, monkeypatch
         load_workload("wl_huge:build", {"size": str(2**60)})
     assert str(info.value) == (
         f"workload 'wl_huge:build' (size={2**60}) does not fit in memory: it tried to allocate "
-        "1073741824.0 GiB at once; choose smaller sizes"
+        "1.0 EiB at once; choose smaller sizes"
     )
 
 
