@@ -72,10 +72,20 @@ def parse_bandwidth(text: str | float | int) -> float:
     return _parse(str(text), per_second=True)
 
 
+_BINARY_UNITS = (
+    ("EiB", 2.0**60),
+    ("PiB", 2.0**50),
+    ("TiB", 2.0**40),
+    ("GiB", 2.0**30),
+    ("MiB", 2.0**20),
+    ("KiB", 2.0**10),
+)
+"""The units :func:`format_bytes` writes, from the largest."""
+
+
 def format_bytes(value: float) -> str:
     """A short human-readable size: ``1.5 MiB``."""
-    units = (("EiB", 2.0**60), ("PiB", 2.0**50), ("TiB", 2.0**40), ("GiB", 2.0**30))
-    for unit, scale in (*units, ("MiB", 2.0**20), ("KiB", 2.0**10)):
+    for unit, scale in _BINARY_UNITS:
         if abs(value) >= scale:
             return f"{value / scale:.1f} {unit}"
     return f"{value:.0f} B"
