@@ -43,7 +43,7 @@ from pipedream.optimizer.search import Request
 from pipedream.optimizer.verify import simulated_ms
 from pipedream.schedules import lookup
 
-__all__ = ["options_from_args", "run", "topology_from_args"]
+__all__ = ["bandwidth_option", "options_from_args", "run", "topology_from_args"]
 
 
 def topology_from_args(args: argparse.Namespace) -> Topology:
@@ -75,16 +75,22 @@ def topology_from_args(args: argparse.Namespace) -> Topology:
         )
     value = DEFAULT_BANDWIDTH
     if bandwidth is not None:
-        try:
-            value = parse_bandwidth(bandwidth)
-        except ValueError as exc:
-            raise PlanningError(f"--bandwidth: {exc}") from None
-        if value < MIN_BANDWIDTH:
-            raise PlanningError(
-                f"--bandwidth {bandwidth!r}: must be at least {MIN_BANDWIDTH:g} byte/s, e.g. "
-                "1e9 or '10 GB/s'"
-            )
+        value = bandwidth_option("--bandwidth", bandwidth, "1e9 or '10 GB/s'")
     return Topology.single_level(workers, value)
+
+
+def bandwidth_option(option: str, text: str, example: str) -> float:
+    """``text`` as bytes/s (units allowed), at least :data:`MIN_BANDWIDTH`; one clear error
+    naming ``option`` otherwise."""
+    try:
+        value = parse_bandwidth(text)
+    except ValueError as exc:
+        raise PlanningError(f"{option}: {exc}") from None
+    if value < MIN_BANDWIDTH:
+        raise PlanningError(
+            f"{option} {text!r}: must be at least {MIN_BANDWIDTH:g} byte/s, e.g. {example}"
+        )
+    return value
 
 
 def options_from_args(args: argparse.Namespace) -> PlanOptions:

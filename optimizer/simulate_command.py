@@ -39,7 +39,7 @@ from pipedream.formats.plan import Plan, load_plan, profile_path
 from pipedream.formats.profile import PassSpread, Profile, load_profile
 from pipedream.formats.topology import DEFAULT_BANDWIDTH, Topology, load_topology
 from pipedream.formats.trace import load_traces
-from pipedream.formats.units import MIN_BANDWIDTH, parse_bandwidth
+from pipedream.optimizer.command import bandwidth_option
 from pipedream.optimizer.measured import MeasuredRun, measure_run, measured_work
 from pipedream.optimizer.messages import link_times
 from pipedream.optimizer.simulator import (
@@ -84,7 +84,7 @@ def _topology(args: argparse.Namespace, plan: Plan) -> Topology:
     if args.topology is not None:
         topology = load_topology(args.topology)
     elif args.bandwidth is not None:
-        value = _positive_bandwidth("--bandwidth", args.bandwidth, "1e9")
+        value = bandwidth_option("--bandwidth", args.bandwidth, "1e9")
         topology = Topology.single_level(plan.world_size, value)
     else:
         topology = plan.topology or Topology.single_level(plan.world_size, DEFAULT_BANDWIDTH)
@@ -96,22 +96,9 @@ def _topology(args: argparse.Namespace, plan: Plan) -> Topology:
     return topology
 
 
-def _positive_bandwidth(option: str, text: str, example: str) -> float:
-    """``text`` as bytes/s (units allowed); one clear error naming ``option`` otherwise."""
-    try:
-        value = parse_bandwidth(text)
-    except ValueError as exc:
-        raise PlanningError(f"{option}: {exc}") from None
-    if value < MIN_BANDWIDTH:
-        raise PlanningError(
-            f"{option} {text!r}: must be at least {MIN_BANDWIDTH:g} byte/s, e.g. {example}"
-        )
-    return value
-
-
 def _host_bandwidth(args: argparse.Namespace) -> float | None:
     text = getattr(args, "host_bandwidth", None)
-    return None if text is None else _positive_bandwidth("--host-bandwidth", text, "2e9")
+    return None if text is None else bandwidth_option("--host-bandwidth", text, "2e9")
 
 
 def _duplex(args: argparse.Namespace) -> float | None:
