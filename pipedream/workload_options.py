@@ -28,6 +28,7 @@ from pipedream.errors import WorkloadError
 __all__ = [
     "BUILTIN_WORKLOADS",
     "IMPORTED",
+    "WRAP",
     "Signature",
     "check_required",
     "check_workload",
