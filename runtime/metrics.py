@@ -23,10 +23,14 @@ class MetricsLogger:
         samples_per_step: int,
         progress: bool,
         stream: TextIO = sys.stderr,
+        first_step: int = 0,
     ) -> None:
+        """``total_steps``: this rank's updates by the end of the run; ``first_step``: those a
+        resumed run had made before (its progress counts on from there)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = path.open("a", encoding="utf-8")
         self.total_steps = total_steps
+        self.first_step = first_step
         self.samples_per_step = samples_per_step
         self.stream = stream
         self.start = time.perf_counter()
@@ -36,11 +40,17 @@ class MetricsLogger:
         """The CPU time of the thread that issues the updates, at each update (``thread_time``)."""
         self.losses: list[float] = []
         self._bar: Any = None
-        self._every = max(1, total_steps // 10)
+        self._every = max(1, (total_steps - first_step) // 10)
         if progress and stream.isatty():
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, unit="step", file=stream, dynamic_ncols=True)
+            self._bar = tqdm(
+                total=total_steps,
+                initial=first_step,
+                unit="step",
+                file=stream,
+                dynamic_ncols=True,
+            )
 
     def log(
         self,
@@ -74,7 +84,10 @@ class MetricsLogger:
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:.0f}")
             self._bar.update(1)
-        elif len(self.losses) % self._every == 0 or len(self.losses) == self.total_steps:
+        elif (
+            len(self.losses) % self._every == 0
+            or self.first_step + len(self.losses) == self.total_steps
+        ):
             recent = self.losses[-self._every :]
             since = (
                 self.step_times[-len(recent) - 1]
@@ -83,7 +96,7 @@ class MetricsLogger:
             )
             rate = len(recent) * self.samples_per_step / max(now - since, 1e-9)
             print(
-                f"step {len(self.losses):>6}/{self.total_steps}  "
+                f"step {self.first_step + len(self.losses):>6}/{self.total_steps}  "
                 f"loss {sum(recent) / len(recent):.4f} (mean of last {len(recent)})  "
                 f"{rate:,.0f} samples/s",
                 file=self.stream,

@@ -71,6 +71,7 @@ def report(
     plan: Plan,
     steps: int,
     workload: Workload,
+    first_step: int = 0,
     logger: MetricsLogger,
     elapsed: float,
     ranks: list[RankStats],
@@ -87,6 +88,7 @@ def report(
     final = logger.losses[-1] if logger.losses else float("nan")
     summary: dict[str, Any] = {
         "minibatches": steps,
+        "first_minibatch": first_step,
         "wall_time_s": round(elapsed, 3),
         "time_per_minibatch_ms_measured": round(measured, 3) if measured else None,
         "host_cpu_ms_per_minibatch": round(host_cpu, 3) if host_cpu is not None else None,
@@ -100,7 +102,9 @@ def report(
         "checkpoint": str(checkpoint),
     }
     lines = [
-        f"done: {steps} minibatches in {elapsed:.1f} s; loss {first:.4f} -> {final:.4f}",
+        f"done: {steps} minibatches"
+        + (f" ({first_step}..{first_step + steps - 1}, resumed)" if first_step else "")
+        + f" in {elapsed:.1f} s; loss {first:.4f} -> {final:.4f}",
         "time per minibatch: "
         + (
             f"{measured:.2f} ms measured (steady state; the host thread's CPU {host_cpu:.2f} ms)"

@@ -270,8 +270,9 @@ class _RankJob:
         worker.watch_gradients(buckets.accumulated)
         return buckets
 
-    def _logger(self) -> MetricsLogger | None:
-        """The first replica of the last stage computes the loss and reports it."""
+    def _logger(self, start: int) -> MetricsLogger | None:
+        """The first replica of the last stage computes the loss and reports it; ``start``:
+        the minibatch the run begins at (a resumed run's checkpoint step)."""
         plan = self.plan
         last = plan.stages[self.last_stage]
         if self.last_stage not in self.stage_indices or last.ranks[0] != self.rank:
@@ -283,10 +284,16 @@ class _RankJob:
                 "node: training on the CPU; --device cuda-shared puts the ranks on the GPUs",
                 file=sys.stderr,
             )
+        steps = self.options.steps
+        todo = (
+            f"minibatches {start}..{steps - 1} (resumed at step {start})"
+            if start
+            else "minibatches"
+        )
         print(
             f"pipedream: {plan.workload} on {self.placement.describe(plan.world_size)}, "
-            f"{plan.num_stages} stages, schedule {plan.schedule}, {self.options.steps} "
-            f"minibatches of {plan.microbatches} x {plan.microbatch_size} samples; "
+            f"{plan.num_stages} stages, schedule {plan.schedule}, {steps - start} {todo} "
+            f"of {plan.microbatches} x {plan.microbatch_size} samples; "
             f"{_posting_note(self.posting)}run dir {self.run_dir}",
             file=sys.stderr,
             flush=True,
@@ -294,6 +301,7 @@ class _RankJob:
         return MetricsLogger(
             self.run_dir / "metrics.jsonl",
             total_steps=self.options.steps // last.replicas,
+            first_step=start // last.replicas,
             samples_per_step=plan.microbatch_size * plan.microbatches * last.replicas,
             progress=self.options.progress,
         )
@@ -371,7 +379,7 @@ class _RankJob:
             for stage, worker in workers.items()
             if stage in self.groups
         }
-        logger = self._logger()
+        logger = self._logger(first)
         trace: list[TracedAction] | None = [] if self.options.trace else None
         peaks = {"max_versions": 0, "max_copies": 0, "max_in_flight": 0}
         with frozen_heap():  # no full collection pauses the loop (runtime/gc_freeze.py)
@@ -412,7 +420,8 @@ class _RankJob:
             assert self.last_checkpoint is not None
             report(
                 plan=self.plan,
-                steps=self.options.steps,
+                steps=self.options.steps - todo[0][0],
+                first_step=todo[0][0],
                 workload=self.workload,
                 logger=logger,
                 elapsed=elapsed,

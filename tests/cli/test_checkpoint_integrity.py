@@ -259,3 +259,24 @@ def test_a_resumed_run_keeps_the_seed_of_its_checkpoint(tmp_path: Path) -> None:
     resumed = train("halves", 4, "--resume", "auto")
     want, got = load_full_state_dict(whole), load_full_state_dict(resumed)
     assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_a_resumed_run_counts_its_progress_and_summary_from_the_checkpoint(
+    run: Path, tmp_path: Path
+) -> None:
+    """It printed "step 1/6", "step 2/6", "done: 6 minibatches" and wrote minibatches 6 for the
+    2 minibatches it ran after the checkpoint at step 4."""
+    import json
+
+    resumed = tmp_path / "run"
+    shutil.copytree(run, resumed)
+    plan = run.parent / "plan.yaml"
+    result = run_main(
+        "train", str(plan), "--steps", "6", "--resume", "auto", "--run-dir", str(resumed),
+        "--no-progress",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "2 minibatches 4..5 (resumed at step 4) of 1 x " in result.stderr
+    assert "done: 2 minibatches (4..5, resumed) in " in result.stderr
+    summary = json.loads((resumed / "summary.json").read_text())
+    assert (summary["minibatches"], summary["first_minibatch"]) == (2, 4)

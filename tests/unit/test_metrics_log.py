@@ -37,3 +37,22 @@ def test_each_line_has_the_times_of_its_update_not_of_its_read(
     # the steady state: the gaps between the last three updates
     assert logger.time_per_step_ms() == pytest.approx(10.0)
     assert logger.host_cpu_per_step_ms() == pytest.approx(6.0)
+
+
+def test_a_resumed_runs_progress_counts_on_from_its_checkpoint(tmp_path: Path) -> None:
+    """It counted from 1 again: "step 1/6" for the first update after a checkpoint at 4."""
+    import io
+
+    stream = io.StringIO()
+    logger = MetricsLogger(
+        tmp_path / "m.jsonl",
+        total_steps=6,
+        samples_per_step=4,
+        progress=False,
+        stream=stream,
+        first_step=4,
+    )
+    for step in (4, 5):
+        logger.log(step, 1.0)
+    logger.close()
+    assert [line.split()[1] for line in stream.getvalue().splitlines()] == ["5/6", "6/6"]
