@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
 
 from pipedream.errors import LaunchError
 from pipedream.formats.plan import Plan
@@ -71,6 +72,40 @@ def check_options(options: TrainOptions) -> None:
             f"--timeout must be {MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g} seconds, got "
             f"{options.timeout:g}; e.g. --timeout 300"
         )
+    if options.run_dir is not None:
+        check_run_dir_path(options.run_dir)
+
+
+_RUN_DIR_ENTRIES = {
+    "checkpoints": "a directory",
+    "traces": "a directory",
+    "metrics.jsonl": "a file",
+    "summary.json": "a file",
+}
+"""What a run directory holds at these names (a run writes them)."""
+
+
+def check_run_dir_path(run_dir: str) -> None:
+    """``--run-dir`` must be a directory, or a path where one can be made: a file on the way
+    (or one where the run writes a directory, and the reverse) gave a traceback from every
+    rank, some only after training."""
+    if not run_dir.strip():
+        raise LaunchError("--run-dir is empty; give the run's directory, e.g. --run-dir runs/a")
+    path = Path(run_dir)
+    for folder in (path, *path.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise LaunchError(
+                    f"--run-dir {run_dir}: {folder} is not a directory; give another path"
+                )
+            break
+    for name, kind in _RUN_DIR_ENTRIES.items():
+        entry = path / name
+        if entry.exists() and entry.is_dir() != (kind == "a directory"):
+            raise LaunchError(
+                f"--run-dir {run_dir}: {entry} is not {kind}, where the run writes one; "
+                "move it away or give another --run-dir"
+            )
 
 
 def check_segments(options: TrainOptions, plan: Plan, *, start: int = 0) -> None:

@@ -362,6 +362,30 @@ def test_launch_check_refuses_the_options_every_rank_would(
     assert (code, captured.out, captured.err) == (2, "", message + "\n")
 
 
+def test_launch_check_refuses_a_run_dir_it_cannot_write(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each gave a traceback from every rank: FileExistsError, NotADirectoryError, and (after
+    training to the end) IsADirectoryError for summary.json."""
+    path = _plan(tmp_path, REPLICATED)
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    odd = tmp_path / "odd"
+    (odd / "summary.json").mkdir(parents=True)
+    cases = {
+        str(afile): f"--run-dir {afile}: {afile} is not a directory; give another path",
+        str(afile / "sub"): f"--run-dir {afile / 'sub'}: {afile} is not a directory; give "
+        "another path",
+        str(odd): f"--run-dir {odd}: {odd / 'summary.json'} is not a file, where the run "
+        "writes one; move it away or give another --run-dir",
+        "": "--run-dir is empty; give the run's directory, e.g. --run-dir runs/a",
+    }
+    for run_dir, message in cases.items():
+        code = launch_check.main([str(path), "--", "--steps", "2", "--run-dir", run_dir])
+        captured = capsys.readouterr()
+        assert (code, captured.err) == (2, f"launch.sh: error: {message}\n")
+
+
 def test_launch_check_of_a_fresh_run_does_not_import_torch(tmp_path: Path) -> None:
     """launch.sh runs the check before every launch: seconds of importing torch there are
     paid again by every rank."""
