@@ -67,6 +67,8 @@ def check_train_options(plan_path: str, plan: Plan, train_args: Sequence[str]) -
         if options.resume == "auto" and run_dir is not None:
             newest = newest_checkpoint(Path(run_dir))
             start = 0 if newest is None else newest[1]
+            if newest is not None:  # its manifest against the plan, as --resume PATH's
+                resume_point(str(newest[0]), run_dir, plan)
         else:
             found = resume_point(options.resume, run_dir, plan)
             start = 0 if found is None else int(load_manifest(found)["step"])

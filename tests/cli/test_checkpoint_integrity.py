@@ -280,3 +280,20 @@ def test_a_resumed_run_counts_its_progress_and_summary_from_the_checkpoint(
     assert "done: 2 minibatches (4..5, resumed) in " in result.stderr
     summary = json.loads((resumed / "summary.json").read_text())
     assert (summary["minibatches"], summary["first_minibatch"]) == (2, 4)
+
+
+def test_resume_auto_checks_the_newest_checkpoint_against_the_plan_before_launching(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--resume PATH was checked, --resume auto only read the step: every rank then failed."""
+    data = straight_plan("mlp", [[str(i) for i in range(9)]], workload_args=PLAN_ARGS)
+    written = data["microbatch_size"]
+    data["microbatch_size"] = written * 2
+    plan = write_plan(data, tmp_path / "plan.yaml")
+    options = ["--steps", "6", "--run-dir", str(run), "--resume", "auto"]
+    assert launch_check.main([str(plan), "--", *options]) == 2
+    assert capsys.readouterr().err == (
+        f"launch.sh: error: {run / 'checkpoints' / 'step-000004'}: minibatches of 1 x {written} "
+        f"samples, the plan uses 1 x {written * 2}; the data position would not match, so keep "
+        "microbatch_size and microbatches when resuming\n"
+    )
