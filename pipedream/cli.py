@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pipedream import __version__
 from pipedream.errors import PipedreamError, RunFailure
-from pipedream.outputs import check_output
+from pipedream.outputs import check_not_input, check_output
 
 __all__ = ["build_parser", "main"]
 
@@ -41,6 +42,15 @@ _OUTPUTS = {
 }
 """Each verb's output options: ``(attribute, option, an example file name)``, checked before
 the work (an example ending in .png: an image)."""
+
+_INPUTS: dict[str, Callable[[argparse.Namespace], list[str | None]]] = {
+    "profile": lambda args: [args.from_pipedream],
+    "plan": lambda args: [args.profile, args.topology],
+    "simulate": lambda args: [args.plan, args.profile, args.topology],
+    "export": lambda args: [args.checkpoint],
+    "trace": lambda args: [args.plan, os.path.join(args.run_dir, "traces")],
+}
+"""Each verb's inputs that its outputs must not replace (files) or write into (folders)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -400,6 +410,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for attribute, option, example in _OUTPUTS.get(args.verb, ()):
             if getattr(args, attribute) is not None:
                 image = example.endswith(".png")
+                check_not_input(getattr(args, attribute), option, _INPUTS[args.verb](args))
                 check_output(getattr(args, attribute), option, example=example, image=image)
         handler = getattr(importlib.import_module(module_name), function)
         code = handler(args)

@@ -5,18 +5,21 @@ once, in one line, not with a traceback after the work (or, as root, by replacin
 as ``/dev/null`` with the file). :func:`check_output` refuses an empty path, a directory, an
 existing path that is not a regular file, a folder that cannot be created or written, and for
 images a file type matplotlib does not write; it creates the missing folders, as the writers
-would.
+would. :func:`check_not_input` refuses an output that would replace one of the command's own
+inputs (``pipedream plan profile.yaml -o profile.yaml``) or write into an input folder (a
+checkpoint, a run's traces).
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 from pipedream.errors import PipedreamError
 
-__all__ = ["IMAGE_SUFFIXES", "OutputError", "check_output"]
+__all__ = ["IMAGE_SUFFIXES", "OutputError", "check_not_input", "check_output"]
 
 IMAGE_SUFFIXES = (
     ".png",
@@ -77,3 +80,24 @@ def check_output(path: str, option: str, *, example: str, image: bool = False) -
         raise OutputError(
             f"{option} {path}: cannot write in its folder {folder} ({reason}); choose another path"
         ) from None
+
+
+def check_not_input(path: str, option: str, inputs: Iterable[str | None]) -> None:
+    """Raise :class:`OutputError` if ``path`` (given as ``option``) is one of the ``inputs``
+    (files, or folders it must not write into; None: an input not given), however written
+    (relative, through links)."""
+    target = Path(path).resolve()
+    for given in inputs:
+        if given is None:
+            continue
+        source = Path(given).resolve()
+        if target == source:
+            raise OutputError(
+                f"{option} {path}: is the input {given}, which writing it would replace; "
+                "write the output elsewhere"
+            )
+        if source.is_dir() and source in target.parents:
+            raise OutputError(
+                f"{option} {path}: is inside the input folder {given}, whose files are the "
+                "command's input; write the output elsewhere"
+            )

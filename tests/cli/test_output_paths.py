@@ -92,3 +92,44 @@ def test_missing_folders_are_created(places: Path) -> None:
 def test_a_folder_that_cannot_be_written(places: Path) -> None:
     with pytest.raises(PipedreamError, match=r"cannot write in its folder /proc \("):
         check_output("/proc/plan.yaml", "-o", example="plan.yaml")
+
+
+# (verb and its inputs, the output option and path, what the line says); paths under tmp_path
+INPUT_CASES = [
+    (["plan", "{d}/p.yaml", "--workers", "2"], "-o", "{d}/p.yaml",
+     "-o {d}/p.yaml: is the input {d}/p.yaml, which writing it would replace"),
+    (["plan", "p.yaml", "--topology", "{d}/t.yaml"], "-o", "{d}/adir/../t.yaml",
+     "-o {d}/adir/../t.yaml: is the input {d}/t.yaml, which writing it would replace"),
+    (["profile", "--from-pipedream", "{d}/graph.txt"], "-o", "{d}/graph.txt",
+     "-o {d}/graph.txt: is the input {d}/graph.txt, which writing it would replace"),
+    (["simulate", "{d}/plan.yaml"], "--png", "{d}/plan.yaml",
+     "--png {d}/plan.yaml: is the input {d}/plan.yaml, which writing it would replace"),
+    (["export", "{d}/run/checkpoints/step-000001"], "-o",
+     "{d}/run/checkpoints/step-000001/stage-000.pt",
+     "-o {d}/run/checkpoints/step-000001/stage-000.pt: is inside the input folder "
+     "{d}/run/checkpoints/step-000001, whose files are the command's input"),
+    (["trace", "{d}/run"], "-o", "{d}/run/traces/rank-000.json",
+     "-o {d}/run/traces/rank-000.json: is inside the input folder {d}/run/traces"),
+    (["trace", "{d}/run", "--plan", "{d}/plan.yaml"], "--png", "{d}/plan.yaml",
+     "--png {d}/plan.yaml: is the input {d}/plan.yaml"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("command", "option", "where", "message"), INPUT_CASES)
+def test_an_output_never_replaces_an_input(
+    places: Path, command: list[str], option: str, where: str, message: str
+) -> None:
+    """``plan p.yaml -o p.yaml`` replaced the profile with the plan; ``export -o`` into the
+    checkpoint replaced a stage file, ``trace -o`` a rank's trace."""
+    (places / "run" / "checkpoints" / "step-000001").mkdir(parents=True)
+    (places / "run" / "traces").mkdir()
+    for name in ("p.yaml", "t.yaml", "graph.txt", "plan.yaml"):
+        (places / name).write_text("the input\n")
+    result = run_main(*(part.format(d=places) for part in command), option, where.format(d=places))
+    assert result.returncode == 2, result.stderr
+    line = result.stderr.splitlines()
+    assert len(line) == 1 and line[0].startswith(f"pipedream {command[0]}: error: "), line
+    assert message.format(d=places) in line[0]
+    assert line[0].endswith("write the output elsewhere")
+    assert all((places / n).read_text() == "the input\n" for n in ("p.yaml", "t.yaml", "plan.yaml"))
+    assert not (places / "run" / "traces" / "rank-000.json").exists()
