@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pipedream.errors import TraceError
 from pipedream.formats.plan import Plan
 from pipedream.formats.trace import RankTrace, TraceEvent
-from pipedream.optimizer.measured import check_matches, completions, default_skip, tables_of_run
+from pipedream.optimizer.measured import check_matches, steady_window, tables_of_run
 from pipedream.schedules import Op
 from pipedream.schedules.validate import Message, message_of
 
@@ -244,14 +244,7 @@ def account(
             "whose last stage has one replica"
         )
     check_matches(traces, plan)
-    ends = completions(traces, plan.num_stages - 1, "minibatches")
-    if skip is None:
-        skip = default_skip(len(ends))
-    if not 0 <= skip <= len(ends) - 2:
-        raise TraceError(
-            f"the run completed {len(ends)} minibatches; leaving out the first {skip} does not "
-            "leave 2 to measure between: train longer (--steps), or leave out fewer"
-        )
+    window = steady_window(traces, plan, skip=skip)
     tables = tables_of_run(traces, plan)
     if tables is None:
         raise TraceError(
@@ -275,7 +268,7 @@ def account(
         if event.op is Op.UPDATE and event.stage == plan.num_stages - 1
     }
     segments: list[Segment] = []
-    for minibatch in range(skip + 1, len(ends)):
+    for minibatch in window.measured:  # none whose interval spans a checkpoint
         rank, position = last[minibatch]
         segments += walk(
             traces,
@@ -283,11 +276,11 @@ def account(
             receives,
             rank=rank,
             position=position,
-            until=ends[minibatch - 1],
+            until=window.end(minibatch - 1),
             ideal_ms=ideal_ms,
         )
-    count = len(ends) - 1 - skip
-    return _summarise(traces, segments, count, (ends[-1] - ends[skip]) * 1000, ideal_ms)
+    count = len(window.measured)
+    return _summarise(traces, segments, count, window.seconds * 1000, ideal_ms)
 
 
 def _summarise(

@@ -322,10 +322,15 @@ def format_measured(timeline: Timeline, replay: Timeline, run: MeasuredRun, run_
     unit = "minibatches"
     if run.minibatches_per_update > 1:
         unit = f"updates of the last stage ({run.minibatches_per_update} minibatches each)"
+    left_out = f"the first {run.left_out} left out"
+    if run.run_start:
+        left_out = f"the run resumed at {run.run_start}, its first {run.left_out} left out"
+    if run.across_checkpoints:
+        left_out += f", and {run.across_checkpoints} across checkpoints"
     lines = [
         f"measured by the run in {run_dir}: {measured:.3f} ms per minibatch (the mean of "
         f"{run.intervals} interval(s) between {unit} {run.first_minibatch} and "
-        f"{run.last_minibatch}; the first {run.first_minibatch} left out); simulated / measured "
+        f"{run.last_minibatch}; {left_out}); simulated / measured "
         f"= {timeline.time_per_minibatch_ms / measured:.3f}",
         "mean ms per action, simulated from the profile / measured by the run (and the "
         "share of the time spent between actions, in the executor's own work, of which the "

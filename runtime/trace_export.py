@@ -93,7 +93,8 @@ def write_chrome_trace(traces: Sequence[RankTrace], path: str | os.PathLike[str]
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """``pipedream trace RUN_DIR [-o FILE] [--png FILE]``."""
+    """``pipedream trace RUN_DIR [-o FILE] [--png FILE] [--plan PLAN [--skip N]]``: the
+    accounting (which can refuse the run) is computed before anything is written."""
     from pipedream.runtime import trace_plot
 
     if args.skip is not None and args.plan is None:  # before anything is written
@@ -101,12 +102,27 @@ def run_command(args: argparse.Namespace) -> int:
     if args.skip is not None and args.skip < 0:
         raise TraceError(f"--skip {args.skip}: must be >= 0 minibatches")
     traces = load_traces(args.run_dir)
+    accounting = None
+    if args.plan is not None:
+        from pipedream.formats.plan import load_plan
+        from pipedream.optimizer.critical_path import format_accounting
+        from pipedream.runtime.trace_account import account_run
+
+        plan = load_plan(args.plan)
+        accounting = format_accounting(account_run(traces, plan, source=args.plan, skip=args.skip))
     output = write_chrome_trace(traces, args.output or Path(args.run_dir) / "trace.json")
     count = sum(len(t.events) for t in traces)
     print(
         f"wrote {output}: {len(traces)} ranks, {count} actions "
         "(open it in https://ui.perfetto.dev or chrome://tracing)"
     )
+    stopped = [trace.rank for trace in traces if not trace.complete]
+    if stopped:
+        print(
+            f"note: rank(s) {stopped} stopped before the end of the run (it failed or was "
+            "interrupted): their timelines end with the last action that ran",
+            file=sys.stderr,
+        )
     if args.png is not None or trace_plot.matplotlib_available():
         png = trace_plot.plot_timeline(traces, args.png or Path(args.run_dir) / "timeline.png")
         print(f"wrote {png}: Gantt chart of the ranks over time")
@@ -116,11 +132,6 @@ def run_command(args: argparse.Namespace) -> int:
             "(pip install matplotlib, or pip install -e '.[plot]')",
             file=sys.stderr,
         )
-    if args.plan is not None:
-        from pipedream.formats.plan import load_plan
-        from pipedream.optimizer.critical_path import format_accounting
-        from pipedream.runtime.trace_account import account_run
-
-        plan = load_plan(args.plan)
-        print(format_accounting(account_run(traces, plan, source=args.plan, skip=args.skip)))
+    if accounting is not None:
+        print(accounting)
     return 0

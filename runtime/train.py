@@ -24,7 +24,7 @@ import torch.distributed as dist
 from pipedream.data import MicrobatchStream
 from pipedream.errors import RunFailure
 from pipedream.formats.plan import Plan, load_plan
-from pipedream.formats.trace import TracedAction, write_trace
+from pipedream.formats.trace import TracedAction, remove_traces, write_trace
 from pipedream.host_memory import configure_host_memory
 from pipedream.runtime.checkpoint import load_manifest, restore_stage, step_dir_name
 from pipedream.runtime.checkpoint_protocol import (
@@ -219,6 +219,9 @@ class _RankJob:
         self.last_checkpoint: Path | None = None
         self.stored_elsewhere: dict[int, set[str]] = {}
         """Stage -> the names in its state dict that another stage's file stores."""
+        self.stretches: list[tuple[int, int]] = []
+        """(first minibatch, minibatches) of each stretch between checkpoints started so far:
+        the tables the trace's actions ran."""
 
     def _table(self, first: int, count: int) -> list[Action]:
         spec = spec_from_plan(self.plan, first, count, self.layout.edges, self.layout.tied_pairs)
@@ -326,6 +329,7 @@ class _RankJob:
                     worker.start_segment(table, initial_version=first // replicas)
             seed_segment(self.seed, self.rank, first)  # what a resumed run draws too
             executor = self._executor(workers, loss_log, trace)
+            self.stretches.append((first, count))
             start = time.perf_counter()
             try:
                 executor.run()
@@ -385,7 +389,12 @@ class _RankJob:
         with frozen_heap():  # no full collection pauses the loop (runtime/gc_freeze.py)
             start = time.perf_counter()
             loss_log = LossLog(logger, microbatches=self.plan.microbatches, device=self.device)
-            compute_s, running_s = self._segments(todo, workers, loss_log, trace, peaks)
+            try:
+                compute_s, running_s = self._segments(todo, workers, loss_log, trace, peaks)
+            except BaseException:  # a failure, Ctrl-C: the actions that ran show where it stopped
+                if trace is not None:
+                    self._write_trace(trace, complete=False)
+                raise
             elapsed = time.perf_counter() - start
         # a skipped microbatch is skipped at every stage: count it once, at the loss if here
         counted = workers.get(self.last_stage) or workers[self.stage_indices[0]]
@@ -404,15 +413,7 @@ class _RankJob:
         everyone: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(everyone, stats)
         if trace is not None:
-            write_trace(
-                self.run_dir,
-                trace,
-                rank=self.rank,
-                stage=self.stage_indices[0],
-                world_size=self.env.world_size,
-                edges=self.layout.edges,
-                tied=self.layout.tied_pairs,
-            )
+            self._write_trace(trace, complete=True)
         # the others are done: they must not wait, under the run's timeout, for the report's
         # evaluation of the whole model on this rank
         dist.barrier()
@@ -432,6 +433,20 @@ class _RankJob:
             )
             logger.close()
         return 0
+
+    def _write_trace(self, trace: list[TracedAction], *, complete: bool) -> None:
+        write_trace(
+            self.run_dir,
+            trace,
+            rank=self.rank,
+            stage=self.stage_indices[0],
+            world_size=self.env.world_size,
+            edges=self.layout.edges,
+            tied=self.layout.tied_pairs,
+            stretches=self.stretches,
+            plan=self.plan,
+            complete=complete,
+        )
 
     def _executor(
         self,
@@ -526,9 +541,25 @@ def _posting_note(posting: Posting) -> str:
 
 
 def _agree_on_run_dir(requested: str | None) -> Path:
-    """All ranks use rank 0's choice (a timestamp differs between processes)."""
+    """All ranks use rank 0's choice (a timestamp differs between processes). The traces an
+    earlier run left there are deleted first (rank 0: every rank's on its node, before any
+    rank can write; each other rank: its own, on nodes that do not share the directory), so
+    that ``traces/`` holds this run's timelines or none."""
     choice = [requested or time.strftime("runs/%Y%m%d-%H%M%S")]
+    rank = dist.get_rank()
+    if rank == 0:
+        path = Path(choice[0])
+        path.mkdir(parents=True, exist_ok=True)
+        removed = remove_traces(path)
+        if removed:
+            print(
+                f"pipedream: note: deleted the traces of an earlier run in {path / 'traces'} "
+                f"({removed} file(s)): traces/ holds this run's timelines or none",
+                file=sys.stderr,
+            )
     dist.broadcast_object_list(choice, src=0)
     path = Path(choice[0])
-    path.mkdir(parents=True, exist_ok=True)
+    if rank != 0:
+        path.mkdir(parents=True, exist_ok=True)
+        remove_traces(path, rank=rank)
     return path

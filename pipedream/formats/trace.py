@@ -8,8 +8,13 @@ and this one: ``posting`` (seconds spent posting receives ahead,
 :mod:`~pipedream.schedules.posting`) and ``reclaiming`` (seconds spent waiting for earlier
 sends to complete). Traces written before those two were recorded lack them. The wiring the
 tables were built for goes beside them: ``edges``, the stage pairs that exchange tensors (null
-for a chain; skip connections add pairs), and ``tied``, the (owner, copy) stage pairs of tied
-parameters, so that a reader rebuilds the very tables the run executed.
+for a chain; skip connections add pairs), ``tied``, the (owner, copy) stage pairs of tied
+parameters, and ``stretches``, the minibatches of each stretch between checkpoints (one table
+each), so that a reader rebuilds the very tables the run executed. ``plan`` names what the run
+trained (workload, schedule, microbatches, stages), so that a reader can refuse another plan's
+run; ``complete`` is false where the rank stopped before the end of its tables (a failure, an
+interrupt): its events are then the actions that ran. Traces written before these keys lack
+them.
 
 :func:`write_trace` writes a rank's file, :func:`load_traces` reads and validates a run's
 (``pipedream trace`` merges them into a Chrome trace; ``pipedream simulate --trace`` sets them
@@ -23,11 +28,13 @@ import math
 import os
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pipedream.errors import FormatError, TraceError
+from pipedream.formats.plan import Plan
 from pipedream.schedules import Op, parse_action
 
 __all__ = [
@@ -37,6 +44,8 @@ __all__ = [
     "TraceEvent",
     "TracedAction",
     "load_traces",
+    "plan_identity",
+    "remove_traces",
     "write_trace",
 ]
 
@@ -66,6 +75,19 @@ TracedAction = tuple[str, float, float, float, float]
 reclaiming sends."""
 
 
+def plan_identity(plan: Plan) -> dict[str, Any]:
+    """What a trace records of the plan its run trained (JSON values): enough to tell another
+    plan's run, whose times say nothing about this plan."""
+    return {
+        "workload": plan.workload,
+        "workload_args": dict(sorted(plan.workload_args.items())),
+        "schedule": plan.schedule,
+        "microbatch_size": plan.microbatch_size,
+        "microbatches": plan.microbatches,
+        "stages": [[s.first_layer, s.last_layer, s.replicas] for s in plan.stages],
+    }
+
+
 def write_trace(
     run_dir: Path,
     trace: list[TracedAction],
@@ -75,11 +97,16 @@ def write_trace(
     world_size: int,
     edges: tuple[tuple[int, int], ...] | None = None,
     tied: tuple[tuple[int, int], ...] = (),
+    stretches: Sequence[tuple[int, int]] | None = None,
+    plan: Plan | None = None,
+    complete: bool = True,
 ) -> Path:
     """Every action's start and end, on a clock shared by all ranks.
 
     The executor records ``time.perf_counter()`` (cheap, monotonic); it is converted to Unix
     seconds with one offset per rank so that the ranks' timelines line up when merged.
+    ``stretches``: the (first minibatch, minibatches) of each table the events ran, in order;
+    ``complete``: whether the rank ran its tables to the end.
     """
     offset = time.time() - time.perf_counter()
     payload = {
@@ -89,6 +116,9 @@ def write_trace(
         "world_size": world_size,
         "edges": None if edges is None else [list(pair) for pair in edges],
         "tied": [list(pair) for pair in tied],
+        "stretches": None if stretches is None else [list(pair) for pair in stretches],
+        "plan": None if plan is None else plan_identity(plan),
+        "complete": complete,
         "clock": "unix seconds",
         "events": [
             {
@@ -104,8 +134,29 @@ def write_trace(
     directory = run_dir / "traces"
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"rank-{rank:03d}.json"
-    path.write_text(json.dumps(payload))
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(payload))
+    temporary.replace(path)  # a rank killed while writing leaves no half a file
     return path
+
+
+def remove_traces(run_dir: Path, *, rank: int | None = None) -> int:
+    """Delete the traces an earlier run left in ``run_dir`` (``rank``: only that rank's file;
+    None: every rank's); returns how many were deleted. A run starts with this, so that
+    ``traces/`` never mixes its timelines with an earlier run's."""
+    directory = run_dir / "traces"
+    if rank is not None:
+        files = [directory / f"rank-{rank:03d}.json"]
+    else:
+        files = [p for p in directory.glob("rank-*.json") if _FILE_NAME.match(p.name)]
+    removed = 0
+    for path in files:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        removed += 1
+    return removed
 
 
 _FILE_NAME = re.compile(r"^rank-(\d+)\.json$")
@@ -157,6 +208,13 @@ class RankTrace:
     """(producer, consumer) stage pairs that exchanged tensors; None: a chain."""
     tied: tuple[tuple[int, int], ...] = ()
     """(owner, copy) stage pairs of tied parameters."""
+    stretches: tuple[tuple[int, int], ...] | None = None
+    """(first minibatch, minibatches) of each table the events ran, in order; None: a trace
+    written before they were recorded (one table, from minibatch 0)."""
+    plan: dict[str, Any] | None = None
+    """:func:`plan_identity` of the plan the run trained (None: not recorded)."""
+    complete: bool = True
+    """False where the rank stopped before the end of its tables (failed, interrupted)."""
 
 
 def _field(source: str, payload: dict[str, Any], key: str, kind: type) -> Any:
@@ -253,7 +311,46 @@ def _read_rank(path: Path) -> RankTrace:
         )
     edges = _pairs(source, payload, "edges")
     tied = _pairs(source, payload, "tied") or ()
-    return RankTrace(rank, stage, world_size, tuple(events), source, edges, tied)
+    stretches = _pairs(source, payload, "stretches")
+    if stretches is not None:
+        _check_stretches(source, stretches)
+    plan = payload.get("plan")
+    if plan is not None and not isinstance(plan, dict):
+        raise FormatError(
+            source,
+            "plan",
+            f"expected a mapping, got {type(plan).__name__}",
+            "the file is damaged; re-run the training with --trace",
+        )
+    complete = payload.get("complete", True)
+    if not isinstance(complete, bool):
+        raise FormatError(
+            source,
+            "complete",
+            f"expected true or false, got {complete!r:.40}",
+            "the file is damaged; re-run the training with --trace",
+        )
+    return RankTrace(
+        rank, stage, world_size, tuple(events), source, edges, tied, stretches, plan, complete
+    )
+
+
+def _check_stretches(source: str, stretches: tuple[tuple[int, int], ...]) -> None:
+    """Stretches are not empty and follow each other (each starts where the one before
+    ended)."""
+    for number, (first, count) in enumerate(stretches):
+        if count < 1:
+            problem = f"[{first}, {count}] holds no minibatch"
+        elif number and first != sum(stretches[number - 1]):
+            problem = f"[{first}, {count}] does not start where {list(stretches[number - 1])} ends"
+        else:
+            continue
+        raise FormatError(
+            source,
+            f"stretches[{number}]",
+            problem,
+            "the file is damaged; re-run the training with --trace",
+        )
 
 
 def load_traces(run_dir: str | os.PathLike[str]) -> list[RankTrace]:

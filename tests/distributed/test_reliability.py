@@ -3,6 +3,7 @@ the same weights), non-finite losses stop cleanly or are skipped, --keep prunes 
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -248,7 +249,7 @@ def test_an_interrupted_run_says_where_it_can_continue(tmp_path: Path) -> None:
     run = tmp_path / "run"
     result = run_cli(
         "train", str(write_plan(plan, tmp_path / "plan.yaml")), "--steps", "10",
-        "--checkpoint-every", "2", "--run-dir", str(run), "--no-progress",
+        "--checkpoint-every", "2", "--run-dir", str(run), "--no-progress", "--trace",
         env={"PYTHONPATH": str(tmp_path)},
     )  # fmt: skip
     assert result.returncode == 1, result.stderr[-3000:]
@@ -256,6 +257,23 @@ def test_an_interrupted_run_says_where_it_can_continue(tmp_path: Path) -> None:
         f"pipedream train: interrupted; its newest checkpoint is {run}/checkpoints/step-000006 "
         f"(step 6): continue with --resume auto --run-dir {run}"
     )
+    # the trace shows what ran (it wrote none): in 4 stretches, the last action that ended is
+    # minibatch 5's update (the forward of 6 was interrupted)
+    trace = json.loads((run / "traces" / "rank-000.json").read_text())
+    assert (trace["complete"], trace["stretches"]) == (False, [[0, 2], [2, 2], [4, 2], [6, 2]])
+    assert [e["action"] for e in trace["events"]][-2:] == ["0B5", "0U5"]
+    drawn = run_cli("trace", str(run), "--png", str(tmp_path / "t.png"))
+    assert drawn.returncode == 0 and "rank(s) [0] stopped before the end" in drawn.stderr
+    refused = run_cli("trace", str(run), "--plan", str(tmp_path / "plan.yaml"))
+    assert refused.returncode == 2 and "stopped before the end of the run" in refused.stderr
+    # a resumed run without --trace leaves no traces of the interrupted one to be read as its own
+    resumed = run_cli(
+        "train", str(tmp_path / "plan.yaml"), "--steps", "10", "--resume", "auto",
+        "--run-dir", str(run), "--no-progress", env={"PYTHONPATH": str(tmp_path)},
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"deleted the traces of an earlier run in {run}/traces (1 file(s))" in resumed.stderr
+    assert list((run / "traces").iterdir()) == []
     assert _how_to_continue(tmp_path / "new") == (
         "no checkpoint was written yet (--checkpoint-every N lets a run continue)"
     )

@@ -3,6 +3,8 @@ hand-made two-stage 1F1B run whose path is worked out by hand below."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pipedream.cli import main
@@ -114,8 +116,26 @@ def test_a_receive_whose_message_was_sent_before_it_keeps_the_path_on_its_rank()
     assert accounting.categories["compute overrun"] == 0.0
 
 
+def test_the_path_does_not_cross_a_checkpoint() -> None:
+    """A run checkpointed after minibatch 2 (the ranks pause 40 ms there): the walk from
+    minibatch 3 back to 2 crossed the pause, 20 ms per minibatch instead of 10 over 1..5."""
+    shifted = []
+    for trace in run_traces(6):
+        events = tuple(
+            dataclasses.replace(e, start=e.start + 0.040, end=e.end + 0.040) if e.index >= 3 else e
+            for e in trace.events
+        )
+        shifted.append(dataclasses.replace(trace, events=events, stretches=((0, 3), (3, 3))))
+    accounting = account(shifted, PLAN, skip=1, ideal_ms=IDEAL)
+    assert accounting.minibatches == 3  # 1-2, 3-4, 4-5
+    assert accounting.time_per_minibatch_ms == pytest.approx(10.0)
+    assert accounting.categories == pytest.approx(
+        account(run_traces(), PLAN, skip=1, ideal_ms=IDEAL).categories
+    )
+
+
 def test_runs_the_accounting_cannot_follow_are_refused() -> None:
-    with pytest.raises(TraceError, match="leave 2 to measure between"):
+    with pytest.raises(TraceError, match="leaves fewer than 2 to measure between"):
         account(run_traces(2), PLAN, skip=1)
     replicated = Plan(
         "toy", "1f1b", 8, 1, 3, (StagePlan("a", "a", 1, (0,)), StagePlan("b", "b", 2, (1, 2)))
@@ -144,6 +164,12 @@ def test_the_trace_verb_prints_the_accounting(tmp_path, capsys) -> None:
     # it said "leaving out the first -1 does not leave 2 to measure between", after writing
     assert "--skip -1: must be >= 0 minibatches" in capsys.readouterr().err
     assert not (tmp_path / "t.json").exists()
+    # a plan the run does not follow is refused before the trace and the chart are written
+    save_plan(dataclasses.replace(PLAN, microbatches=2), tmp_path / "other.yaml")
+    other = ["trace", str(run_dir), "--plan", str(tmp_path / "other.yaml")]
+    assert main([*other, "-o", str(tmp_path / "t.json"), "--png", str(tmp_path / "o.png")]) == 2
+    assert "do not follow the plan's action tables" in capsys.readouterr().err
+    assert not (tmp_path / "t.json").exists() and not (tmp_path / "o.png").exists()
 
 
 def test_the_ideal_of_a_sleep_plan_comes_from_its_layers() -> None:

@@ -15,7 +15,7 @@ import pytest
 from pipedream.cli import main
 from pipedream.errors import TraceError
 from pipedream.formats import LayerProfile, Plan, Profile, StagePlan, save_plan, save_profile
-from pipedream.formats.trace import RankTrace, TraceEvent
+from pipedream.formats.trace import RankTrace, TraceEvent, plan_identity
 from pipedream.optimizer.measured import measure_run, measured_work
 from pipedream.optimizer.messages import LinkTimes, link_times
 from pipedream.optimizer.simulator import Network, StageWork, simulate
@@ -162,6 +162,58 @@ def test_too_few_minibatches_left_says_what_to_do(skip: int) -> None:
         measure_run(traces(6), PLAN, skip=skip)
 
 
+def checkpointed(
+    minibatches: int, stretches: tuple[tuple[int, int], ...], pause: float
+) -> list[RankTrace]:
+    """The hand-made run in ``stretches`` between checkpoints, each checkpoint pausing every
+    rank for ``pause`` seconds; a first stretch that starts after 0 is a resumed run's."""
+    out = []
+    for trace in traces(minibatches):
+        shifted = []
+        for event in trace.events:
+            number = sum(first <= event.index for first, _ in stretches[1:])  # checkpoints before
+            if event.index < stretches[0][0]:
+                continue  # before the resumed run
+            at = number * pause
+            shifted.append(dataclasses.replace(event, start=event.start + at, end=event.end + at))
+        out.append(dataclasses.replace(trace, events=tuple(shifted), stretches=stretches))
+    return out
+
+
+def test_intervals_across_a_checkpoint_are_left_out() -> None:
+    """Measured across the checkpoint after minibatch 2, the pause (50 ms: the drain and the
+    write) counted as one long minibatch: 22.5 ms per minibatch where each took 10."""
+    run = measure_run(checkpointed(6, ((0, 3), (3, 3)), pause=0.050), PLAN, skip=1)
+    assert (run.first_minibatch, run.last_minibatch, run.across_checkpoints) == (1, 5, 1)
+    assert run.intervals == 3  # 1-2, 3-4, 4-5
+    assert run.time_per_minibatch_ms == pytest.approx(10.0)
+    # the actions are the same; stage 0's 1 ms idle after each update is 10% of each interval
+    assert run.stages[0].forward_ms == pytest.approx(2.0)
+    assert (run.stages[0].between, run.stages[1].between) == pytest.approx((0.1, 0.0))
+    with pytest.raises(TraceError, match=r"spans a checkpoint \(stretches 0..3, 4..4, 5..5;"):
+        measure_run(checkpointed(6, ((0, 4), (4, 1), (5, 1)), pause=0.05), PLAN, skip=3)
+
+
+def test_a_resumed_run_is_measured_from_its_checkpoint() -> None:
+    """A run resumed at minibatch 4 has no updates of 0..3: it was refused ("lack the updates
+    of minibatches [0, 1, 2, 3]")."""
+    run = measure_run(checkpointed(10, ((4, 6),), pause=0.0), PLAN)
+    assert (run.run_start, run.first_minibatch, run.last_minibatch) == (4, 6, 9)
+    assert (run.left_out, run.intervals) == (2, 3)  # a third of the 6 minibatches it trained
+    assert run.time_per_minibatch_ms == pytest.approx(10.0)
+
+
+def test_a_run_of_another_plan_or_one_that_stopped_is_refused() -> None:
+    other = dataclasses.replace(PLAN, schedule="1f1b", workload_args={"width": "64"})
+    recorded = [dataclasses.replace(t, plan=plan_identity(other)) for t in traces(6)]
+    with pytest.raises(TraceError, match="the run trained workload_args {'width': '64'}, but the"):
+        measure_run(recorded, PLAN)
+    assert measure_run(recorded, other).intervals == 3  # the plan it trained
+    stopped = [dataclasses.replace(t, complete=t.rank != 1) for t in traces(6)]
+    with pytest.raises(TraceError, match=r"rank\(s\) \[1\] stopped before the end of the run"):
+        measure_run(stopped, PLAN)
+
+
 # -- pipedream simulate --trace ---------------------------------------------------------------
 
 
@@ -214,6 +266,37 @@ def test_simulate_sets_the_run_beside_the_prediction(run_files, capsys) -> None:
         "simulated with the run's own forward, backward and update times: 9.000 ms per "
         "minibatch (simulated / measured = 0.900)"
     ) in out
+
+
+@pytest.mark.parametrize(
+    ("stretches", "skip", "says"),
+    [
+        ([[0, 3], [3, 3]], "1", "3 interval(s) between minibatches 1 and 5; the first 1 left "
+         "out, and 1 across checkpoints); simulated / measured = 0.800"),
+        ([[2, 4]], None, "2 interval(s) between minibatches 3 and 5; the run resumed at 2, its "
+         "first 1 left out); simulated / measured = 0.800"),
+    ],
+)  # fmt: skip
+def test_simulate_says_what_the_window_left_out(run_files, capsys, stretches, skip, says) -> None:
+    """Runs with checkpoints were refused ("the traces do not follow the plan's action
+    tables"), resumed ones too ("lack the updates of minibatches [0, 1]")."""
+    for path in (run_files["run"] / "run" / "traces").iterdir():
+        payload = json.loads(path.read_text())
+        first = stretches[0][0]
+        payload["events"] = [
+            e for e in payload["events"] if parse_action(e["action"]).index >= first
+        ]
+        for event in payload["events"]:  # a 50 ms pause at each checkpoint
+            pause = 0.05 * sum(parse_action(event["action"]).index >= f for f, _ in stretches[1:])
+            event["start"] += pause
+            event["end"] += pause
+        payload["stretches"] = stretches
+        path.write_text(json.dumps(payload))
+    argv = ["simulate", str(run_files["plan"]), "--profile", str(run_files["profile"])]
+    argv += ["--bandwidth", "1e12", "--trace", str(run_files["run"] / "run")]
+    argv += [] if skip is None else ["--trace-skip", skip]
+    assert main(argv) == 0
+    assert f": 10.000 ms per minibatch (the mean of {says}" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
