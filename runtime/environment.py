@@ -141,6 +141,11 @@ def choose_placement(
     if choice == "cpu" or (choice == "auto" and not exclusive):
         return Placement(torch.device("cpu"), "gloo")
     if choice in ("auto", "cuda"):
+        if gpus < 1:
+            raise LaunchError(
+                "--device cuda: this node has no GPU that PyTorch can use; use --device cpu "
+                "(or auto)"
+            )
         if not exclusive:
             raise LaunchError(
                 f"--device cuda: the node runs {local} ranks but has {gpus} GPU(s); give every "
@@ -149,7 +154,8 @@ def choose_placement(
         return Placement(torch.device("cuda", local_rank), "nccl", gpus=local)
     if gpus < 1:
         raise LaunchError(
-            "--device cuda-shared: this node has no GPU that PyTorch can use; use --device cpu"
+            "--device cuda-shared: this node has no GPU that PyTorch can use; use --device cpu "
+            "(or auto)"
         )
     used = min(gpus, local)
     return Placement(torch.device("cuda", local_rank % used), "gloo", staged=True, gpus=used)

@@ -44,15 +44,25 @@ def processes_per_node(world_size: int, *, nnodes: int, nproc_per_node: int | No
     return nproc_per_node
 
 
-def check_train_options(plan_path: str, plan: Plan, train_args: Sequence[str]) -> None:
+def check_train_options(
+    plan_path: str, plan: Plan, train_args: Sequence[str], *, nproc_per_node: int = 1
+) -> None:
     """What every rank would refuse in ``pipedream train PLAN TRAIN_ARGS`` before it joins the
-    others: its options (argparse's usage errors exit 2 here), the checkpoint to resume from,
-    the steps from there, and a run directory with checkpoints past them. ``--resume auto``
-    needs the run directory given, not launch.sh's fresh default."""
+    others: its options (argparse's usage errors exit 2 here), a ``--device`` this node's GPUs
+    cannot give its ``nproc_per_node`` ranks, the checkpoint to resume from, the steps from
+    there, and a run directory with checkpoints past them. ``--resume auto`` needs the run
+    directory given, not launch.sh's fresh default."""
     from pipedream.cli import build_parser
 
     options = train_options(build_parser().parse_args(["train", plan_path, *train_args]))
     check_options(options)
+    if options.device.startswith("cuda"):  # only then is torch imported, to count the GPUs
+        import torch
+
+        from pipedream.runtime.environment import choose_placement
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        choose_placement(options.device, local_rank=0, local_world_size=nproc_per_node, gpus=gpus)
     start = 0
     run_dir = options.run_dir
     has_checkpoints = run_dir is not None and (Path(run_dir) / "checkpoints").is_dir()
@@ -97,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         count = processes_per_node(plan.world_size, nnodes=nnodes, nproc_per_node=nproc)
         check_workload(plan.workload, plan.workload_args, source=args.plan)  # cheap: first
         validate_plan_schedule(plan, [validation_bound(plan)], source=args.plan)
-        check_train_options(args.plan, plan, argv[split + 1 :])
+        check_train_options(args.plan, plan, argv[split + 1 :], nproc_per_node=count)
         print(count)
     except PipedreamError as exc:
         print(f"launch.sh: error: {exc}", file=sys.stderr)

@@ -362,6 +362,42 @@ def test_launch_check_refuses_the_options_every_rank_would(
     assert (code, captured.out, captured.err) == (2, "", message + "\n")
 
 
+@pytest.mark.parametrize(
+    ("gpus", "device", "message"),
+    [
+        (0, "cuda", "--device cuda: this node has no GPU that PyTorch can use; use --device cpu "
+         "(or auto)"),
+        (0, "cuda-shared", "--device cuda-shared: this node has no GPU that PyTorch can use; use "
+         "--device cpu (or auto)"),
+        (1, "cuda", "--device cuda: the node runs 2 ranks but has 1 GPU(s); give every rank its "
+         "own GPU, or let ranks share them with --device cuda-shared"),
+        (1, "cuda-shared", None),
+        (2, "cuda", None),
+    ],
+)  # fmt: skip
+def test_launch_check_refuses_a_device_the_node_lacks(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    gpus: int,
+    device: str,
+    message: str | None,
+) -> None:
+    """Every rank refused --device cuda on a host without GPUs, suggesting cuda-shared, which
+    every rank refused too."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    path = _plan(tmp_path, REPLICATED)
+    code = launch_check.main([str(path), "--", "--steps", "2", "--device", device])
+    captured = capsys.readouterr()
+    if message is None:
+        assert (code, captured.out) == (0, "2\n")
+    else:
+        assert (code, captured.err) == (2, f"launch.sh: error: {message}\n")
+
+
 def test_launch_check_refuses_a_run_dir_it_cannot_write(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -64,5 +64,8 @@ def test_explicit_choices_and_their_errors() -> None:
         choose_placement("cuda", local_rank=0, local_world_size=4, gpus=2)
     with pytest.raises(LaunchError, match="no GPU that PyTorch can use; use --device cpu"):
         choose_placement("cuda-shared", local_rank=0, local_world_size=2, gpus=0)
+    # it suggested --device cuda-shared, which needs a GPU too
+    with pytest.raises(LaunchError, match=r"^--device cuda: this node has no GPU .* cpu \(or"):
+        choose_placement("cuda", local_rank=0, local_world_size=1, gpus=0)
     with pytest.raises(LaunchError, match="use one of auto, cpu, cuda, cuda-shared"):
         choose_placement("tpu", local_rank=0, local_world_size=1, gpus=0)
