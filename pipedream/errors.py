@@ -13,6 +13,7 @@ __all__ = [
     "LaunchError",
     "PipedreamError",
     "PlanningError",
+    "ReportedElsewhere",
     "RunFailure",
     "ScheduleError",
     "TraceError",
@@ -71,6 +72,11 @@ class CheckpointError(PipedreamError):
 
 class TraceError(PipedreamError):
     """A run directory has no usable timeline traces (``pipedream trace``)."""
+
+
+class ReportedElsewhere(PipedreamError):
+    """A user error every rank ran into, which another rank of this node reports: this rank
+    exits with status 2 without repeating the line."""
 
 
 class RunFailure(RuntimeError):

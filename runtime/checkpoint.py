@@ -25,6 +25,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,16 +39,19 @@ from pipedream.ties import expand_aliases
 
 __all__ = [
     "CHECKPOINT_FORMAT",
+    "check_stage_file",
     "find_latest_checkpoint",
     "load_full_state_dict",
     "load_manifest",
     "load_stage_file",
+    "Restored",
     "optimizer_state_by_name",
     "restore_stage",
     "save_stage_file",
     "step_dir_name",
     "step_directories",
     "tied_names",
+    "untaken",
     "write_manifest",
 ]
 
@@ -180,13 +184,20 @@ def tied_names(manifest: dict[str, Any]) -> list[list[str]]:
     return [list(names) for names in manifest.get("tied", [])]
 
 
-def load_stage_file(directory: Path, entry: dict[str, Any]) -> dict[str, Any]:
-    """Load one stage file after checking its checksum; never unpickles arbitrary objects."""
+def check_stage_file(directory: Path, entry: dict[str, Any]) -> Path:
+    """The path of one stage file of the manifest, after checking it is there with its
+    checksum (without loading it)."""
     path = directory / str(entry.get("file"))
     if not path.is_file():
         raise CheckpointError(f"{path}: stage file listed in the manifest is missing")
     if _sha256(path) != entry.get("sha256"):
         raise CheckpointError(f"{path}: checksum mismatch; the file is corrupt or truncated")
+    return path
+
+
+def load_stage_file(directory: Path, entry: dict[str, Any]) -> dict[str, Any]:
+    """Load one stage file after checking its checksum; never unpickles arbitrary objects."""
+    path = check_stage_file(directory, entry)
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # unpickling errors come in many types
@@ -271,14 +282,27 @@ def find_latest_checkpoint(checkpoints: Path) -> Path | None:
     return None
 
 
+@dataclass(frozen=True)
+class Restored:
+    """What :func:`restore_stage` took from a checkpoint."""
+
+    taken: frozenset[str]
+    """The names of the module's state dict entries it restored."""
+    held: frozenset[str]
+    """Every name the checkpoint holds a tensor under (a tied tensor under each of them)."""
+    tied: tuple[tuple[str, ...], ...]
+    """The names of each tied tensor."""
+
+
 def restore_stage(
     directory: Path,
     module: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     *,
     param_names: Sequence[str] | None = None,
-) -> None:
-    """Load this stage's slice of weights and optimizer state from any checkpoint layout.
+) -> Restored:
+    """Load this stage's slice of weights and optimizer state from any checkpoint layout;
+    returns what it took.
 
     The checkpoint may come from a different plan: tensors and optimizer state are matched by
     the model's parameter names (any of a tied tensor's names), not by stage. ``param_names``
@@ -314,3 +338,15 @@ def restore_stage(
             param_names = [name for name, _ in module.named_parameters()]
         saved = {"state": opt_state, "param_groups": groups}
         load_optimizer_by_name(optimizer, list(param_names), saved)
+    tied = tuple(tuple(names) for names in tied_names(manifest))
+    return Restored(frozenset(wanted), frozenset(model), tied)
+
+
+def untaken(restored: Sequence[Restored]) -> list[str]:
+    """The tensors of a checkpoint that none of ``restored`` (what every stage of a resumed
+    run took from it) reaches: those of a larger model's layers, which a resume would drop
+    silently. A tied tensor counts as taken under any of its names."""
+    taken = set().union(*(r.taken for r in restored))
+    held = set().union(*(r.held for r in restored))
+    groups = {name: set(names) for r in restored for names in r.tied for name in names}
+    return sorted(name for name in held - taken if not groups.get(name, set()) & taken)

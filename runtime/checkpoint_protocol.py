@@ -154,8 +154,11 @@ def check_run_dir(run_dir: str | None, start: int) -> None:
         )
 
 
-def resume_point(resume: str | None, run_dir: str | None, plan: Plan) -> Path | None:
-    """The checkpoint to resume from (``--resume auto|PATH``), checked against the plan."""
+def resume_point(
+    resume: str | None, run_dir: str | None, plan: Plan, *, note: bool = True
+) -> Path | None:
+    """The checkpoint to resume from (``--resume auto|PATH``), checked against the plan;
+    ``note``: say so when ``auto`` finds none (one rank per node does)."""
     if resume is None:
         return None
     if resume == "auto":
@@ -163,7 +166,11 @@ def resume_point(resume: str | None, run_dir: str | None, plan: Plan) -> Path | 
             raise LaunchError("--resume auto needs --run-dir (the run whose checkpoints to use)")
         found = find_latest_checkpoint(Path(run_dir) / "checkpoints")
         if found is None:
-            print(f"pipedream: no checkpoint in {run_dir}; starting from scratch", file=sys.stderr)
+            if note:
+                print(
+                    f"pipedream: no checkpoint in {run_dir}; starting from scratch",
+                    file=sys.stderr,
+                )
             return None
         path = found
     else:

@@ -67,7 +67,7 @@ def check_train_options(
     run_dir = options.run_dir
     has_checkpoints = run_dir is not None and (Path(run_dir) / "checkpoints").is_dir()
     if options.resume is not None or has_checkpoints:
-        from pipedream.runtime.checkpoint import load_manifest  # imports torch
+        from pipedream.runtime.checkpoint import check_stage_file, load_manifest  # torch
         from pipedream.runtime.checkpoint_protocol import (
             check_run_dir,
             newest_checkpoint,
@@ -82,6 +82,9 @@ def check_train_options(
         else:
             found = resume_point(options.resume, run_dir, plan)
             start = 0 if found is None else int(load_manifest(found)["step"])
+            if found is not None:  # as auto's newest: every file there, intact
+                for entry in load_manifest(found)["stages"]:
+                    check_stage_file(found, entry)
             check_run_dir(run_dir, start)
     check_segments(options, plan, start=start)
 

@@ -16,17 +16,17 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from pipedream.data import MicrobatchStream
-from pipedream.errors import RunFailure
+from pipedream.errors import CheckpointError, ReportedElsewhere, RunFailure
 from pipedream.formats.plan import Plan, load_plan
 from pipedream.formats.trace import TracedAction, remove_traces, write_trace
 from pipedream.host_memory import configure_host_memory
-from pipedream.runtime.checkpoint import load_manifest, restore_stage, step_dir_name
+from pipedream.runtime.checkpoint import load_manifest, restore_stage, step_dir_name, untaken
 from pipedream.runtime.checkpoint_protocol import (
     check_run_dir,
     newest_checkpoint,
@@ -98,16 +98,18 @@ def train(options: TrainOptions) -> int:
     if options.resume is None:  # from step 0 (a resumed run's start is known further down)
         check_segments(options, plan)
     env = read_launch_env(plan, source=source)
+    speaks = env.local_rank == 0  # notes every rank would print: one line per node
     if env.restart_count > 0:  # torchrun restarted the workers (--max-restarts)
         resume = restart_point(options.resume, options.run_dir)
         where = "the newest checkpoint" if resume == "auto" else f"{resume}, where the run began"
-        print(f"pipedream: restart {env.restart_count}: resuming from {where}", file=sys.stderr)
+        if speaks:
+            print(f"pipedream: restart {env.restart_count}: resuming from {where}", file=sys.stderr)
         options = dataclasses.replace(options, resume=resume)
     workload = load_workload(
         plan.workload, plan.workload_args, microbatch_size=plan.microbatch_size, source=source
     )
     layout = stage_layout(workload, plan, source=source)
-    resume_from = resume_point(options.resume, options.run_dir, plan)
+    resume_from = resume_point(options.resume, options.run_dir, plan, note=speaks)
     manifest = load_manifest(resume_from) if resume_from is not None else {}
     start = manifest.get("step", 0)
     if options.seed is None:  # a resumed run goes on with the data order and draws it had
@@ -116,11 +118,12 @@ def train(options: TrainOptions) -> int:
     if options.resume != "auto":
         check_run_dir(options.run_dir, start)
     if start >= options.steps:
-        print(
-            f"pipedream: {resume_from} is already at step {start} >= --steps {options.steps}; "
-            "nothing to do",
-            file=sys.stderr,
-        )
+        if speaks:
+            print(
+                f"pipedream: {resume_from} is already at step {start} >= --steps "
+                f"{options.steps}; nothing to do",
+                file=sys.stderr,
+            )
         return 0
     todo = segments(options.steps, options.checkpoint_every, start)
     placement = device_and_backend(env, options.device)
@@ -366,17 +369,7 @@ class _RankJob:
         table = self._table(first, count)
         workers = {stage: self._worker(stage, table, first) for stage in self.stage_indices}
         if resume_from is not None:
-            for worker in workers.values():
-                restore_stage(
-                    resume_from,
-                    worker.module,
-                    worker.optimizer,
-                    param_names=worker.param_names,
-                )
-                # the first version must be taken of the restored weights, not the initial ones
-                worker.start_segment(
-                    worker.versions.table, initial_version=worker.versions.live_version
-                )
+            self._restore(workers, resume_from)
             self.last_checkpoint = resume_from
         self.buckets = {
             stage: self._buckets(stage, worker)
@@ -433,6 +426,47 @@ class _RankJob:
             )
             logger.close()
         return 0
+
+    def _restore(self, workers: dict[int, StageWorker], directory: Path) -> None:
+        """Restore every stage of the rank from the checkpoint, and with the other ranks check
+        that the plan's model took all of it. A checkpoint that does not fit is refused in one
+        message per node: every rank's problem, or the tensors no stage took."""
+        problem, restored = None, []
+        try:
+            for worker in workers.values():
+                restored.append(
+                    restore_stage(
+                        directory, worker.module, worker.optimizer, param_names=worker.param_names
+                    )
+                )
+                # the first version must be taken of the restored weights, not the initial ones
+                worker.start_segment(
+                    worker.versions.table, initial_version=worker.versions.live_version
+                )
+        except CheckpointError as exc:
+            problem = f"rank {self.rank}: {exc}"
+        everyone: list[Any] = [None] * self.env.world_size
+        dist.all_gather_object(everyone, (problem, restored))
+        problems = [found for found, _ in everyone if found is not None]
+        if problems:
+            more = f" (and {len(problems) - 1} more ranks)" if len(problems) > 1 else ""
+            self._refuse(problems[0] + more)
+        left = untaken([each for _, theirs in everyone for each in theirs])
+        if left:
+            manifest = load_manifest(directory)
+            self._refuse(
+                f"{directory}: {len(left)} of its tensors are not in the plan's model "
+                f"({', '.join(left[:3])}{', ...' if len(left) > 3 else ''}): it was written for "
+                f"{manifest.get('workload')} {manifest.get('workload_args') or {}}, the plan "
+                f"trains {self.plan.workload} {self.plan.workload_args}; resume with the "
+                "workload_args the checkpoint was written with"
+            )
+
+    def _refuse(self, message: str) -> NoReturn:
+        """Raise a user error every rank ran into: reported by one rank per node."""
+        if self.env.local_rank == 0:
+            raise CheckpointError(message)
+        raise ReportedElsewhere(message)
 
     def _write_trace(self, trace: list[TracedAction], *, complete: bool) -> None:
         write_trace(

@@ -297,3 +297,23 @@ def test_resume_auto_checks_the_newest_checkpoint_against_the_plan_before_launch
         f"samples, the plan uses 1 x {written * 2}; the data position would not match, so keep "
         "microbatch_size and microbatches when resuming\n"
     )
+
+
+def test_resume_path_checks_the_checkpoints_files_before_launching(
+    checkpoints: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A stage file deleted or damaged in the checkpoint of --resume PATH failed every rank
+    (--resume auto skipped such a checkpoint already, here)."""
+    step = checkpoints / "step-000004"
+    options = ("--steps", "6", "--run-dir", str(tmp_path / "new"), "--resume", str(step))
+    stage = _stage_file(step)
+    stage.write_bytes(stage.read_bytes()[:-1])
+    assert _launch_check(tmp_path, *options) == 2
+    assert capsys.readouterr().err == (
+        f"launch.sh: error: {stage}: checksum mismatch; the file is corrupt or truncated\n"
+    )
+    stage.unlink()
+    assert _launch_check(tmp_path, *options) == 2
+    assert capsys.readouterr().err == (
+        f"launch.sh: error: {stage}: stage file listed in the manifest is missing\n"
+    )

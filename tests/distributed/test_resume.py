@@ -109,3 +109,51 @@ def test_reshard_async_run_equals_resume_from_merged_weights(tmp_path: Path) -> 
     momentum = {k: v for p in payloads for k, v in p["optimizer"]["state"].items()}
     assert set(momentum) == {n for n, _ in load_workload("mlp", ARGS).model.named_parameters()}
     assert all(state["momentum_buffer"].abs().sum() > 0 for state in momentum.values())
+
+
+GPT = {"dim": "16", "heads": "2", "seq": "8", "vocab": "16", "samples": "64"}
+
+
+def test_a_checkpoint_the_plans_model_does_not_fit_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A 2-block checkpoint resumed silently into a 1-block model (the second block dropped);
+    one of another width failed with a line from every rank."""
+
+    def plan(name: str, **args: str) -> Path:
+        second = "h1" if args["layers"] == "2" else "norm"  # the first layer of stage 1
+        stages = [["embed", "h0"], [second, "head"]]
+        data = straight_plan("gpt", stages, microbatch_size=4, workload_args={**GPT, **args})
+        return write_plan(data, tmp_path / f"{name}.yaml")
+
+    written = tmp_path / "two"
+    trained = run_plan(
+        plan("two", layers="2"), "--steps", "2", "--run-dir", str(written), "--no-progress"
+    )
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    checkpoint = written / "checkpoints" / "step-000002"
+    # what every rank would say is said once per node (it was said by each)
+    done = run_plan(
+        plan("two", layers="2"), "--steps", "2", "--resume", "auto", "--run-dir", str(written)
+    )
+    assert done.returncode == 0 and done.stderr.count("nothing to do") == 1, done.stderr
+    for name, args, says in [
+        (
+            "smaller",
+            {"layers": "1"},
+            f"{checkpoint}: 12 of its tensors are not in the plan's model (h1.attn.proj.bias, "
+            "h1.attn.proj.weight, h1.attn.qkv.bias, ...): it was written for gpt {",
+        ),
+        (
+            "wider",
+            {"layers": "2", "dim": "32"},
+            f"rank 0: {checkpoint}: embed.tok.weight has shape (16, 16), the model has (16, 32); "
+            "resume with the same workload arguments (and 1 more ranks)",
+        ),
+    ]:
+        resumed = run_plan(
+            plan(name, **args), "--steps", "4", "--resume", str(checkpoint),
+            "--run-dir", str(tmp_path / name), "--no-progress",
+        )  # fmt: skip
+        assert resumed.returncode == 2, resumed.stderr[-3000:]
+        errors = [line for line in resumed.stderr.splitlines() if "error" in line]
+        assert len(errors) == 1 and errors[0].startswith("pipedream train: error: "), errors
+        assert says in errors[0]
