@@ -22,11 +22,14 @@ class MetricsLogger:
         total_steps: int,
         samples_per_step: int,
         progress: bool,
-        stream: TextIO = sys.stderr,
+        stream: TextIO | None = None,
         first_step: int = 0,
     ) -> None:
         """``total_steps``: this rank's updates by the end of the run; ``first_step``: those a
-        resumed run had made before (its progress counts on from there)."""
+        resumed run had made before (its progress counts on from there); ``stream``: where
+        progress goes (default: ``sys.stderr`` as it is when the logger is made, so that a
+        redirected or captured stderr gets it)."""
+        stream = sys.stderr if stream is None else stream
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = path.open("a", encoding="utf-8")
         self.total_steps = total_steps

@@ -56,3 +56,14 @@ def test_a_resumed_runs_progress_counts_on_from_its_checkpoint(tmp_path: Path) -
         logger.log(step, 1.0)
     logger.close()
     assert [line.split()[1] for line in stream.getvalue().splitlines()] == ["5/6", "6/6"]
+
+
+def test_progress_goes_to_stderr_as_it_is_when_the_logger_is_made(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The default stream was bound when the module was imported: a stderr redirected later
+    (pytest's capture, a caller's contextlib.redirect_stderr) never got the progress."""
+    logger = MetricsLogger(tmp_path / "m.jsonl", total_steps=1, samples_per_step=4, progress=False)
+    logger.log(0, 1.0)
+    logger.close()
+    assert capsys.readouterr().err.split()[:2] == ["step", "1/1"]
