@@ -54,10 +54,10 @@ __all__ = [
     "check_matches",
     "completions",
     "default_skip",
-    "steady_window",
     "measure_run",
     "measured_work",
     "message_times",
+    "steady_window",
     "tables_of_run",
 ]
 
@@ -336,10 +336,13 @@ def message_times(traces: Sequence[RankTrace], plan: Plan) -> list[MessageTime]:
     return messages
 
 
-def _inside(event: TraceEvent, spans: Sequence[tuple[float, float]], starts: list[float]) -> bool:
-    """Whether ``event`` lies within one of the spans (sorted, disjoint; ``starts``: theirs)."""
-    number = bisect.bisect_right(starts, event.start) - 1
-    return number >= 0 and event.end <= spans[number][1]
+def _inside(
+    start: float, end: float, spans: Sequence[tuple[float, float]], starts: list[float]
+) -> bool:
+    """Whether ``[start, end]`` lies within one of the spans (sorted, disjoint; ``starts``:
+    theirs)."""
+    number = bisect.bisect_right(starts, start) - 1
+    return number >= 0 and end <= spans[number][1]
 
 
 def _overlap(event: TraceEvent, spans: Sequence[tuple[float, float]], starts: list[float]) -> float:
@@ -377,7 +380,7 @@ def measure_run(traces: Sequence[RankTrace], plan: Plan, *, skip: int | None = N
             covered = posted = reclaimed = 0.0  # the rank's, shared by the stages it runs
             for event in trace.events:
                 covered += _overlap(event, spans, starts)
-                if not _inside(event, spans, starts):
+                if not _inside(event.start, event.end, spans, starts):
                     continue
                 if event.posting is None or event.reclaiming is None:
                     recorded = False
@@ -414,10 +417,7 @@ def measure_run(traces: Sequence[RankTrace], plan: Plan, *, skip: int | None = N
     inside = [  # the messages sent and received within one span
         message
         for message in message_times(traces, plan)
-        if any(
-            start * 1000 <= message.sent_ms and message.received_ms <= end * 1000
-            for start, end in spans
-        )
+        if _inside(message.sent_ms / 1000, message.received_ms / 1000, spans, starts)
     ]
     links = link_times(inside, -math.inf, math.inf)
     return MeasuredRun(
