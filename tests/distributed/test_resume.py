@@ -9,6 +9,9 @@ import pytest
 import torch
 
 from pipedream.data import MicrobatchStream
+from pipedream.formats.plan import load_plan
+from pipedream.formats.trace import load_traces
+from pipedream.optimizer.measured import measure_run, tables_of_run
 from pipedream.runtime.checkpoint import load_full_state_dict
 from pipedream.workload import load_workload
 
@@ -157,3 +160,31 @@ def test_a_checkpoint_the_plans_model_does_not_fit_is_refused_in_one_line(tmp_pa
         errors = [line for line in resumed.stderr.splitlines() if "error" in line]
         assert len(errors) == 1 and errors[0].startswith("pipedream train: error: "), errors
         assert says in errors[0]
+
+
+def test_the_traces_of_a_checkpointed_and_a_resumed_run_follow_the_plans_tables(
+    tmp_path: Path,
+) -> None:
+    """The reader rebuilds one table per stretch between checkpoints, from where the run
+    began: a run with --checkpoint-every ("the traces do not follow the plan's action
+    tables") and a resumed one ("lack the updates of minibatches [0, 1, 2, 3]") were refused.
+    Stage 1 has 2 replicas, whose update rounds start anew at each stretch."""
+    plan_path = write_plan(
+        straight_plan("mlp", [["0", "1", "2"], ["3", "4", "5"]], replicas=[1, 2],
+                      workload_args=ARGS),
+        tmp_path / "plan.yaml",
+    )  # fmt: skip
+    plan = load_plan(plan_path)
+    run_dir = tmp_path / "run"
+    for steps, resume in (("8", ()), ("12", ("--resume", "auto"))):
+        result = run_plan(
+            plan_path, "--steps", steps, "--checkpoint-every", "4", "--trace",
+            "--run-dir", str(run_dir), "--no-progress", *resume,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        traces = load_traces(run_dir)
+        first = 8 if resume else 0
+        assert traces[0].stretches == tuple((s, 4) for s in range(first, int(steps), 4))
+        assert tables_of_run(traces, plan) is not None
+        run = measure_run(traces, plan, skip=0)  # updates of 2 minibatches each
+        assert (run.run_start, run.across_checkpoints) == (first // 2, 0 if resume else 1)
