@@ -109,12 +109,16 @@ class Outcome:
         return self.microbatches / self.time_per_minibatch_ms
 
 
-def _solve(request: Request, schedule: str, m: int, counted: bool) -> dict[int, Solution]:
+def _solve(
+    request: Request, schedule: str, m: int, counted: bool, *, limited: bool = True
+) -> dict[int, Solution]:
     """The dynamic program's best partitions (per stage count if ``counted``). The schedule
     enters only through the memory estimate, with a limit, and whether it replicates stages:
-    without a limit, ``--schedule auto``'s schedules of one ``m`` share their answer."""
+    without a limit, ``--schedule auto``'s schedules of one ``m`` share their answer.
+    ``limited`` False: ignoring the memory limit (why nothing fits, :func:`_why_infeasible`)."""
     straight = request.straight or not lookup(schedule).replicates
-    key = (m, counted, straight, None if request.memory_limit is None else schedule)
+    limit = request.memory_limit if limited else None
+    key = (m, counted, straight, None if limit is None else schedule)
     if key not in request.solved:
         cluster = Cluster.from_topology(
             request.topology, cost_model=request.cost_model, microbatches=m
@@ -125,7 +129,7 @@ def _solve(request: Request, schedule: str, m: int, counted: bool) -> dict[int, 
             straight=straight,
             use_fewer_workers=request.use_fewer_workers,
             memory=MemoryModel(schedule, m),
-            memory_limit=request.memory_limit,
+            memory_limit=limit,
             by_stage_count=counted,
         )
     return request.solved[key]
@@ -163,7 +167,9 @@ def solve_schedule(request: Request, *, schedule: str, microbatches: int | None)
             m = best.num_stages
     cluster = Cluster.from_topology(request.topology, cost_model=request.cost_model, microbatches=m)
     if best is None:
-        return Outcome(schedule, m, cluster, None, math.inf, _why_infeasible(request, schedule, m))
+        return Outcome(
+            schedule, m, cluster, None, math.inf, _why_infeasible(request, schedule, m, counted)
+        )
     # the tree's value under the final m (raising m only shares the allreduce more)
     evaluation = evaluate_tree(request.costs, best.tree, cluster=cluster)
     time_ms = minibatch_ms(
@@ -175,7 +181,11 @@ def solve_schedule(request: Request, *, schedule: str, microbatches: int | None)
     return Outcome(schedule, m, cluster, best.tree, time_ms)
 
 
-def _why_infeasible(request: Request, schedule: str, m: int) -> str:
+def _why_infeasible(request: Request, schedule: str, m: int, counted: bool) -> str:
+    """Why ``schedule`` at ``m`` microbatches has no plan, with the fix. What rules the plans
+    out is checked, not assumed: the layers (too few for one stage per worker), the
+    microbatches (``2bw``: every plan has more stages than ``m``), the memory limit, or the
+    microbatches and the memory together."""
     n, workers = request.costs.num_layers, request.topology.num_workers
     if not lookup(schedule).replicates and workers > n and not request.use_fewer_workers:
         return (
@@ -188,19 +198,42 @@ def _why_infeasible(request: Request, schedule: str, m: int) -> str:
             f"profile has {n}; use --workers {n} or fewer, or drop --straight to replicate stages"
         )
     record = lookup(schedule)
+    limit = request.memory_limit
+    fitting = _solve(request, schedule, m, counted)  # under the limit, every stage count
     if record.microbatches_at_least_stages:
-        return (
-            f"--microbatches {m} with schedule {schedule}: every plan has more than {m} stages "
-            f"and {schedule} needs at least one microbatch per stage; use --microbatches "
-            f"{min(n, workers)} or more"
-        )
-    assert request.memory_limit is not None
+        unlimited = _solve(request, schedule, m, counted, limited=False)
+        # memory aside, no plan has at most m stages: the microbatches rule every plan out
+        if _pick(schedule, m, unlimited) is None:
+            fewest = min(unlimited, default=m + 1)
+            need = f"use --microbatches {fewest} or more"
+            head = (
+                f"--microbatches {m} with schedule {schedule}: every plan has at least "
+                f"{fewest} stages and {schedule} needs at least one microbatch per stage"
+            )
+            if fitting or limit is None:
+                return f"{head}; {need}"
+            # and no plan of any number of stages fits either
+            return (
+                f"{head}, and none fits in {format_bytes(limit)} per worker (estimated memory); "
+                f"{need}, and raise --memory or add workers"
+            )
+        if fitting:  # the plans of at most m stages do not fit, the ones that fit have more
+            assert limit is not None
+            return (
+                f"--microbatches {m} with schedule {schedule}: the plans of at most {m} "
+                f"stage{'s' if m > 1 else ''} "
+                f"({schedule} needs at least one microbatch per stage) do not fit in "
+                f"{format_bytes(limit)} per worker (estimated memory), and those that fit have "
+                f"{min(fitting)} or more; use --microbatches {min(fitting)} or more, or raise "
+                "--memory"
+            )
+    assert limit is not None and not fitting
     fixes = "raise --memory or add workers"
     if record.versions_kept is None:
         fixes += ", or use a schedule that keeps fewer weight versions (2bw, 1f1b)"
     return (
         f"no partition of {n} layers over {workers} workers fits in "
-        f"{format_bytes(request.memory_limit)} per worker (schedule {schedule}, estimated "
+        f"{format_bytes(limit)} per worker (schedule {schedule}, estimated "
         f"memory); {fixes}"
     )
 

@@ -222,3 +222,64 @@ def test_2bw_with_given_microbatches_keeps_at_most_that_many_stages() -> None:
     assert plan.num_stages == 3 and plan.microbatches == 3
     assert plan.prediction is not None
     assert plan.prediction.time_per_minibatch_ms == pytest.approx(3 * 20.0)
+
+
+# ---------------------------------------------------------------- why nothing is feasible
+
+MB = 1_000_000
+# 2 layers of 1 MB of parameters, nothing else, on 2 workers. 2bw keeps 2 weight versions and
+# the gradients: a stage of one layer needs 3 MB, a stage of both (data parallelism) 6 MB.
+TWO_MB = profile_of([10, 10], [MB, MB], [0, 0], acts=[0, 0])
+ONE_PER_STAGE = "2bw needs at least one microbatch per stage"
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        # the memory alone: 2bw's default microbatches follow the stages, and 2 microbatches
+        # allow both plans (it blamed the microbatches: "every plan has more than 4 stages")
+        (
+            {"memory": 1000.0},
+            "no partition of 2 layers over 2 workers fits in 1000 B per worker (schedule 2bw, "
+            "estimated memory); raise --memory or add workers",
+        ),
+        (
+            {"memory": 1000.0, "microbatches": 2},
+            "no partition of 2 layers over 2 workers fits in 1000 B per worker (schedule 2bw, "
+            "estimated memory); raise --memory or add workers",
+        ),
+        # the microbatches alone: --straight on 2 workers is 2 stages
+        (
+            {"microbatches": 1, "straight": True},
+            f"--microbatches 1 with schedule 2bw: every plan has at least 2 stages and "
+            f"{ONE_PER_STAGE}; use --microbatches 2 or more",
+        ),
+        # both, each ruling out every plan
+        (
+            {"microbatches": 1, "straight": True, "memory": 1000.0},
+            f"--microbatches 1 with schedule 2bw: every plan has at least 2 stages and "
+            f"{ONE_PER_STAGE}, and none fits in 1000 B per worker (estimated memory); use "
+            "--microbatches 2 or more, and raise --memory or add workers",
+        ),
+        # both together: data parallelism (1 stage) needs 6 MB, the 2 stages that fit are
+        # more than 1 microbatch
+        (
+            {"microbatches": 1, "memory": 4e6},
+            f"--microbatches 1 with schedule 2bw: the plans of at most 1 stage ({ONE_PER_STAGE})"
+            " do not fit in 3.8 MiB per worker (estimated memory), and those that fit have 2 or "
+            "more; use --microbatches 2 or more, or raise --memory",
+        ),
+    ],
+)
+def test_2bw_says_what_rules_its_plans_out(options: dict, message: str) -> None:
+    with pytest.raises(PlanningError) as error:
+        make_plan(
+            TWO_MB,
+            topology=Topology.single_level(2, 1e12),
+            options=PlanOptions(schedule="2bw", **options),
+        )
+    assert str(error.value) == message
+    # the limit is what was checked: without it (or with room) there is a plan
+    if "memory" in options and "straight" not in options:
+        roomy = PlanOptions(schedule="2bw", **{**options, "memory": 6e6})
+        assert make_plan(TWO_MB, topology=Topology.single_level(2, 1e12), options=roomy)
