@@ -63,11 +63,13 @@ __all__ = [
     "PLACED",
     "VIRTUAL_STAGES_TRIED",
     "PlacedPlan",
+    "PlacedSearch",
     "balanced_spans",
     "candidate_cuts",
     "copy_counts",
     "default_placed_microbatches",
     "placed_plan",
+    "placed_search",
     "stage_times",
     "stages_per_worker_options",
 ]
@@ -315,7 +317,45 @@ def placed_plan(
 ) -> tuple[PlacedPlan | None, str]:
     """The fastest plan for ``schedule`` that fits ``memory_limit`` (see the module
     docstring), or None and why there is none; ``straight``: one copy of the pipeline over
-    all workers (no stage replicated).
+    all workers (no stage replicated)."""
+    found = placed_search(
+        profile,
+        topology,
+        schedule=schedule,
+        microbatches=microbatches,
+        virtual_stages=virtual_stages,
+        memory_limit=memory_limit,
+        cost_model=cost_model,
+        straight=straight,
+    )
+    return found.plan, found.problem
+
+
+@dataclass(frozen=True)
+class PlacedSearch:
+    """What :func:`placed_search` found."""
+
+    plan: PlacedPlan | None
+    """The fastest plan that fits, or None."""
+    problem: str
+    """Why there is none ("" when there is one)."""
+    leanest_bytes: float | None = None
+    """Where the memory limit is why there is none: the least memory on one worker of the
+    candidates (None otherwise)."""
+
+
+def placed_search(
+    profile: Profile,
+    topology: Topology,
+    *,
+    schedule: str,
+    microbatches: int | None,
+    virtual_stages: int | None,
+    memory_limit: float | None,
+    cost_model: str,
+    straight: bool = False,
+) -> PlacedSearch:
+    """:func:`placed_plan`, saying also whether the memory limit is why there is no plan.
 
     The candidates that fit are simulated in the order of their lower bounds
     (:func:`~pipedream.optimizer.bounds.minibatch_lower_bound`, per microbatch); once the
@@ -380,18 +420,22 @@ def placed_plan(
         if rank < best_rank:
             best, best_rank = candidate, rank
     if best is not None:
-        return best, ""
+        return PlacedSearch(best, "")
     if problems and smallest is None:
-        return None, problems[0]
+        return PlacedSearch(None, problems[0])
     if smallest is not None:
         assert memory_limit is not None
-        return None, (
+        return PlacedSearch(
+            None,
             f"schedule {schedule!r} does not fit: its leanest plan needs {format_bytes(smallest)} "
             f"on one worker, the limit is {format_bytes(memory_limit)}; use fewer microbatches, "
-            "more memory, or another schedule"
+            "more memory, or another schedule",
+            smallest,
         )
-    return None, (
-        f"schedule {schedule!r} on {workers} workers is too big to simulate; use fewer microbatches"
+    return PlacedSearch(
+        None,
+        f"schedule {schedule!r} on {workers} workers is too big to simulate; use fewer "
+        "microbatches",
     )
 
 

@@ -39,12 +39,13 @@ from pipedream.optimizer.cost_model import (
     minibatch_ms,
 )
 from pipedream.optimizer.memory import MemoryModel
-from pipedream.optimizer.placed import PLACED, copy_counts, placed_plan
+from pipedream.optimizer.placed import PLACED, copy_counts, placed_plan, placed_search
 from pipedream.optimizer.refine import Moves, Refined, refine
 from pipedream.optimizer.search import (
     AUTO_MICROBATCHES,
     Outcome,
     Request,
+    memory_cause,
     rank_outcomes,
     solve_auto,
     solve_schedule,
@@ -263,7 +264,7 @@ def _placed_outcomes(
                 continue  # it needs a multiple of a copy's workers
             per_worker = options.virtual_stages or 2
             try:
-                best, problem = placed_plan(
+                search = placed_search(
                     profile,
                     topology,
                     schedule=schedule,
@@ -273,11 +274,16 @@ def _placed_outcomes(
                     cost_model=options.cost_model,
                     straight=options.straight,
                 )
+                best, problem = search.plan, search.problem
+                memory = search.leanest_bytes is not None
             except PlanningError as error:
-                best, problem = None, str(error)
+                best, problem, memory = None, str(error), False
             cluster = Cluster.from_topology(topology, cost_model=options.cost_model, microbatches=m)
             if best is None:
-                out.append(Outcome(schedule, m, cluster, None, math.inf, problem))
+                causes = (
+                    (memory_cause(memory_limit),) if memory and memory_limit is not None else ()
+                )
+                out.append(Outcome(schedule, m, cluster, None, math.inf, problem, causes=causes))
                 continue
             assert best.plan.prediction is not None
             time_ms = best.plan.prediction.time_per_minibatch_ms

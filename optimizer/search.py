@@ -45,10 +45,13 @@ __all__ = [
     "AUTO_MICROBATCHES",
     "AUTO_ORDER",
     "DEFAULT_SYNC_MICROBATCHES",
+    "Cause",
     "Outcome",
     "Request",
     "rank_outcomes",
     "solve_auto",
+    "memory_cause",
+    "none_feasible",
     "solve_schedule",
 ]
 
@@ -84,6 +87,24 @@ class Request:
 
 
 @dataclass(frozen=True)
+class Cause:
+    """One reason a schedule has no plan, worded without the schedule and the microbatches, so
+    that ``--schedule auto`` names it once for all the schedules it rules out."""
+
+    text: str
+    """What rules the plans out, e.g. ``no plan fits in 1.0 KiB per worker``."""
+    fix: str
+    """What to change, e.g. ``raise --memory or add workers``."""
+
+
+def memory_cause(limit: float) -> Cause:
+    """The cause of a schedule none of whose plans fits in ``limit`` bytes per worker."""
+    return Cause(
+        f"no plan fits in {format_bytes(limit)} per worker", "raise --memory or add workers"
+    )
+
+
+@dataclass(frozen=True)
 class Outcome:
     """The best plan for one schedule and number of microbatches (or why there is none)."""
 
@@ -102,6 +123,17 @@ class Outcome:
     placed: PlacedPlan | None = None
     """A schedule that runs several stages per rank: its finished plan
     (:mod:`~pipedream.optimizer.placed`; the dynamic program does not plan these)."""
+    causes: tuple[Cause, ...] = ()
+    """What ``problem`` says, one :class:`Cause` per reason (empty: ``problem``'s first
+    clause is the reason, the rest the fix)."""
+
+    @property
+    def reasons(self) -> tuple[Cause, ...]:
+        """The causes of an infeasible outcome (:attr:`causes`, or taken from ``problem``)."""
+        if self.causes:
+            return self.causes
+        text, _, fix = self.problem.partition(";")
+        return (Cause(text.strip(), fix.strip()),)
 
     @property
     def microbatches_per_ms(self) -> float:
@@ -167,9 +199,8 @@ def solve_schedule(request: Request, *, schedule: str, microbatches: int | None)
             m = best.num_stages
     cluster = Cluster.from_topology(request.topology, cost_model=request.cost_model, microbatches=m)
     if best is None:
-        return Outcome(
-            schedule, m, cluster, None, math.inf, _why_infeasible(request, schedule, m, counted)
-        )
+        problem, causes = _why_infeasible(request, schedule, m, counted)
+        return Outcome(schedule, m, cluster, None, math.inf, problem, causes=causes)
     # the tree's value under the final m (raising m only shares the allreduce more)
     evaluation = evaluate_tree(request.costs, best.tree, cluster=cluster)
     time_ms = minibatch_ms(
@@ -181,21 +212,27 @@ def solve_schedule(request: Request, *, schedule: str, microbatches: int | None)
     return Outcome(schedule, m, cluster, best.tree, time_ms)
 
 
-def _why_infeasible(request: Request, schedule: str, m: int, counted: bool) -> str:
-    """Why ``schedule`` at ``m`` microbatches has no plan, with the fix. What rules the plans
-    out is checked, not assumed: the layers (too few for one stage per worker), the
-    microbatches (``2bw``: every plan has more stages than ``m``), the memory limit, or the
-    microbatches and the memory together."""
+def _why_infeasible(
+    request: Request, schedule: str, m: int, counted: bool
+) -> tuple[str, tuple[Cause, ...]]:
+    """Why ``schedule`` at ``m`` microbatches has no plan: a sentence with the fix, and its
+    causes. What rules the plans out is checked, not assumed: the layers (too few for one
+    stage per worker), the microbatches (``2bw``: every plan has more stages than ``m``), the
+    memory limit, or the microbatches and the memory together."""
     n, workers = request.costs.num_layers, request.topology.num_workers
     if not lookup(schedule).replicates and workers > n and not request.use_fewer_workers:
+        fix = f"use --workers {n} or fewer"
         return (
             f"schedule {schedule} does not replicate stages, so {workers} workers need at least "
-            f"{workers} layers, but the profile has {n}; use --workers {n} or fewer"
+            f"{workers} layers, but the profile has {n}; {fix}",
+            (Cause(f"{workers} workers need at least {workers} layers, the profile has {n}", fix),),
         )
     if request.straight and workers > n and not request.use_fewer_workers:
+        fix = f"use --workers {n} or fewer, or drop --straight to replicate stages"
         return (
             f"--straight with {workers} workers needs at least {workers} layers, but the "
-            f"profile has {n}; use --workers {n} or fewer, or drop --straight to replicate stages"
+            f"profile has {n}; {fix}",
+            (Cause(f"--straight with {workers} workers needs at least {workers} layers", fix),),
         )
     record = lookup(schedule)
     limit = request.memory_limit
@@ -206,35 +243,47 @@ def _why_infeasible(request: Request, schedule: str, m: int, counted: bool) -> s
         if _pick(schedule, m, unlimited) is None:
             fewest = min(unlimited, default=m + 1)
             need = f"use --microbatches {fewest} or more"
+            too_few = Cause("every plan has more stages than microbatches", need)
             head = (
                 f"--microbatches {m} with schedule {schedule}: every plan has at least "
                 f"{fewest} stages and {schedule} needs at least one microbatch per stage"
             )
             if fitting or limit is None:
-                return f"{head}; {need}"
+                return f"{head}; {need}", (too_few,)
             # and no plan of any number of stages fits either
+            memory = memory_cause(limit)
             return (
                 f"{head}, and none fits in {format_bytes(limit)} per worker (estimated memory); "
-                f"{need}, and raise --memory or add workers"
+                f"{need}, and {memory.fix}",
+                (too_few, memory),
             )
         if fitting:  # the plans of at most m stages do not fit, the ones that fit have more
             assert limit is not None
+            fewest = min(fitting)
+            need = f"use --microbatches {fewest} or more, or raise --memory"
+            few = Cause(
+                f"the plans with no more stages than microbatches do not fit in "
+                f"{format_bytes(limit)} per worker",
+                need,
+            )
             return (
                 f"--microbatches {m} with schedule {schedule}: the plans of at most {m} "
                 f"stage{'s' if m > 1 else ''} "
                 f"({schedule} needs at least one microbatch per stage) do not fit in "
                 f"{format_bytes(limit)} per worker (estimated memory), and those that fit have "
-                f"{min(fitting)} or more; use --microbatches {min(fitting)} or more, or raise "
-                "--memory"
+                f"{fewest} or more; {need}",
+                (few,),
             )
     assert limit is not None and not fitting
-    fixes = "raise --memory or add workers"
+    memory = memory_cause(limit)
+    fixes = memory.fix
     if record.versions_kept is None:
         fixes += ", or use a schedule that keeps fewer weight versions (2bw, 1f1b)"
     return (
         f"no partition of {n} layers over {workers} workers fits in "
         f"{format_bytes(limit)} per worker (schedule {schedule}, estimated "
-        f"memory); {fixes}"
+        f"memory); {fixes}",
+        (memory,),
     )
 
 
@@ -264,6 +313,38 @@ def rank_outcomes(outcomes: list[Outcome]) -> list[Outcome]:
 
     outcomes = sorted(outcomes, key=rank)
     if outcomes[0].tree is None:
-        reasons = "; ".join(sorted({o.problem.split(";")[0] for o in outcomes}))
-        raise PlanningError(f"--schedule auto: no schedule has a feasible plan ({reasons})")
+        raise PlanningError(none_feasible(outcomes))
     return outcomes
+
+
+def none_feasible(outcomes: list[Outcome]) -> str:
+    """``--schedule auto``'s one line when no candidate has a plan: each distinct cause once,
+    with the schedules it rules out (and their microbatch counts where it rules out only some
+    of those tried), then each distinct fix once (of a cause that rules out some schedule at
+    every count tried: the other counts of the others failed for a cause of their own)."""
+    tried: dict[str, set[int]] = {}
+    for outcome in outcomes:
+        tried.setdefault(outcome.schedule, set()).add(outcome.microbatches)
+    # cause -> schedule -> (the microbatch counts it rules out, their fixes)
+    ruled_out: dict[str, dict[str, tuple[set[int], dict[str, None]]]] = {}
+    for outcome in outcomes:
+        for cause in outcome.reasons:
+            counts, fixes_of = ruled_out.setdefault(cause.text, {}).setdefault(
+                outcome.schedule, (set(), {})
+            )
+            counts.add(outcome.microbatches)
+            if cause.fix:
+                fixes_of.setdefault(cause.fix)
+    groups = []
+    fixes: dict[str, None] = {}  # an ordered set
+    for text, by_schedule in ruled_out.items():
+        names = []
+        for name, (counts, fixes_of) in by_schedule.items():
+            if counts == tried[name]:
+                names.append(name)
+                fixes.update(fixes_of)
+            else:
+                names.append(f"{name} at {', '.join(map(str, sorted(counts)))} microbatches")
+        groups.append(f"{text} ({', '.join(names)})")
+    reasons = "; ".join(groups)
+    return "; ".join([f"--schedule auto: no schedule has a feasible plan: {reasons}", *fixes])

@@ -128,6 +128,17 @@ def test_plan_auto_prints_what_it_tried(files, capsys) -> None:
     )
 
 
+def test_plan_auto_with_nothing_that_fits_says_why_once(files, capsys) -> None:
+    argv = ["plan", str(files["profile"]), "--workers", "2", "--schedule", "auto"]
+    code, out, err = run_cli([*argv, "--memory", "1 KiB", "-o", str(files["plan"])], capsys)
+    assert (code, out) == (2, "")
+    assert err == (
+        "pipedream plan: error: --schedule auto: no schedule has a feasible plan: no plan fits "
+        "in 1.0 KiB per worker (1f1b, gpipe, 2bw, pipedream, pipedream-vs, interleaved-1f1b, "
+        "zb-h1, zbv); raise --memory or add workers\n"
+    )
+
+
 def test_cost_models_differ_only_where_the_original_skips_a_transfer(files, capsys) -> None:
     predictions = {}
     for name in ("symmetric", "pipedream"):

@@ -283,3 +283,46 @@ def test_2bw_says_what_rules_its_plans_out(options: dict, message: str) -> None:
     if "memory" in options and "straight" not in options:
         roomy = PlanOptions(schedule="2bw", **{**options, "memory": 6e6})
         assert make_plan(TWO_MB, topology=Topology.single_level(2, 1e12), options=roomy)
+
+
+EIGHT_MB = profile_of([10] * 8, [MB] * 8, [0] * 8, acts=[0] * 8)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        # every schedule, every microbatch count: one reason, named once (it was repeated for
+        # each schedule and count, and 2bw's blamed the microbatches)
+        (
+            {"memory": 1000.0},
+            "--schedule auto: no schedule has a feasible plan: no plan fits in 1000 B per worker "
+            "(1f1b, gpipe, 2bw, pipedream, pipedream-vs, interleaved-1f1b, zb-h1, zbv); raise "
+            "--memory or add workers",
+        ),
+        # 2bw is ruled out twice over (4 straight stages, 1 microbatch); each reason once, with
+        # the schedules it rules out
+        (
+            {"memory": 1000.0, "microbatches": 1, "straight": True},
+            "--schedule auto: no schedule has a feasible plan: no plan fits in 1000 B per worker "
+            "(1f1b, gpipe, 2bw, pipedream, pipedream-vs, zb-h1, zbv); every plan has more stages "
+            "than microbatches (2bw); raise --memory or add workers; use --microbatches 4 or more",
+        ),
+        # where a reason rules out only some of the counts tried, it says which (and its fix,
+        # more microbatches, is no fix: the others failed too)
+        (
+            {"memory": 1000.0, "straight": True},
+            "--schedule auto: no schedule has a feasible plan: no plan fits in 1000 B per worker "
+            "(1f1b, gpipe, 2bw, pipedream, pipedream-vs, interleaved-1f1b, zb-h1, zbv); every "
+            "plan has more stages than microbatches (2bw at 2 microbatches); raise --memory or "
+            "add workers",
+        ),
+    ],
+)
+def test_auto_names_each_reason_once(options: dict, message: str) -> None:
+    with pytest.raises(PlanningError) as error:
+        plan_profile(
+            EIGHT_MB,
+            topology=Topology.single_level(4, 1e12),
+            options=PlanOptions("auto", **options),
+        )
+    assert str(error.value) == message
