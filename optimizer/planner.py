@@ -134,6 +134,9 @@ class PlanResult:
     """With ``auto``: every schedule and number of microbatches tried, best first."""
     refined: Refined | None = None
     """The local search by simulation around the simulated candidates, where it ran."""
+    not_compared: str = ""
+    """With ``auto``: the schedules (or microbatch counts) it left out and why, e.g.
+    ``pipedream, pipedream-vs (one microbatch per minibatch, not 4)``; "" when none."""
 
 
 def _check_options(options: PlanOptions) -> None:
@@ -187,6 +190,7 @@ def plan_profile(profile: Profile, *, topology: Topology, options: PlanOptions) 
     candidates: tuple[Outcome, ...] = ()
     simulated_auto = False
     refined = None
+    not_compared = ""
     if options.schedule in PLACED:
         placed, problem = placed_plan(
             profile,
@@ -203,17 +207,24 @@ def plan_profile(profile: Profile, *, topology: Topology, options: PlanOptions) 
         return PlanResult(placed.plan, placed.tree, placed.cluster, placed.evaluation)
     if options.schedule == AUTO:
         found = solve_auto(request, microbatches=options.microbatches)
-        placed_found = _placed_outcomes(profile, topology, options, request.memory_limit)
+        placed_found, skipped = _placed_outcomes(profile, topology, options, request.memory_limit)
         checked = _simulated_outcomes(found, profile, topology, force=bool(placed_found))
         simulated_auto = checked is not found
-        if not simulated_auto:  # too big to simulate: the closed forms alone compare
+        dropped = not simulated_auto and bool(placed_found)
+        if dropped:  # too big to simulate: the closed forms alone compare
             placed_found = []
+        not_compared = _not_compared(options, topology.num_workers, skipped, placed_dropped=dropped)
         candidates = tuple(rank_outcomes(checked + placed_found))
         outcome = candidates[0]
         if outcome.placed is not None:
             chosen = outcome.placed
             return PlanResult(
-                chosen.plan, chosen.tree, chosen.cluster, chosen.evaluation, candidates
+                chosen.plan,
+                chosen.tree,
+                chosen.cluster,
+                chosen.evaluation,
+                candidates,
+                not_compared=not_compared,
             )
     else:
         outcome = solve_schedule(
@@ -245,23 +256,32 @@ def plan_profile(profile: Profile, *, topology: Topology, options: PlanOptions) 
                     outcome, tree=tree, time_per_minibatch_ms=plan.prediction.time_per_minibatch_ms
                 )
                 candidates = (chosen, *candidates[1:])
-    return PlanResult(plan, tree, outcome.cluster, evaluation, candidates, refined)
+    return PlanResult(
+        plan, tree, outcome.cluster, evaluation, candidates, refined, not_compared=not_compared
+    )
+
+
+def _per_copy(options: PlanOptions, workers: int) -> list[int]:
+    """The workers of one copy of the pipeline, for every number of copies tried."""
+    counts = [1] if options.straight else copy_counts(workers)
+    return [workers // copies for copies in counts]
 
 
 def _placed_outcomes(
     profile: Profile, topology: Topology, options: PlanOptions, memory_limit: float | None
-) -> list[Outcome]:
+) -> tuple[list[Outcome], list[int]]:
     """``--schedule auto``'s candidates among the schedules that run several stages per
     worker: each for every number of microbatches tried (interleaved-1f1b with 2 stages per
-    worker unless ``--virtual-stages`` says otherwise), simulated."""
+    worker unless ``--virtual-stages`` says otherwise), simulated; and the numbers of
+    microbatches interleaved-1f1b was not tried with (not a multiple of a copy's workers)."""
     workers = topology.num_workers
     out = []
+    skipped = []
     for schedule in PLACED:
         for m in (options.microbatches,) if options.microbatches else AUTO_MICROBATCHES:
-            counts = [1] if options.straight else copy_counts(workers)
-            per_copy = [workers // copies for copies in counts]
-            if schedule == "interleaved-1f1b" and all(m % p for p in per_copy):
-                continue  # it needs a multiple of a copy's workers
+            if schedule == "interleaved-1f1b" and all(m % p for p in _per_copy(options, workers)):
+                skipped.append(m)  # it needs a multiple of a copy's workers
+                continue
             per_worker = options.virtual_stages or 2
             try:
                 search = placed_search(
@@ -288,7 +308,38 @@ def _placed_outcomes(
             assert best.plan.prediction is not None
             time_ms = best.plan.prediction.time_per_minibatch_ms
             out.append(Outcome(schedule, m, best.cluster, best.tree, time_ms, placed=best))
-    return out
+    return out, skipped
+
+
+def _not_compared(
+    options: PlanOptions, workers: int, skipped: list[int], *, placed_dropped: bool
+) -> str:
+    """``--schedule auto``'s schedules (or microbatch counts) left out of the comparison and
+    why, in one line ("" when none): the one-microbatch schedules under ``--microbatches``
+    above 1, interleaved-1f1b where the microbatches are not a multiple of a copy's workers
+    (``skipped``), and the schedules that run several stages per worker where the others'
+    plans are too big to simulate (``placed_dropped``: they are compared only by simulation)."""
+    parts = []
+    m = options.microbatches
+    if m is not None and m != 1:
+        names = [name for name, record in SCHEDULES.items() if record.one_microbatch]
+        parts.append(f"{', '.join(names)} (one microbatch per minibatch, not {m})")
+    if placed_dropped:
+        parts.append(
+            f"{', '.join(PLACED)} (compared only by simulation, and the other plans are too "
+            "big to simulate)"
+        )
+    elif skipped:
+        tried = (m,) if m else AUTO_MICROBATCHES
+        at = (
+            "" if len(skipped) == len(tried) else f" at {', '.join(map(str, skipped))} microbatches"
+        )
+        sizes = " or ".join(map(str, sorted(set(_per_copy(options, workers)))))
+        parts.append(
+            f"interleaved-1f1b{at} (microbatches not a multiple of a pipeline copy's workers, "
+            f"{sizes})"
+        )
+    return "; ".join(parts)
 
 
 def _simulated_outcomes(

@@ -212,6 +212,8 @@ def format_candidates(result: PlanResult, *, microbatch_size: int) -> str:
         )
     header = ["schedule", "microbatches", "ms/minibatch", "samples/s", ""]
     lines = ["--schedule auto tried:", *table(header, rows)]
+    if result.not_compared:
+        lines.append(f"not compared: {result.not_compared}")
     if result.refined is not None and result.refined.tried:
         lines.append(
             "(only the chosen row was searched beside by simulation; the others are the plans "

@@ -128,6 +128,20 @@ def test_plan_auto_prints_what_it_tried(files, capsys) -> None:
     )
 
 
+def test_plan_auto_says_what_it_left_out(files, capsys) -> None:
+    argv = ["plan", str(files["profile"]), "--workers", "3", "--schedule", "auto"]
+    code, out, _ = run_cli([*argv, "--microbatches", "4", "-o", str(files["plan"])], capsys)
+    assert code == 0
+    lines = out.splitlines()
+    table = lines[lines.index("--schedule auto tried:") + 2 :]
+    rows = table[: next(i for i, line in enumerate(table) if line.startswith("not compared"))]
+    assert {row.split()[0] for row in rows} == {"1f1b", "gpipe", "2bw", "zb-h1", "zbv"}
+    assert table[len(rows)] == (
+        "not compared: pipedream, pipedream-vs (one microbatch per minibatch, not 4); "
+        "interleaved-1f1b (microbatches not a multiple of a pipeline copy's workers, 3)"
+    )
+
+
 def test_plan_auto_with_nothing_that_fits_says_why_once(files, capsys) -> None:
     argv = ["plan", str(files["profile"]), "--workers", "2", "--schedule", "auto"]
     code, out, err = run_cli([*argv, "--memory", "1 KiB", "-o", str(files["plan"])], capsys)

@@ -285,6 +285,7 @@ def test_2bw_says_what_rules_its_plans_out(options: dict, message: str) -> None:
         assert make_plan(TWO_MB, topology=Topology.single_level(2, 1e12), options=roomy)
 
 
+FOUR_MB = profile_of([10] * 4, [MB] * 4, [0] * 4, acts=[0] * 4)
 EIGHT_MB = profile_of([10] * 8, [MB] * 8, [0] * 8, acts=[0] * 8)
 
 
@@ -326,3 +327,44 @@ def test_auto_names_each_reason_once(options: dict, message: str) -> None:
             options=PlanOptions("auto", **options),
         )
     assert str(error.value) == message
+
+
+@pytest.mark.parametrize(
+    ("workers", "options", "expected"),
+    [
+        (4, {}, ""),  # every schedule at every count
+        (
+            3,
+            {"microbatches": 4},
+            "pipedream, pipedream-vs (one microbatch per minibatch, not 4); interleaved-1f1b "
+            "(microbatches not a multiple of a pipeline copy's workers, 3)",
+        ),
+        (
+            4,
+            {"straight": True},
+            "interleaved-1f1b at 2 microbatches (microbatches not a multiple of a pipeline "
+            "copy's workers, 4)",
+        ),
+        # too big to simulate: the closed forms compare, without the schedules that only a
+        # simulation predicts
+        (
+            2,
+            {"microbatches": 16384},
+            "pipedream, pipedream-vs (one microbatch per minibatch, not 16384); "
+            "interleaved-1f1b, zbv (compared only by simulation, and the other plans are too "
+            "big to simulate)",
+        ),
+    ],
+)
+def test_auto_says_which_schedules_it_did_not_compare(
+    workers: int, options: dict, expected: str
+) -> None:
+    result = plan_profile(
+        FOUR_MB,
+        topology=Topology.single_level(workers, 1e9),
+        options=PlanOptions("auto", **options),
+    )
+    assert result.not_compared == expected
+    tried = {outcome.schedule for outcome in result.candidates}
+    left_out = {"pipedream", "pipedream-vs", "interleaved-1f1b", "zbv"} - tried
+    assert all(name in expected for name in left_out)
