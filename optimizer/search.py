@@ -48,10 +48,10 @@ __all__ = [
     "Cause",
     "Outcome",
     "Request",
-    "rank_outcomes",
-    "solve_auto",
     "memory_cause",
     "none_feasible",
+    "rank_outcomes",
+    "solve_auto",
     "solve_schedule",
 ]
 
