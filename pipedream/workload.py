@@ -24,6 +24,7 @@ from pipedream.errors import WorkloadError
 from pipedream.formats.units import format_bytes
 from pipedream.workload_options import (
     BUILTIN_WORKLOADS,
+    absolute_paths,
     check_required,
     import_error,
     keyword_args,
@@ -33,7 +34,13 @@ from pipedream.workload_options import (
     unknown_option,
 )
 
-__all__ = ["BUILTIN_WORKLOADS", "Workload", "load_workload", "parse_workload_args"]
+__all__ = [
+    "BUILTIN_WORKLOADS",
+    "Workload",
+    "load_workload",
+    "parse_workload_args",
+    "recorded_args",
+]
 
 
 @dataclass
@@ -147,3 +154,11 @@ def load_workload(
             "pipedream.workload.Workload (or a transformers causal language model)"
         )
     return workload
+
+
+def recorded_args(name: str, args: Mapping[str, str]) -> dict[str, str]:
+    """The options of workload ``name`` as a profile records them: a relative file path (the
+    ``tokens`` of ``hf-lm`` and of a wrapped ``transformers`` model) made absolute against the
+    current directory, where the user wrote it; the plan made from the profile then trains on
+    the same file from any directory (:func:`~pipedream.workload_options.absolute_paths`)."""
+    return absolute_paths(name, runtime_signature(_resolve_factory(name)), args)

@@ -28,8 +28,10 @@ from pipedream.errors import WorkloadError
 __all__ = [
     "BUILTIN_WORKLOADS",
     "IMPORTED",
+    "PATH_OPTIONS",
     "WRAP",
     "Signature",
+    "absolute_paths",
     "check_required",
     "check_workload",
     "convert",
@@ -59,6 +61,12 @@ IMPORTED = "pipedream-import"
 
 WRAP = "pipedream.workloads.hf_lm:wrap"
 """What trains a factory's ``transformers`` model; it takes the options the factory does not."""
+
+PATH_OPTIONS: dict[str, tuple[str, ...]] = {
+    "pipedream.workloads.hf_lm:build": ("tokens",),
+    WRAP: ("tokens",),
+}
+"""The options that name a file, by factory (:func:`absolute_paths`)."""
 
 _KINDS: dict[str, type] = {"int": int, "float": float, "bool": bool, "str": str}
 
@@ -375,3 +383,21 @@ def check_workload(
     _, unknown = keyword_args(wrap.drop_first(), rest, name=name, source=source)
     if unknown:
         unknown_option(signature, next(iter(unknown)), name=name, source=source)
+
+
+def absolute_paths(name: str, signature: Signature, args: Mapping[str, str]) -> dict[str, str]:
+    """``args`` with the relative file paths among them made absolute, against the current
+    directory: what ``pipedream profile`` records, so that the plans made from its profile read
+    the same files wherever they are launched.
+
+    The paths are the :data:`PATH_OPTIONS` of ``name``'s factory (``signature``), and those of
+    :data:`WRAP` that the factory leaves to it. Other options are kept as they are.
+    """
+    paths = set(PATH_OPTIONS.get(BUILTIN_WORKLOADS.get(name, name), ()))
+    if not signature.accepts_any:
+        paths |= {key for key in PATH_OPTIONS[WRAP] if key not in signature.names}
+    out = dict(args)
+    for key in paths & out.keys():
+        if out[key] and not Path(out[key]).is_absolute():
+            out[key] = str(Path.cwd() / out[key])
+    return out

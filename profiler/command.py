@@ -54,7 +54,7 @@ from pipedream.profiler.measure import (
     tied_parameters,
 )
 from pipedream.profiler.overhead import measure_data_reads, measure_loss, measure_overhead
-from pipedream.workload import Workload, load_workload, parse_workload_args
+from pipedream.workload import Workload, load_workload, parse_workload_args, recorded_args
 
 __all__ = [
     "DEFAULT_REPEATS",
@@ -241,7 +241,7 @@ def profile_workload(
         dtype=str(dtype).removeprefix("torch."),
         layers=measured.layers,
         cut_bytes=measured.cut_bytes,
-        workload_args=dict(workload_args),
+        workload_args=recorded_args(name, workload_args),
         overhead=measured.overhead,
         concurrent=concurrent,
         spread=measured.spread,

@@ -15,7 +15,12 @@ the head's stage keeps a copy.
 Data: the ``gpt`` workload's seeded sparse Markov stream (the best possible loss is known and
 reported), or the token file ``tokens=PATH``: a 1-D array of token ids in ``.npy`` or ``.pt``, or
 ``.bin`` (``uint16``, nanoGPT's format), cut into windows of ``seq + 1`` tokens, the last
-``test_samples`` held out. With ``padding=true`` every sequence ends after a random length
+``test_samples`` held out. The ids must be integers from 0 to ``vocab - 1`` (a file of floats or
+of negative ids is refused, not cast or left to fail in the embedding). ``pipedream profile``
+records a relative ``PATH`` as an absolute one (against the directory it runs in), so the plans
+made from the profile read the same file wherever they are launched (on several nodes, each
+needs it at that path); a relative path in a plan written by hand is read from the directory the
+ranks start in. With ``padding=true`` every sequence ends after a random length
 (at least half of ``seq``) with padding: the model then takes ``input_ids`` and
 ``attention_mask``, and the padded positions do not count in the loss.
 
@@ -167,34 +172,60 @@ class PaddedTokens(Dataset[tuple[dict[str, Tensor], Tensor]]):
 
 
 def _read_tokens(path: str) -> Tensor:
+    """The token ids in file ``path``: a 1-D integer array (not yet checked against vocab)."""
     file = Path(path)
     if not file.is_file():
-        raise WorkloadError(f"hf-lm: tokens={path!r}: no such file; give a .npy, .pt or .bin file")
+        raise WorkloadError(_missing_tokens(path))
     try:
-        if file.suffix == ".npy":
-            import numpy as np
-
-            tokens = torch.from_numpy(np.load(file).astype("int64"))
-        elif file.suffix == ".pt":
-            tokens = torch.load(file, weights_only=True)
-        elif file.suffix == ".bin":
-            import numpy as np
-
-            tokens = torch.from_numpy(np.fromfile(file, dtype=np.uint16).astype("int64"))
-        else:
-            raise WorkloadError(
-                f"hf-lm: tokens={path!r}: unknown format {file.suffix!r}; give a .npy or .pt "
-                "array of token ids, or a .bin file of uint16 ids (nanoGPT's format)"
-            )
+        tokens = _load_tokens(file, path)
     except WorkloadError:
         raise
     except Exception as exc:
         raise WorkloadError(
             f"hf-lm: tokens={path!r}: cannot read it ({type(exc).__name__}: {exc})"
         ) from None
-    if not isinstance(tokens, Tensor) or tokens.dim() != 1 or tokens.is_floating_point():
+    if not isinstance(tokens, Tensor) or tokens.dim() != 1:
         raise WorkloadError(f"hf-lm: tokens={path!r}: expected a 1-D array of integer token ids")
+    if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+        raise WorkloadError(_not_integers(path, str(tokens.dtype).removeprefix("torch.")))
     return tokens.long()
+
+
+def _missing_tokens(path: str) -> str:
+    """The message for a token file that is not there; a relative path says where it looked."""
+    if Path(path).is_absolute():
+        return f"hf-lm: tokens={path!r}: no such file; give a .npy, .pt or .bin file"
+    return (
+        f"hf-lm: tokens={path!r}: no such file in {Path.cwd()}, where a relative path is read "
+        "from; give the absolute path of a .npy, .pt or .bin file"
+    )
+
+
+def _not_integers(path: str, dtype: str) -> str:
+    """The message for a token file of floats, booleans or anything else but integer ids."""
+    return (
+        f"hf-lm: tokens={path!r} holds {dtype} values, not integer token ids; save the ids as "
+        "integers (e.g. int64; .bin files hold uint16)"
+    )
+
+
+def _load_tokens(file: Path, path: str) -> Any:
+    """What the token file holds: a tensor for ``.npy`` and ``.bin``, anything for ``.pt``."""
+    import numpy as np
+
+    if file.suffix == ".npy":
+        array = np.load(file)
+        if array.dtype.kind not in "iu":  # a cast would truncate floats to ids silently
+            raise WorkloadError(_not_integers(path, str(array.dtype)))
+        return torch.from_numpy(array.astype("int64"))
+    if file.suffix == ".pt":
+        return torch.load(file, weights_only=True)
+    if file.suffix == ".bin":
+        return torch.from_numpy(np.fromfile(file, dtype=np.uint16).astype("int64"))
+    raise WorkloadError(
+        f"hf-lm: tokens={path!r}: unknown format {file.suffix!r}; give a .npy or .pt "
+        "array of token ids, or a .bin file of uint16 ids (nanoGPT's format)"
+    )
 
 
 def _windows(
@@ -216,12 +247,17 @@ def _windows(
         )
         return train, test, entropy_rate(chain)
     ids = _read_tokens(tokens)
+    if len(ids) and int(ids.min()) < 0:
+        raise WorkloadError(
+            f"hf-lm: tokens={tokens!r} holds token id {int(ids.min())}; ids must be 0 to "
+            f"vocab-1={vocab - 1} (drop or replace the negative ones, e.g. padding markers)"
+        )
     if len(ids) and int(ids.max()) >= vocab:
         raise WorkloadError(
             f"hf-lm: tokens={tokens!r} holds token id {int(ids.max())}, not below vocab={vocab}; "
             f"pass --workload-arg vocab={int(ids.max()) + 1} (or more)"
         )
-    count = (len(ids) - 1) // seq
+    count = max(0, len(ids) - 1) // seq
     if count < test_samples + 1:
         raise WorkloadError(
             f"hf-lm: tokens={tokens!r} has {len(ids)} tokens: {count} windows of seq={seq}, "

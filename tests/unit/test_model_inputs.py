@@ -3,6 +3,7 @@ the built-in ``gpt`` at a GPT-2-sized vocabulary (in process, no launches)."""
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,8 @@ from pipedream.model_io import ModelIO, call_model
 from pipedream.profiler.command import profile_workload
 from pipedream.profiler.graph_profile import layer_graph
 from pipedream.workload import Workload, load_workload
+from pipedream.workload_options import absolute_paths, runtime_signature
+from pipedream.workloads import hf_lm
 from pipedream.workloads.gpt import markov_chain
 
 transformers = pytest.importorskip("transformers")
@@ -197,6 +200,85 @@ def test_hf_lm_token_files(tmp_path: Path, suffix: str) -> None:
         load_workload("hf-lm", {**TINY, "vocab": "40", "tokens": str(path)})
     with pytest.raises(WorkloadError, match="no such file"):
         load_workload("hf-lm", {**TINY, "tokens": str(tmp_path / "missing.npy")})
+
+
+@pytest.mark.parametrize(
+    ("suffix", "ids", "message"),
+    [
+        (
+            ".npy",
+            np.array([3, -1, 5] * 100),  # an IndexError inside the embedding, at the first step
+            "holds token id -1; ids must be 0 to vocab-1=31 (drop or replace the negative ones, "
+            "e.g. padding markers)",
+        ),
+        (
+            ".npy",
+            np.arange(300) % 32 + 0.5,  # truncated to ids silently
+            "holds float64 values, not integer token ids; save the ids as integers (e.g. int64; "
+            ".bin files hold uint16)",
+        ),
+        (
+            ".pt",
+            torch.arange(300.0) % 32,
+            "holds float32 values, not integer token ids; save the ids as integers",
+        ),
+        (
+            ".npy",
+            np.arange(300) % 2 == 0,
+            "holds bool values, not integer token ids; save the ids as integers",
+        ),
+    ],
+    ids=["negative", "float-npy", "float-pt", "bool-npy"],
+)
+def test_hf_lm_refuses_token_ids_it_would_misread(
+    tmp_path: Path, suffix: str, ids: np.ndarray | Tensor, message: str
+) -> None:
+    path = tmp_path / f"tokens{suffix}"
+    if suffix == ".npy":
+        np.save(path, ids)
+    else:
+        torch.save(ids, path)
+    with pytest.raises(WorkloadError, match=re.escape(f"hf-lm: tokens={str(path)!r} {message}")):
+        load_workload("hf-lm", {**TINY, "tokens": str(path), "test_samples": "2"})
+
+
+def test_a_relative_token_path_is_recorded_absolute_so_a_plan_trains_from_anywhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A profile (and so its plans) kept the path as written: launched from another directory,
+    the ranks found no file, or another file of the same name."""
+    made, elsewhere = tmp_path / "made", tmp_path / "elsewhere"
+    made.mkdir()
+    elsewhere.mkdir()
+    np.save(made / "tokens.npy", np.arange(600) % 32)
+    monkeypatch.chdir(made)
+    args = {**TINY, "tokens": "tokens.npy", "test_samples": "2"}
+    profile = profile_workload("hf-lm", args, microbatch_size=2, warmup=0, repeats=1)
+    assert profile.workload_args == {**args, "tokens": str(made / "tokens.npy")}
+    monkeypatch.chdir(elsewhere)
+    load_workload("hf-lm", profile.workload_args)
+    missing = (
+        f"hf-lm: tokens='tokens.npy': no such file in {elsewhere}, where a relative path is read "
+        "from; give the absolute path of a .npy, .pt or .bin file"
+    )
+    with pytest.raises(WorkloadError, match=re.escape(missing)):
+        load_workload("hf-lm", args)
+
+
+def test_only_the_options_that_name_files_are_made_absolute(tmp_path: Path) -> None:
+    def own_tokens(tokens: str = "") -> nn.Module: ...  # its own option: no path known
+
+    def transformers_model(layers: int = 1) -> nn.Module: ...  # tokens goes to wrap
+
+    args = {"tokens": "data/t.npy", "layers": "2"}
+    made_absolute = {"tokens": str(Path.cwd() / "data/t.npy"), "layers": "2"}
+    assert absolute_paths("hf-lm", runtime_signature(hf_lm.build), args) == made_absolute
+    assert absolute_paths("m:f", runtime_signature(transformers_model), args) == made_absolute
+    assert absolute_paths("m:f", runtime_signature(own_tokens), args) == args
+    given = {"tokens": str(tmp_path / "t.npy"), "seq": "8"}
+    assert absolute_paths("hf-lm", runtime_signature(hf_lm.build), given) == given
+    synthetic = {"tokens": ""}
+    assert absolute_paths("hf-lm", runtime_signature(hf_lm.build), synthetic) == synthetic
 
 
 def test_a_function_returning_a_transformers_model_is_wrapped() -> None:
