@@ -5,7 +5,10 @@ downloaded: the machine may have no internet) and sized by the options: ``layers
 ``heads``, ``kv_heads`` (grouped-query attention, Llama-style families), ``ffn`` (hidden width
 of the MLP; default 4 x ``dim``), ``vocab``, ``seq`` (context length), ``tie`` (the output head
 reuses the token embedding, as GPT-2 and the small Llamas do). Dropout is off, so that forward
-passes are deterministic and a pipeline's numbers equal one process's.
+passes are deterministic and a pipeline's numbers equal one process's. The sizes are checked
+before anything is built: ``heads`` divides ``dim``, ``kv_heads`` divides ``heads``, the
+families with rotary positions (:data:`ROTARY`) need an even head size ``dim / heads``, and
+``vocab`` is at least 2.
 
 ``pipedream`` traces it with ``torch.export`` and cuts it where the model's own modules are:
 ``transformer.wte``, ``transformer.h.0`` .. ``lm_head`` (GPT-2), ``model.embed_tokens``,
@@ -47,10 +50,21 @@ from pipedream.workload import Workload
 from pipedream.workloads.common import optimizer_factory
 from pipedream.workloads.gpt import entropy_rate, markov_chain, sample_sequences
 
-__all__ = ["FAMILIES", "IGNORE", "PaddedTokens", "build", "hf_config", "lm_loss", "wrap"]
+__all__ = [
+    "FAMILIES",
+    "IGNORE",
+    "ROTARY",
+    "PaddedTokens",
+    "build",
+    "hf_config",
+    "lm_loss",
+    "wrap",
+]
 
 FAMILIES = ("gpt2", "llama", "mistral", "qwen2")
 """Config families ``config=`` accepts."""
+ROTARY = ("llama", "mistral", "qwen2")
+"""The families with rotary position embeddings, which need an even head size."""
 IGNORE = -100
 """Target of a position that does not count in the loss (padding)."""
 DEFAULT_SEQ = 64
@@ -82,22 +96,18 @@ def hf_config(
     tie: bool,
 ) -> Any:
     """The ``transformers`` config of a model of family ``config`` at the given size."""
+    _check_sizes(
+        config,
+        layers=layers,
+        dim=dim,
+        heads=heads,
+        kv_heads=kv_heads,
+        ffn=ffn,
+        vocab=vocab,
+        seq=seq,
+    )
     transformers = _transformers()
-    for name, value in (("layers", layers), ("dim", dim), ("heads", heads), ("vocab", vocab)):
-        if value < 1:
-            raise WorkloadError(f"hf-lm: {name} must be >= 1, got {value}")
-    if seq < 2:
-        raise WorkloadError(f"hf-lm: seq must be >= 2, got {seq}")
-    if dim % heads:
-        raise WorkloadError(
-            f"hf-lm: dim={dim} is not divisible by heads={heads}; pick heads that divide dim"
-        )
     kv_heads = kv_heads or heads
-    if heads % kv_heads:
-        raise WorkloadError(
-            f"hf-lm: heads={heads} is not a multiple of kv_heads={kv_heads}; each group of "
-            "query heads shares one key/value head"
-        )
     ffn = ffn or 4 * dim
     common = {"vocab_size": vocab, "tie_word_embeddings": tie, "use_cache": False}
     if config == "gpt2":
@@ -139,6 +149,49 @@ def hf_config(
         pad_token_id=None,
         **common,
     )
+
+
+def _check_sizes(
+    config: str, *, layers: int, dim: int, heads: int, kv_heads: int, ffn: int, vocab: int, seq: int
+) -> None:
+    """Refuse a size that ``transformers`` or ``torch.export`` would fail on, or that leaves
+    nothing to learn, in one line that names the option."""
+    for name, value in (("layers", layers), ("dim", dim), ("heads", heads)):
+        if value < 1:
+            raise WorkloadError(f"hf-lm: {name} must be >= 1, got {value}")
+    for name, value, default in (("kv_heads", kv_heads, "one per head"), ("ffn", ffn, "4 x dim")):
+        if value < 0:
+            raise WorkloadError(f"hf-lm: {name} must be >= 1 (or 0 for {default}), got {value}")
+    if vocab < 2:
+        raise WorkloadError(
+            f"hf-lm: vocab must be >= 2, got {vocab}; a model with one token has nothing to predict"
+        )
+    if seq < 2:
+        raise WorkloadError(f"hf-lm: seq must be >= 2, got {seq}")
+    if dim % heads:
+        raise WorkloadError(
+            f"hf-lm: dim={dim} is not divisible by heads={heads}; pick heads that divide dim"
+        )
+    if heads % (kv_heads or heads):
+        raise WorkloadError(
+            f"hf-lm: heads={heads} is not a multiple of kv_heads={kv_heads}; each group of "
+            "query heads shares one key/value head"
+        )
+    if config in ROTARY and (dim // heads) % 2:
+        raise WorkloadError(
+            f"hf-lm: {config} needs an even head size for its rotary position embeddings, but "
+            f"dim/heads = {dim}/{heads} = {dim // heads}; pick dim and heads with an even "
+            f"quotient, e.g. dim={2 * dim} heads={heads}"
+        )
+
+
+def _check_stream(*, branching: int, vocab: int, tokens: str) -> None:
+    """Refuse a synthetic stream (no ``tokens`` file) whose ``branching`` the vocab cannot give."""
+    if not tokens and not 1 <= branching <= vocab:
+        raise WorkloadError(
+            f"hf-lm: branching must be 1 to vocab={vocab} (each token's distinct successors in "
+            f"the synthetic stream), got {branching}; choose one in that range, or a larger vocab"
+        )
 
 
 def lm_loss(output: Any, target: Tensor) -> Tensor:
@@ -311,6 +364,7 @@ def build(
         seq=seq,
         tie=tie,
     )
+    _check_stream(branching=branching, vocab=vocab, tokens=tokens)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(torch_seed(seed))
         model = transformers.AutoModelForCausalLM.from_config(settings)
@@ -371,8 +425,11 @@ def wrap(
             f"hf-lm: seq={seq} is longer than the model's {limit} positions; pass "
             f"--workload-arg seq={limit} or less"
         )
-    if samples < 1 or test_samples < 1 or microbatch_size < 1:
-        raise WorkloadError("hf-lm: samples, test_samples and microbatch_size must be >= 1")
+    counts = (("seq", seq), ("samples", samples), ("test_samples", test_samples))
+    for name, value in (*counts, ("microbatch_size", microbatch_size)):
+        if value < 1:
+            raise WorkloadError(f"hf-lm: {name} must be >= 1, got {value}")
+    _check_stream(branching=branching, vocab=vocab, tokens=tokens)
     generator = torch.Generator().manual_seed(torch_seed(data_seed))
     train, test, best = _windows(
         tokens=tokens,

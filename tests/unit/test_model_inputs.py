@@ -163,6 +163,63 @@ def test_hf_lm_options_and_errors() -> None:
             load_workload("hf-lm", {**TINY, **args})
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        # each of these crashed inside transformers or torch.export, or named the gpt workload
+        ({"config": "llama", "kv_heads": "-1"}, "hf-lm: kv_heads must be >= 1 (or 0 for one per "),
+        ({"ffn": "-3"}, "hf-lm: ffn must be >= 1 (or 0 for 4 x dim), got -3"),
+        ({"config": "qwen2", "ffn": "-3"}, "hf-lm: ffn must be >= 1 (or 0 for 4 x dim), got -3"),
+        (
+            {"config": "llama", "dim": "12", "heads": "4"},
+            "hf-lm: llama needs an even head size for its rotary position embeddings, but "
+            "dim/heads = 12/4 = 3; pick dim and heads with an even quotient, e.g. dim=24 heads=4",
+        ),
+        (
+            {"config": "mistral", "dim": "18", "heads": "2", "kv_heads": "1"},
+            "hf-lm: mistral needs an even head size for its rotary position embeddings, but "
+            "dim/heads = 18/2 = 9;",
+        ),
+        (
+            {"vocab": "1"},
+            "hf-lm: vocab must be >= 2, got 1; a model with one token has nothing to predict",
+        ),
+        (
+            {"vocab": "3"},
+            "hf-lm: branching must be 1 to vocab=3 (each token's distinct successors in the "
+            "synthetic stream), got 4; choose one in that range, or a larger vocab",
+        ),
+        ({"branching": "0"}, "hf-lm: branching must be 1 to vocab=32 (each token's distinct "),
+        ({"layers": "-1"}, "hf-lm: layers must be >= 1, got -1"),
+        ({"seq": "1"}, "hf-lm: seq must be >= 2, got 1"),
+        ({"test_samples": "0"}, "hf-lm: test_samples must be >= 1, got 0"),
+    ],
+    ids=[
+        "kv_heads-negative",
+        "ffn-negative",
+        "ffn-negative-qwen2",
+        "odd-head-llama",
+        "odd-head-mistral",
+        "vocab-1",
+        "branching-above-vocab",
+        "branching-0",
+        "layers-negative",
+        "seq-1",
+        "test_samples-0",
+    ],
+)
+def test_hf_lm_refuses_sizes_up_front_naming_the_option(args: dict[str, str], message: str) -> None:
+    with pytest.raises(WorkloadError, match=f"^{re.escape(message)}"):
+        load_workload("hf-lm", {**TINY, **args})
+
+
+def test_a_wrapped_model_refuses_an_empty_window() -> None:
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32)
+    model = transformers.GPT2LMHeadModel(config)  # seq=0 failed in torch.export
+    with pytest.raises(WorkloadError, match=re.escape("hf-lm: seq must be >= 1, got 0")):
+        hf_lm.wrap(model, seq=0)
+
+
 def test_hf_lm_without_transformers_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "transformers", None)  # import fails
     with pytest.raises(WorkloadError, match=r"pip install -e '\.\[hf\]'"):
