@@ -10,9 +10,16 @@ from torch import nn
 
 from pipedream.errors import WorkloadError
 
-__all__ = ["OPTIMIZERS", "optimizer_factory"]
+__all__ = ["OPTIMIZERS", "check_sizes", "optimizer_factory"]
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
+
+
+def check_sizes(workload: str, **sizes: int) -> None:
+    """Refuse the first of ``sizes`` (option name: value) below 1, naming the option."""
+    for name, value in sizes.items():
+        if value < 1:
+            raise WorkloadError(f"{workload}: {name} must be >= 1, got {value}")
 
 
 def optimizer_factory(

@@ -12,9 +12,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from pipedream.data import torch_seed
-from pipedream.errors import WorkloadError
 from pipedream.workload import Workload
-from pipedream.workloads.common import optimizer_factory
+from pipedream.workloads.common import check_sizes, optimizer_factory
 
 __all__ = ["build"]
 
@@ -36,10 +35,15 @@ def build(
     microbatch_size: int = 32,
 ) -> Workload:
     """Build the MLP workload; every call with the same arguments gives identical weights."""
-    if layers < 1 or width < 1 or samples < 1:
-        raise WorkloadError(
-            f"mlp: layers, width and samples must be >= 1, got {layers}, {width}, {samples}"
-        )
+    check_sizes(
+        "mlp",
+        layers=layers,
+        width=width,
+        in_features=in_features,
+        out_features=out_features,
+        samples=samples,
+        microbatch_size=microbatch_size,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(torch_seed(seed))
         blocks = [_block(in_features if i == 0 else width, width) for i in range(layers)]

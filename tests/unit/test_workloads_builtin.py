@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -117,6 +118,21 @@ def test_gpt_rejects_bad_shapes() -> None:
         load_workload("gpt", {"heads": "3"})
     with pytest.raises(WorkloadError, match="branching"):
         load_workload("gpt", {"branching": "100"})
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"in_features": "-1"}, "mlp: in_features must be >= 1, got -1"),  # negative dimension
+        ({"out_features": "0"}, "mlp: out_features must be >= 1, got 0"),  # NaN loss
+        ({"microbatch_size": "0"}, "mlp: microbatch_size must be >= 1, got 0"),  # empty example
+        ({"width": "0"}, "mlp: width must be >= 1, got 0"),
+    ],
+    ids=["in_features", "out_features", "microbatch_size", "width"],
+)
+def test_mlp_refuses_sizes_below_one(args: dict[str, str], message: str) -> None:
+    with pytest.raises(WorkloadError, match=f"^{re.escape(message)}$"):
+        load_workload("mlp", args)
 
 
 def test_gpt_learns_the_chain() -> None:
