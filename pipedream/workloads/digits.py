@@ -2,7 +2,8 @@
 
 The data ship with scikit-learn (1797 images, 10 classes; nothing is downloaded). A seeded
 held-out split (``test_fraction``, stratified by class) gives a real accuracy to report, so the
-demo shows that pipeline training -- asynchronous, with stale weights -- still learns.
+demo shows that pipeline training -- asynchronous, with stale weights -- still learns. A
+``test_fraction`` whose rounding per class leaves either split empty is refused.
 Inputs are the 64 pixel values standardized with the training split's mean and std.
 
 Layers (the Sequential's children): ``"0"`` .. ``"{layers-1}"`` are ``Linear+ReLU`` blocks,
@@ -13,6 +14,7 @@ with Adam, also when stage 0 uses weights 3 updates stale as in PipeDream's 4-st
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +69,7 @@ def load_split(*, test_fraction: float, seed: int) -> DigitsSplit:
         num_test = round(test_fraction * len(members))
         test_parts.append(members[:num_test])
         train_parts.append(members[num_test:])
+    _check_split(test_fraction, [len(part) for part in test_parts], targets)
     train_index = torch.cat(train_parts).sort().values
     test_index = torch.cat(test_parts).sort().values
     mean = inputs[train_index].mean(dim=0)
@@ -79,6 +82,21 @@ def load_split(*, test_fraction: float, seed: int) -> DigitsSplit:
         train_targets=targets[train_index].contiguous(),
         test_inputs=standardized[test_index].contiguous(),
         test_targets=targets[test_index].contiguous(),
+    )
+
+
+def _check_split(test_fraction: float, test_sizes: list[int], targets: Tensor) -> None:
+    """Refuse a ``test_fraction`` whose rounding per class leaves the test or the training split
+    empty, with the range that leaves every class in both."""
+    num_test = sum(test_sizes)
+    if 0 < num_test < len(targets):
+        return
+    smallest = int(torch.bincount(targets, minlength=NUM_CLASSES).min())
+    low = math.ceil(1000 / smallest) / 1000  # every class rounds to at least one test sample
+    empty = "no test samples" if num_test == 0 else "no training samples"
+    raise WorkloadError(
+        f"digits: test_fraction={test_fraction} leaves {empty} of the {len(targets)} (split per "
+        f"class, rounded); use a test_fraction from {low:g} to {1 - low:g}"
     )
 
 

@@ -159,6 +159,24 @@ def test_digits_split_and_data() -> None:
     assert len(list(workload.model.children())) >= 4
 
 
+@pytest.mark.parametrize(
+    ("fraction", "empty"),
+    [
+        ("1e-9", "no test samples"),  # trained on, then reported a NaN test accuracy
+        ("0.9999999", "no training samples"),  # ZeroDivisionError while building
+    ],
+)
+def test_digits_refuses_a_test_fraction_that_empties_a_split(fraction: str, empty: str) -> None:
+    message = (
+        f"digits: test_fraction={float(fraction)} leaves {empty} of the 1797 (split per class, "
+        "rounded); use a test_fraction from 0.006 to 0.994"
+    )
+    with pytest.raises(WorkloadError, match=f"^{re.escape(message)}$"):
+        load_workload("digits", {"test_fraction": fraction})
+    for edge in ("0.006", "0.994"):  # the ends of the range leave every digit in both splits
+        assert load_workload("digits", {"test_fraction": edge}).evaluate is not None
+
+
 @pytest.mark.parametrize("stale_stages", [1, 4], ids=["sync", "pipedream-4-stages"])
 def test_digits_reaches_90_percent(stale_stages: int) -> None:
     workload = load_workload("digits")
