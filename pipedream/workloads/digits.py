@@ -25,7 +25,7 @@ from torch.utils.data import TensorDataset
 from pipedream.data import torch_seed
 from pipedream.errors import WorkloadError
 from pipedream.workload import Workload
-from pipedream.workloads.common import optimizer_factory
+from pipedream.workloads.common import check_sizes, optimizer_factory
 
 __all__ = ["NUM_CLASSES", "NUM_FEATURES", "DigitsSplit", "accuracy", "build", "load_split"]
 
@@ -126,8 +126,7 @@ def build(
 
     ``seed`` fixes the initial weights, ``data_seed`` the train/test split.
     """
-    if layers < 1 or width < 1 or microbatch_size < 1:
-        raise WorkloadError("digits: layers, width and microbatch_size must be >= 1")
+    check_sizes("digits", layers=layers, width=width, microbatch_size=microbatch_size)
     make_optimizer = optimizer_factory(optimizer, lr=lr, momentum=momentum)
     split = load_split(test_fraction=test_fraction, seed=data_seed)
     with torch.random.fork_rng(devices=[]):

@@ -39,7 +39,7 @@ from torch.utils.data import TensorDataset
 from pipedream.data import torch_seed
 from pipedream.errors import WorkloadError
 from pipedream.workload import Workload
-from pipedream.workloads.common import optimizer_factory
+from pipedream.workloads.common import check_sizes, optimizer_factory
 
 __all__ = [
     "Block",
@@ -81,6 +81,11 @@ class GPTConfig:
     """Whether the output head reuses the token embedding's matrix (tied weights)."""
 
     def __post_init__(self) -> None:
+        if self.vocab < 2:
+            raise WorkloadError(
+                f"gpt: vocab must be >= 2, got {self.vocab}; a model with one token has nothing "
+                "to predict"
+            )
         for name in ("vocab", "seq", "dim", "layers", "heads", "mlp_ratio"):
             if getattr(self, name) < 1:
                 raise WorkloadError(f"gpt: {name} must be >= 1, got {getattr(self, name)}")
@@ -266,8 +271,7 @@ def build(
     ``tie`` makes the output head reuse the token embedding's matrix.
     """
     config = GPTConfig(vocab=vocab, seq=seq, dim=dim, layers=layers, heads=heads, tie=tie)
-    if samples < 1 or test_samples < 1 or microbatch_size < 1:
-        raise WorkloadError("gpt: samples, test_samples and microbatch_size must be >= 1")
+    check_sizes("gpt", samples=samples, test_samples=test_samples, microbatch_size=microbatch_size)
     if lr is None:
         lr = default_learning_rate(dim)
     make_optimizer = optimizer_factory(optimizer, lr=lr, momentum=momentum)

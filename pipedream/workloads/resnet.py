@@ -19,7 +19,7 @@ from torch.utils.data import TensorDataset
 from pipedream.data import torch_seed
 from pipedream.errors import WorkloadError
 from pipedream.workload import Workload
-from pipedream.workloads.common import optimizer_factory
+from pipedream.workloads.common import check_sizes, optimizer_factory
 
 __all__ = ["BasicBlock", "ResNet", "build"]
 
@@ -105,15 +105,26 @@ def build(
     microbatch_size: int = 16,
 ) -> Workload:
     """Build the ResNet workload; the same arguments give identical weights."""
-    if min(width, stages, blocks, classes, size, samples, microbatch_size) < 1:
-        raise WorkloadError("resnet: width, stages, blocks, classes, size and samples must be >= 1")
+    check_sizes(
+        "resnet",
+        width=width,
+        stages=stages,
+        blocks=blocks,
+        size=size,
+        samples=samples,
+        microbatch_size=microbatch_size,
+    )
+    if classes < 2:
+        raise WorkloadError(
+            f"resnet: classes must be >= 2, got {classes}; with one class the loss is always 0"
+        )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(torch_seed(seed))
         model = ResNet(width=width, stages=stages, blocks=blocks, classes=classes)
     images, labels = _images(samples, size, classes, data_seed)
     return Workload(
         model=model,
-        example_input=images[:microbatch_size].clone(),
+        example_input=images[torch.arange(microbatch_size) % samples],  # samples may be fewer
         loss_fn=nn.functional.cross_entropy,
         dataset=TensorDataset(images, labels),
         optimizer=optimizer_factory(optimizer, lr=lr, momentum=momentum),

@@ -135,6 +135,46 @@ def test_mlp_refuses_sizes_below_one(args: dict[str, str], message: str) -> None
         load_workload("mlp", args)
 
 
+@pytest.mark.parametrize(
+    ("name", "args", "message"),
+    [
+        # these said which options had to be >= 1, not which one was not
+        ("gpt", {"test_samples": "0"}, "gpt: test_samples must be >= 1, got 0"),
+        ("digits", {"width": "-4"}, "digits: width must be >= 1, got -4"),
+        ("resnet", {"microbatch_size": "0"}, "resnet: microbatch_size must be >= 1, got 0"),
+        # these trained on a loss of 0 (one class, one token), learning nothing
+        (
+            "resnet",
+            {"classes": "1"},
+            "resnet: classes must be >= 2, got 1; with one class the loss is always 0",
+        ),
+        (
+            "gpt",
+            {"vocab": "1", "branching": "1"},
+            "gpt: vocab must be >= 2, got 1; a model with one token has nothing to predict",
+        ),
+    ],
+    ids=[
+        "gpt-test_samples",
+        "digits-width",
+        "resnet-microbatch_size",
+        "resnet-classes",
+        "gpt-vocab",
+    ],
+)
+def test_workloads_name_the_size_they_refuse(name: str, args: dict[str, str], message: str) -> None:
+    with pytest.raises(WorkloadError, match=f"^{re.escape(message)}$"):
+        load_workload(name, args)
+
+
+def test_resnet_example_has_the_microbatch_size_with_fewer_samples() -> None:
+    """The example (and so the profile's microbatch size) had only ``samples`` images."""
+    workload = load_workload("resnet", {"samples": "4", "width": "2"}, microbatch_size=6)
+    assert workload.example_input.shape == (6, 3, 16, 16)
+    images = workload.dataset.tensors[0]  # type: ignore[attr-defined]
+    assert torch.equal(workload.example_input, images[[0, 1, 2, 3, 0, 1]])
+
+
 def test_gpt_learns_the_chain() -> None:
     workload = load_workload("gpt")
     assert workload.evaluate is not None
