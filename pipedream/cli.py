@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from pipedream import __version__
-from pipedream.errors import PipedreamError, ReportedElsewhere, RunFailure
+from pipedream.errors import AlreadyReported, PipedreamError, RunFailure
 from pipedream.outputs import check_not_input, check_output
 
 __all__ = ["build_parser", "main"]
@@ -414,7 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 check_output(getattr(args, attribute), option, example=example, image=image)
         handler = getattr(importlib.import_module(module_name), function)
         code = handler(args)
-    except ReportedElsewhere:
+    except AlreadyReported:
         return EXIT_BAD_INPUT
     except PipedreamError as exc:
         print(f"pipedream {args.verb}: error: {exc}", file=sys.stderr)

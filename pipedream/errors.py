@@ -8,12 +8,12 @@ message as one line and exits with status 2. ``assert`` is reserved for internal
 from __future__ import annotations
 
 __all__ = [
+    "AlreadyReported",
     "CheckpointError",
     "FormatError",
     "LaunchError",
     "PipedreamError",
     "PlanningError",
-    "ReportedElsewhere",
     "RunFailure",
     "ScheduleError",
     "TraceError",
@@ -74,9 +74,9 @@ class TraceError(PipedreamError):
     """A run directory has no usable timeline traces (``pipedream trace``)."""
 
 
-class ReportedElsewhere(PipedreamError):
-    """A user error every rank ran into, which another rank of this node reports: this rank
-    exits with status 2 without repeating the line."""
+class AlreadyReported(PipedreamError):
+    """A user error every rank ran into, already printed once for this node (by its first
+    rank, ``runtime/agreement.py``): the CLI exits with status 2 without printing it again."""
 
 
 class RunFailure(RuntimeError):

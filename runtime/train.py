@@ -14,18 +14,20 @@ import gc
 import os
 import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from pipedream.data import MicrobatchStream
-from pipedream.errors import CheckpointError, ReportedElsewhere, RunFailure
+from pipedream.errors import CheckpointError, PipedreamError, RunFailure
 from pipedream.formats.plan import Plan, load_plan
 from pipedream.formats.trace import TracedAction, remove_traces, write_trace
 from pipedream.host_memory import configure_host_memory
+from pipedream.runtime.agreement import agree_on_setup, refuse_together
 from pipedream.runtime.checkpoint import load_manifest, restore_stage, step_dir_name, untaken
 from pipedream.runtime.checkpoint_protocol import (
     check_run_dir,
@@ -88,16 +90,96 @@ def make_deterministic() -> None:
         torch.backends.cuda.enable_cudnn_sdp(False)
 
 
+@dataclass(frozen=True)
+class _Setup:
+    """What a rank works out before it meets the others."""
+
+    options: TrainOptions
+    """The options, with the resume point and seed settled."""
+    workload: Workload
+    layout: StageLayout
+    resume_from: Path | None
+    todo: Segments | None
+    """The stretches to train (None: the checkpoint is already at ``--steps``)."""
+    placement: Placement | None = None
+    posting: Posting | None = None
+
+
 def train(options: TrainOptions) -> int:
     configure_host_memory()  # before anything is allocated: every step reuses its memory
     if options.deterministic:
         make_deterministic()
     plan = load_plan(options.plan_path)
-    source = options.plan_path
     check_options(options)
     if options.resume is None:  # from step 0 (a resumed run's start is known further down)
         check_segments(options, plan)
-    env = read_launch_env(plan, source=source)
+    env = read_launch_env(plan, source=options.plan_path)
+    setup: _Setup | None = None
+    failure: PipedreamError | None = None
+    try:
+        setup = _set_up(options, plan, env)
+    except PipedreamError as exc:
+        if not env.under_torchrun:
+            raise
+        failure = exc
+
+    timeout = timedelta(seconds=options.timeout)
+    if env.under_torchrun:
+        # torchrun's store outlives worker restarts (--max-restarts): a namespace per attempt
+        # keeps the new workers from reading the dead ones' addresses
+        store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+        store = dist.PrefixStore(f"pipedream/attempt-{env.restart_count}", store)
+        # a mistake every rank made is said once per node, not once per rank
+        agree_on_setup(
+            store,
+            failure,
+            rank=env.rank,
+            world_size=env.world_size,
+            local_rank=env.local_rank,
+            timeout=timeout,
+        )
+    assert setup is not None  # a failure raised above
+    if setup.todo is None:
+        return 0  # nothing to do (said by _set_up)
+    options, todo = setup.options, setup.todo
+    assert setup.placement is not None and setup.posting is not None
+    backend, device = setup.placement.backend, setup.placement.device
+    if env.under_torchrun:
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timeout,
+            device_id=device if backend == "nccl" else None,
+        )
+    else:
+        dist.init_process_group(
+            "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+    workload, layout, resume_from = setup.workload, setup.layout, setup.resume_from
+    placement, posting = setup.placement, setup.posting
+    job: _RankJob | None = None
+    try:
+        job = _RankJob(options, plan, env, workload, layout, placement=placement, posting=posting)
+        return job.run(todo, resume_from)
+    except KeyboardInterrupt:  # Ctrl-C: torchrun passes it to every rank
+        if job is None:
+            raise
+        if env.rank == 0:
+            print(f"pipedream train: interrupted; {_how_to_continue(job.run_dir)}", file=sys.stderr)
+        return 1
+    finally:
+        gc.collect()  # drop lingering gloo work objects (in cycles) while the interpreter lives
+        dist.destroy_process_group()
+        gc.collect()
+
+
+def _set_up(options: TrainOptions, plan: Plan, env: LaunchEnv) -> _Setup:
+    """Everything a rank checks and builds before it meets the others: the resume point, the
+    workload and its stages, the device, the schedule's tables (a user error here is every
+    rank's: :func:`train` has it said once per node)."""
+    source = options.plan_path
     speaks = env.local_rank == 0  # notes every rank would print: one line per node
     if env.restart_count > 0:  # torchrun restarted the workers (--max-restarts)
         resume = restart_point(options.resume, options.run_dir)
@@ -124,50 +206,18 @@ def train(options: TrainOptions) -> int:
                 f"{options.steps}; nothing to do",
                 file=sys.stderr,
             )
-        return 0
+        return _Setup(options, workload, layout, resume_from, None)
     todo = segments(options.steps, options.checkpoint_every, start)
     placement = device_and_backend(env, options.device)
-    device, backend = placement.device, placement.backend
     posting = validate_plan_schedule(
         plan,
         todo.counts,
         source=source,
         edges=layout.edges,
         tied=layout.tied_pairs,
-        in_order=_in_order(backend),
+        in_order=_in_order(placement.backend),
     )
-
-    timeout = timedelta(seconds=options.timeout)
-    if env.under_torchrun:
-        # torchrun's store outlives worker restarts (--max-restarts): a namespace per attempt
-        # keeps the new workers from reading the dead ones' addresses
-        store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
-        dist.init_process_group(
-            backend,
-            store=dist.PrefixStore(f"pipedream/attempt-{env.restart_count}", store),
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=timeout,
-            device_id=device if backend == "nccl" else None,
-        )
-    else:
-        dist.init_process_group(
-            "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
-        )
-    job: _RankJob | None = None
-    try:
-        job = _RankJob(options, plan, env, workload, layout, placement=placement, posting=posting)
-        return job.run(todo, resume_from)
-    except KeyboardInterrupt:  # Ctrl-C: torchrun passes it to every rank
-        if job is None:
-            raise
-        if env.rank == 0:
-            print(f"pipedream train: interrupted; {_how_to_continue(job.run_dir)}", file=sys.stderr)
-        return 1
-    finally:
-        gc.collect()  # drop lingering gloo work objects (in cycles) while the interpreter lives
-        dist.destroy_process_group()
-        gc.collect()
+    return _Setup(options, workload, layout, resume_from, todo, placement, posting)
 
 
 def _how_to_continue(run_dir: Path) -> str:
@@ -444,29 +494,22 @@ class _RankJob:
                     worker.versions.table, initial_version=worker.versions.live_version
                 )
         except CheckpointError as exc:
-            problem = f"rank {self.rank}: {exc}"
+            problem = str(exc)
         everyone: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(everyone, (problem, restored))
-        problems = [found for found, _ in everyone if found is not None]
-        if problems:
-            more = f" (and {len(problems) - 1} more ranks)" if len(problems) > 1 else ""
-            self._refuse(problems[0] + more)
+        if any(found is not None for found, _ in everyone):
+            refuse_together([found for found, _ in everyone], local_rank=self.env.local_rank)
         left = untaken([each for _, theirs in everyone for each in theirs])
         if left:
             manifest = load_manifest(directory)
-            self._refuse(
+            message = (
                 f"{directory}: {len(left)} of its tensors are not in the plan's model "
                 f"({', '.join(left[:3])}{', ...' if len(left) > 3 else ''}): it was written for "
                 f"{manifest.get('workload')} {manifest.get('workload_args') or {}}, the plan "
                 f"trains {self.plan.workload} {self.plan.workload_args}; resume with the "
                 "workload_args the checkpoint was written with"
             )
-
-    def _refuse(self, message: str) -> NoReturn:
-        """Raise a user error every rank ran into: reported by one rank per node."""
-        if self.env.local_rank == 0:
-            raise CheckpointError(message)
-        raise ReportedElsewhere(message)
+            refuse_together([message] * self.env.world_size, local_rank=self.env.local_rank)
 
     def _write_trace(self, trace: list[TracedAction], *, complete: bool) -> None:
         write_trace(

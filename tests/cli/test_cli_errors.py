@@ -446,6 +446,17 @@ def test_launch_sh_checks_the_train_options_before_torchrun(tmp_path: Path) -> N
     assert helped.returncode == 0 and helped.stdout.startswith("usage: pipedream train")
 
 
+def test_launch_sh_ends_on_a_mistake_the_ranks_find_with_their_one_line(tmp_path: Path) -> None:
+    """What launch.sh cannot check without building the model, the ranks find: each printed
+    the line, then torchrun a traceback and a table of the ranks' failures, exit status 1."""
+    path = _plan(tmp_path, _two_stages(workload_args={**MLP_ARGS, "in_features": "-1"}))
+    result = launch(path, "--steps", "1", "--no-progress", timeout=120)
+    assert result.returncode == 2, result.stderr[-3000:]
+    ours = [line for line in result.stderr.splitlines() if line.startswith("pipedream")]
+    assert ours == ["pipedream train: error: mlp: in_features must be >= 1, got -1"]
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
+
+
 def test_launch_sh_checks_the_workload_before_torchrun(tmp_path: Path) -> None:
     """Without the check, each rank printed the error and torchrun its report (exit 1)."""
     path = _plan(tmp_path, _two_stages(workload_args={**MLP_ARGS, "widht": "8"}))

@@ -325,3 +325,24 @@ def test_keep_prunes_old_checkpoints(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     kept = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert kept == ["step-000006", "step-000008"]
+
+
+@pytest.mark.parametrize(
+    ("workload_args", "stages", "says"),
+    [
+        ({"in_features": "-1"}, [["0", "4"], ["5", "8"]], "mlp: in_features must be >= 1, got -1"),
+        ({}, [["0", "4"], ["5", "9"]], "'9'"),  # a layer the model lacks
+    ],
+)
+def test_a_mistake_every_rank_makes_is_said_once(
+    tmp_path: Path, workload_args: dict[str, str], stages: list[list[str]], says: str
+) -> None:
+    """Every rank printed it (8 ranks: 8 copies of the line before torchrun's report)."""
+    plan = write_plan(
+        straight_plan("mlp", stages, workload_args=workload_args), tmp_path / "plan.yaml"
+    )
+    result = run_plan(plan, "--steps", "2", "--run-dir", str(tmp_path / "run"), "--timeout", "60")
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0].startswith("pipedream train: error: "), errors
+    assert says in errors[0] and "rank" not in errors[0].split(": ")[1], errors
