@@ -206,6 +206,7 @@ def simulated_baselines(
     *,
     cluster: Cluster,
     schedule: str,
+    recompute: bool = False,
 ) -> list[Baseline] | None:
     """``found`` with the times the simulation of each one's action tables gives, to stand
     next to an optimizer's plan whose time is simulated (None when one is too big to
@@ -215,7 +216,13 @@ def simulated_baselines(
         if baseline.tree is None:
             out.append(baseline)
             continue
-        plan, _ = build_plan(profile, tree=baseline.tree, cluster=cluster, schedule=schedule)
+        plan, _ = build_plan(
+            profile,
+            tree=baseline.tree,
+            cluster=cluster,
+            schedule=schedule,
+            recompute=recompute,
+        )
         time_ms = simulated_ms(plan, profile, topology)
         if time_ms is None:
             return None

@@ -112,6 +112,7 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
         use_fewer_workers=bool(getattr(args, "fewer_workers", False)),
         virtual_stages=getattr(args, "virtual_stages", None),
         search=not getattr(args, "no_search", False),
+        recompute=bool(getattr(args, "recompute", False)),
     )
 
 
@@ -138,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
         print(format_candidates(result, microbatch_size=profile.microbatch_size))
     _note_fewer(result, profile, topology, options)
     if args.compare:
-        request = Request(LayerCosts.from_profile(profile), topology, options.cost_model)
+        costs = LayerCosts.from_profile(profile, recompute=options.recompute)
+        request = Request(costs, topology, options.cost_model)
         # the baselines give every stage its own workers: a placed schedule's are 1f1b's
         placed = lookup(plan.schedule).several_stages_per_rank
         under = "1f1b" if placed else plan.schedule
@@ -147,7 +149,12 @@ def run(args: argparse.Namespace) -> int:
         if plan.prediction is not None and plan.prediction.method == "simulated":
             # like with like: the baselines' tables simulated as the plan's were
             simulated = simulated_baselines(
-                found, profile, topology, cluster=result.cluster, schedule=under
+                found,
+                profile,
+                topology,
+                cluster=result.cluster,
+                schedule=under,
+                recompute=options.recompute,
             )
         print()
         print(

@@ -90,6 +90,10 @@ class LayerCosts:
     """Bytes crossing the cut after each layer but the last (``len - 1`` entries)."""
     tied: TiedLayers = field(default_factory=TiedLayers)
     """Parameters several layers use (counted in ``parameter_bytes`` of the first)."""
+    recompute: bool = False
+    """Activations are recomputed in backward (``--recompute``): ``compute_ms`` holds each
+    layer's forward twice, and a stage keeps only its inputs per microbatch in flight, the
+    activations of one microbatch at a time (:mod:`~pipedream.optimizer.memory`)."""
 
     @property
     def num_layers(self) -> int:
@@ -99,11 +103,21 @@ class LayerCosts:
         """Bytes crossing the cut after layer ``index`` (0 after the last layer)."""
         return self.boundary_bytes[index] if index < len(self.boundary_bytes) else 0.0
 
+    def input_bytes(self, first: int) -> float:
+        """Bytes a stage starting at layer ``first`` receives per microbatch (0 for the first
+        stage, whose input the data loader gives)."""
+        return self.boundary_bytes[first - 1] if first > 0 else 0.0
+
     @classmethod
-    def from_profile(cls, profile: Profile) -> LayerCosts:
+    def from_profile(cls, profile: Profile, *, recompute: bool = False) -> LayerCosts:
+        """The profile's costs; ``recompute``: of a run that recomputes activations in
+        backward (each backward runs its layers' forward again first)."""
         layers = profile.layers
         return cls(
-            compute_ms=tuple(layer.compute_ms for layer in layers),
+            recompute=recompute,
+            compute_ms=tuple(
+                layer.compute_ms + (layer.forward_ms if recompute else 0.0) for layer in layers
+            ),
             parameter_bytes=tuple(float(layer.parameter_bytes) for layer in layers),
             activation_bytes=tuple(
                 float(layer.output_bytes if layer.saved_bytes is None else layer.saved_bytes)

@@ -179,6 +179,7 @@ class _Solver:
                     self.limit,
                     self.ocum[lo : hi + 2],
                     self.acum[lo : hi + 2],
+                    self.bytes_in[lo : hi + 1] if self.costs.recompute else None,
                 )
             key: tuple[object, ...] = (
                 0,

@@ -8,7 +8,11 @@ A worker running a stage (layers ``first..last``) holds::
     activations  in_flight x activations  (saved_bytes, else output_bytes, per microbatch)
 
 where params include the copies of tied parameters that the stage holds without owning them
-(:mod:`~pipedream.optimizer.tied_costs`; their optimizer state lives with the owner).
+(:mod:`~pipedream.optimizer.tied_costs`; their optimizer state lives with the owner). With
+``--recompute`` (``LayerCosts.recompute``) a stage keeps only its inputs per microbatch in
+flight, and the activations of the one microbatch whose backward recomputes them::
+
+    activations  in_flight x input bytes + 1 x activations
 
 ``in_flight`` is the number of microbatches whose activations a worker keeps at once, read
 off the runtime's action tables (``pipedream.schedules``) for a stage of ``R`` replicas
@@ -139,8 +143,13 @@ class MemoryModel:
         )
         span = slice(first, last + 1)
         copies = costs.tied.copy_bytes(first, last) if costs.tied else 0.0
+        activations = sum(costs.activation_bytes[span])
+        if costs.recompute:  # inputs per microbatch in flight, one microbatch's activations
+            held = activation_factor * costs.input_bytes(first) + activations
+        else:
+            held = activation_factor * activations
         return (
             param_factor * (sum(costs.parameter_bytes[span]) + copies)
             + sum(costs.optimizer_state_bytes[span])
-            + activation_factor * sum(costs.activation_bytes[span])
+            + held
         )

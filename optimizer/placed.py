@@ -225,11 +225,12 @@ def _layout(
     microbatches: int,
     spans: Sequence[tuple[int, int]],
     copies: int,
+    recompute: bool = False,
 ) -> _Layout | None:
     """Stages ``spans`` on ``copies`` copies of the pipeline (copy ``j`` on ranks
     ``j P .. j P + P - 1``), placed but not simulated; None when it is too big to simulate
     (not a candidate: its memory is not even counted)."""
-    costs = LayerCosts.from_profile(profile)
+    costs = LayerCosts.from_profile(profile, recompute=recompute)
     workers = cluster.num_workers
     per_copy = workers // copies
     placement = lookup(schedule).placement
@@ -255,6 +256,7 @@ def _layout(
         ),
         workload_args=dict(profile.workload_args),
         layers=tuple(names),
+        recompute=recompute,
     )
     if too_big_to_simulate(plan):
         return None
@@ -283,7 +285,7 @@ def _simulated(
             stage_ms=stage_ms,
             memory_bytes=layout.memory,
             data_parallel_time_per_minibatch_ms=_data_parallel_ms(
-                LayerCosts.from_profile(profile), cluster
+                LayerCosts.from_profile(profile, recompute=plan.recompute), cluster
             ),
             cost_model=cluster.cost_model,
             method="simulated",
@@ -314,10 +316,11 @@ def placed_plan(
     memory_limit: float | None,
     cost_model: str,
     straight: bool = False,
+    recompute: bool = False,
 ) -> tuple[PlacedPlan | None, str]:
     """The fastest plan for ``schedule`` that fits ``memory_limit`` (see the module
     docstring), or None and why there is none; ``straight``: one copy of the pipeline over
-    all workers (no stage replicated)."""
+    all workers (no stage replicated); ``recompute``: activations recomputed in backward."""
     found = placed_search(
         profile,
         topology,
@@ -327,6 +330,7 @@ def placed_plan(
         memory_limit=memory_limit,
         cost_model=cost_model,
         straight=straight,
+        recompute=recompute,
     )
     return found.plan, found.problem
 
@@ -354,6 +358,7 @@ def placed_search(
     memory_limit: float | None,
     cost_model: str,
     straight: bool = False,
+    recompute: bool = False,
 ) -> PlacedSearch:
     """:func:`placed_plan`, saying also whether the memory limit is why there is no plan.
 
@@ -362,7 +367,7 @@ def placed_search(
     fastest simulated is faster than the next bound by :data:`~pipedream.optimizer.bounds.
     BOUND_SLACK`, no candidate left can beat it and none is simulated."""
     workers = Cluster.from_topology(topology, cost_model=cost_model).num_workers
-    costs = LayerCosts.from_profile(profile)
+    costs = LayerCosts.from_profile(profile, recompute=recompute)
     layouts: list[tuple[_Layout, Cluster]] = []
     smallest: float | None = None
     problems = []
@@ -397,6 +402,7 @@ def placed_search(
                 microbatches=m,
                 spans=spans,
                 copies=copies,
+                recompute=recompute,
             )
             if layout is None:
                 continue

@@ -116,6 +116,9 @@ class PlanOptions:
     """Search beside the simulated plan by simulation (:mod:`~pipedream.optimizer.refine`);
     off (``--no-search``), the fastest simulated of the dynamic program's plan, the best
     straight pipeline and data parallelism stands."""
+    recompute: bool = False
+    """Plan a run that recomputes activations in backward (``--recompute``): each backward
+    runs its forward again, and a stage keeps only its inputs per microbatch in flight."""
 
 
 @dataclass(frozen=True)
@@ -178,7 +181,7 @@ def _check_options(options: PlanOptions) -> None:
 def plan_profile(profile: Profile, *, topology: Topology, options: PlanOptions) -> PlanResult:
     """Plan ``profile`` on ``topology``: see the module docstring."""
     _check_options(options)
-    costs = LayerCosts.from_profile(profile)
+    costs = LayerCosts.from_profile(profile, recompute=options.recompute)
     request = Request(
         costs=costs,
         topology=topology,
@@ -201,6 +204,7 @@ def plan_profile(profile: Profile, *, topology: Topology, options: PlanOptions) 
             memory_limit=request.memory_limit,
             cost_model=options.cost_model,
             straight=options.straight,
+            recompute=options.recompute,
         )
         if placed is None:
             raise PlanningError(problem)
@@ -208,7 +212,9 @@ def plan_profile(profile: Profile, *, topology: Topology, options: PlanOptions) 
     if options.schedule == AUTO:
         found = solve_auto(request, microbatches=options.microbatches)
         placed_found, skipped = _placed_outcomes(profile, topology, options, request.memory_limit)
-        checked = _simulated_outcomes(found, profile, topology, force=bool(placed_found))
+        checked = _simulated_outcomes(
+            found, profile, topology, force=bool(placed_found), recompute=options.recompute
+        )
         simulated_auto = checked is not found
         dropped = not simulated_auto and bool(placed_found)
         if dropped:  # too big to simulate: the closed forms alone compare
@@ -233,7 +239,11 @@ def plan_profile(profile: Profile, *, topology: Topology, options: PlanOptions) 
     if outcome.tree is None:
         raise PlanningError(outcome.problem)
     plan, evaluation = build_plan(
-        profile, tree=outcome.tree, cluster=outcome.cluster, schedule=outcome.schedule
+        profile,
+        tree=outcome.tree,
+        cluster=outcome.cluster,
+        schedule=outcome.schedule,
+        recompute=options.recompute,
     )
     tree = outcome.tree
     if simulated_auto and not needs_simulation(plan):  # chosen by its simulated time
@@ -293,6 +303,7 @@ def _placed_outcomes(
                     memory_limit=memory_limit,
                     cost_model=options.cost_model,
                     straight=options.straight,
+                    recompute=options.recompute,
                 )
                 best, problem = search.plan, search.problem
                 memory = search.leanest_bytes is not None
@@ -343,7 +354,12 @@ def _not_compared(
 
 
 def _simulated_outcomes(
-    outcomes: list[Outcome], profile: Profile, topology: Topology, *, force: bool = False
+    outcomes: list[Outcome],
+    profile: Profile,
+    topology: Topology,
+    *,
+    force: bool = False,
+    recompute: bool = False,
 ) -> list[Outcome]:
     """``--schedule auto``'s candidates, all with simulated times when one of them needs
     simulation (or ``force``: the placed schedules' candidates are simulated) so that every
@@ -351,7 +367,11 @@ def _simulated_outcomes(
     copies), else as they are; also as they are when one is too big."""
     plans = {
         id(outcome): build_plan(
-            profile, tree=outcome.tree, cluster=outcome.cluster, schedule=outcome.schedule
+            profile,
+            tree=outcome.tree,
+            cluster=outcome.cluster,
+            schedule=outcome.schedule,
+            recompute=recompute,
         )[0]
         for outcome in outcomes
         if outcome.tree is not None
@@ -393,7 +413,11 @@ def _fastest_simulated(
     data_parallel_ms = None
     for tree in [*trees, data_parallel]:
         plan, evaluation = build_plan(
-            profile, tree=tree, cluster=outcome.cluster, schedule=outcome.schedule
+            profile,
+            tree=tree,
+            cluster=outcome.cluster,
+            schedule=outcome.schedule,
+            recompute=request.costs.recompute,
         )
         simulated = simulated_ms(plan, profile, topology)  # all alike: the same costs
         if simulated is None:
@@ -411,7 +435,11 @@ def _fastest_simulated(
     refined = _refine(profile, topology, request, outcome, tree, time_ms, search=search)
     if refined is not None and refined.tree != tree:
         found_plan, found_evaluation = build_plan(
-            profile, tree=refined.tree, cluster=outcome.cluster, schedule=outcome.schedule
+            profile,
+            tree=refined.tree,
+            cluster=outcome.cluster,
+            schedule=outcome.schedule,
+            recompute=request.costs.recompute,
         )
         # the search's runs may stop short of a steady state; the prediction's may not, and
         # has the last word
@@ -466,7 +494,13 @@ def _refine(
 
     def plan_of(tree: Tree) -> tuple[Plan, TreeEvaluation]:
         if tree not in built:
-            built[tree] = build_plan(profile, tree=tree, cluster=cluster, schedule=outcome.schedule)
+            built[tree] = build_plan(
+                profile,
+                tree=tree,
+                cluster=cluster,
+                schedule=outcome.schedule,
+                recompute=request.costs.recompute,
+            )
         return built[tree]
 
     def simulate(tree: Tree) -> tuple[float | None, int]:
@@ -497,10 +531,11 @@ def make_plan(profile: Profile, *, topology: Topology, options: PlanOptions) -> 
 
 
 def build_plan(
-    profile: Profile, *, tree: Tree, cluster: Cluster, schedule: str
+    profile: Profile, *, tree: Tree, cluster: Cluster, schedule: str, recompute: bool = False
 ) -> tuple[Plan, TreeEvaluation]:
-    """The Plan of ``tree`` with its ranks and a filled ``prediction``."""
-    costs = LayerCosts.from_profile(profile)
+    """The Plan of ``tree`` with its ranks and a filled ``prediction``; ``recompute``: a plan
+    that recomputes activations in backward (its times and memory)."""
+    costs = LayerCosts.from_profile(profile, recompute=recompute)
     m = cluster.microbatches
     memory = MemoryModel(schedule, m)
     evaluation = evaluate_tree(costs, tree, cluster=cluster, memory=memory)
@@ -540,6 +575,7 @@ def build_plan(
         stages=stages,
         workload_args=dict(profile.workload_args),
         layers=tuple(names),
+        recompute=recompute,
         prediction=prediction,
     )
     if lookup(schedule).splits_backward:  # the tables say what the closed form bounds

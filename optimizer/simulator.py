@@ -347,7 +347,8 @@ def stage_work(plan: Plan, profile: Profile) -> list[StageWork]:
     backward and update, reading a microbatch from the dataset to every forward of the first
     stage (inputs) and of the last stage (targets), and the loss to every forward and backward of
     the last stage; a profile without them (imported, or written before they were measured)
-    adds nothing.
+    adds nothing. A plan that recomputes activations (``recompute``) runs each stage's forward
+    again in its backward (split: in ``I``, which the input share then counts).
     """
     index = {name: i for i, name in enumerate(profile.layer_names)}
     overhead = profile.overhead or ActionOverhead(0.0, 0.0, 0.0)
@@ -364,13 +365,17 @@ def stage_work(plan: Plan, profile: Profile) -> list[StageWork]:
             overhead.targets_ms + overhead.loss_forward_ms if last_stage else 0.0
         )
         loss_backward_ms = overhead.loss_backward_ms if last_stage else 0.0
+        backward_ms = (
+            sum(layer.backward_ms for layer in layers) + overhead.backward_ms + loss_backward_ms
+        )
+        again = sum(layer.forward_ms for layer in layers) if plan.recompute else 0.0
         work.append(
             StageWork(
                 tied_bytes=tied.get(number, {}),
                 forward_ms=sum(layer.forward_ms for layer in layers) + overhead.forward_ms + reads,
-                backward_ms=sum(layer.backward_ms for layer in layers)
-                + overhead.backward_ms
-                + loss_backward_ms,
+                backward_ms=backward_ms + again,
+                # I is half of the backward, and the recomputed forward
+                input_share=(backward_ms / 2 + again) / (backward_ms + again) if again else 0.5,
                 parameter_bytes=params,
                 output_bytes=float(profile.boundary_bytes(last)) if last < len(index) - 1 else 0,
                 update_ms=sum(layer.update_ms or 0.0 for layer in layers) + overhead.update_ms,

@@ -38,7 +38,8 @@ _MEMORY_TOLERANCE = 1e-9
 
 @dataclass(frozen=True)
 class MemoryMask:
-    """``fits(x..y)``: param_factor x params + optimizer + act_factor x activations <= limit."""
+    """``fits(x..y)``: param_factor x params + optimizer + act_factor x activations <= limit
+    (with ``input_bytes``: act_factor x inputs + activations)."""
 
     param_factor: int
     """Multiplier of the parameter bytes (weight versions + gradients)."""
@@ -50,6 +51,9 @@ class MemoryMask:
     """``n + 1`` prefix sums of optimizer-state bytes."""
     activation_cum: FloatArray
     """``n + 1`` prefix sums of activation bytes."""
+    input_bytes: FloatArray | None = None
+    """With ``--recompute``: ``n``, the input bytes of a stage starting at ``x``; a stage then
+    holds ``act_factor`` x its input and 1 x its activations (None: no recompute)."""
 
 
 @dataclass(frozen=True)
@@ -148,7 +152,11 @@ class StageTimes:
         else:
             opt = mask.optimizer_cum[y + 1] - mask.optimizer_cum[x]
             acts = mask.activation_cum[y + 1] - mask.activation_cum[x]
-        need = mask.param_factor * params + opt + mask.act_factor * acts
+        if mask.input_bytes is None:
+            held = mask.act_factor * acts
+        else:  # recompute: inputs per microbatch in flight, one microbatch's activations
+            held = mask.act_factor * mask.input_bytes[x] + acts
+        need = mask.param_factor * params + opt + held
         # prefix sums round differently from the plan's own sums: do not lose a plan that fits
         fits: NDArray[np.bool_] = need <= mask.limit * (1 + _MEMORY_TOLERANCE)
         return fits

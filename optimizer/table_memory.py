@@ -17,6 +17,11 @@ So a worker holds, over the stages it runs::
     sum of (weights + gradients) x (parameters + tied copies) + optimizer state
     + the most activation (and W-buffer) bytes its table holds at once
       (:func:`~pipedream.schedules.unit_time.peak_held_bytes`)
+
+With ``--recompute`` (``LayerCosts.recompute``) a forward holds only the stage's input until
+its backward; the backward recomputes the activations and holds them while it runs (split:
+from ``I``, which recomputes them, to ``W``), so an unsplit backward adds its stage's
+activations to the peak, one microbatch at a time.
 """
 
 from __future__ import annotations
@@ -49,11 +54,22 @@ def worker_memory(
         weights = 2 * (sum(costs.parameter_bytes[span]) + copies)  # one version, gradients
         static[stage] = weights + sum(costs.optimizer_state_bytes[span])
         held[stage] = sum(costs.activation_bytes[span])
-    deferred = held if split else dict.fromkeys(held, 0.0)
+    recomputed = dict.fromkeys(held, 0.0)  # an unsplit backward's, while it runs
+    if costs.recompute:
+        activations = held
+        held = {stage: costs.input_bytes(first) for stage, (first, _) in enumerate(spans)}
+        deferred = activations if split else dict.fromkeys(held, 0.0)
+        recomputed = dict.fromkeys(held, 0.0) if split else activations
+    else:
+        deferred = held if split else dict.fromkeys(held, 0.0)
     every = plan.steps_multiple  # each replica gets its turns
     tables = build_tables(spec_from_plan(plan, 0, TABLE_MINIBATCHES * every))
     out = {}
     for rank, table in tables.items():
         stages = sorted({action.stage for action in table})
-        out[rank] = sum(static[s] for s in stages) + peak_held_bytes(table, held, deferred)
+        out[rank] = (
+            sum(static[s] for s in stages)
+            + peak_held_bytes(table, held, deferred)
+            + max(recomputed[s] for s in stages)
+        )
     return out

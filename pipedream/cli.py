@@ -150,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--straight", action="store_true", help="one replica per stage")
     plan.add_argument(
+        "--recompute",
+        action="store_true",
+        help="plan a run that recomputes activations in backward (train --recompute): "
+        "slower backwards, a stage keeps only its inputs",
+    )
+    plan.add_argument(
         "--memory", metavar="X", help="memory per worker, e.g. '16 GiB' (overrides the topology)"
     )
     plan.add_argument(

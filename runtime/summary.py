@@ -78,9 +78,12 @@ def report(
     checkpoint: Path,
     run_dir: Path,
     device: torch.device | None = None,
+    recompute: bool = False,
 ) -> dict[str, Any]:
     """Print the summary on stderr and write ``summary.json``; returns the summary. The
-    workload's evaluation runs on ``device`` (the reporting rank's; default the CPU)."""
+    workload's evaluation runs on ``device`` (the reporting rank's; default the CPU);
+    ``recompute``: the run recomputed activations (``--recompute``), which a plan made without
+    it does not predict."""
     measured = logger.time_per_step_ms()
     host_cpu = logger.host_cpu_per_step_ms()
     predicted = plan.prediction.time_per_minibatch_ms if plan.prediction else None
@@ -115,6 +118,11 @@ def report(
             f", {predicted:.2f} ms predicted by the plan"
             if predicted is not None
             else " (hand-written plan: no prediction)"
+        )
+        + (
+            " (made without recomputation: plan --recompute predicts this run)"
+            if recompute and not plan.recompute and predicted is not None
+            else ""
         ),
     ]
     for r in sorted(ranks, key=lambda r: r.rank):

@@ -473,6 +473,7 @@ class _RankJob:
                 checkpoint=self.last_checkpoint,
                 run_dir=self.run_dir,
                 device=self.device,
+                recompute=self.options.recompute,
             )
             logger.close()
         return 0

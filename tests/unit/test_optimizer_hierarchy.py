@@ -140,7 +140,23 @@ def test_prefixes_of_every_count_solved_together_or_one_by_one_agree(
 @pytest.mark.parametrize("seed", range(16))
 @pytest.mark.parametrize("schedule", ["pipedream", "2bw", "1f1b", "gpipe"])
 def test_dp_with_memory_limit_matches_brute_force(seed: int, schedule: str) -> None:
+    _check_memory_limit(seed, schedule, recompute=False)
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("schedule", ["pipedream", "1f1b"])
+def test_dp_with_recompute_under_a_memory_limit_matches_brute_force(
+    seed: int, schedule: str
+) -> None:
+    """Recomputing, a stage holds its input per microbatch in flight and one microbatch's
+    activations: the program's memory check (on whole ranges at once) and the plan's
+    evaluation count the same bytes."""
+    _check_memory_limit(seed, schedule, recompute=True)
+
+
+def _check_memory_limit(seed: int, schedule: str, *, recompute: bool) -> None:
     costs, cluster = random_case(200 + seed)
+    costs = dataclasses.replace(costs, recompute=recompute)
     fewer = bool(seed % 2)  # idle workers change the placement context too
     memory = MemoryModel(schedule, cluster.microbatches)
     # a limit between the most frugal plan's peak and the unconstrained optimum's, so that a
