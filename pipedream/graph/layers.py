@@ -156,23 +156,48 @@ class LayerGraph:
 
     @staticmethod
     def pattern_layer_names(program: ExportedProgram, patterns: Sequence[str]) -> list[str]:
-        """Layers at module paths matching any glob (``--layers 'blocks.*'``); the rest of the
-        model is grouped by top-level child."""
-        names = []
-        for node in program.graph.nodes:
-            path = _module_path(node)
-            if node.op != "call_function" or not path:
-                continue
-            parts = path.split(".")
-            prefixes = [".".join(parts[: i + 1]) for i in range(len(parts))]
-            matching = [p for p in prefixes if any(fnmatch.fnmatchcase(p, g) for g in patterns)]
-            names.append(matching[0] if matching else parts[0])
-        if not any(any(fnmatch.fnmatchcase(n, g) for g in patterns) for n in names):
+        """Layers at module paths matching any glob (``--layers 'blocks.*'``): for each glob
+        the shortest prefix of a module's path that it matches, and of several globs the most
+        specific (longest) match, so ``'h*' 'h0.*'`` splits ``h0`` and keeps ``h1`` whole. The
+        rest of the model is grouped by top-level child, and a module that holds a layer has
+        its other children as layers of their own (``'h0.attn'`` gives ``h0.ln1``,
+        ``h0.attn``, ``h0.ln2``, ``h0.mlp``), rather than folded into a neighbour's name."""
+        paths = [
+            _module_path(node)
+            for node in program.graph.nodes
+            if node.op == "call_function" and _module_path(node)
+        ]
+        matched = [LayerGraph._matched(path, patterns) for path in paths]
+        chosen = {name for name in matched if name is not None}
+        if not chosen:
             raise WorkloadError(
                 f"--layers {' '.join(patterns)!r} matches no module of the model; patterns are "
                 "globs over module paths such as 'blocks.*' or 'layer?.*'"
             )
+        names = []
+        for path, match in zip(paths, matched):
+            if match is not None:
+                names.append(match)
+                continue
+            parts = path.split(".")
+            prefixes = [".".join(parts[: i + 1]) for i in range(len(parts))]
+            # the shortest prefix that holds no chosen layer (else the path itself: the holder's
+            # own operations, which join the layer before them)
+            free = [p for p in prefixes if not any(_within(c, p) for c in chosen)]
+            names.append(free[0] if free else path)
         return LayerGraph._in_execution_order(program, list(dict.fromkeys(names)))
+
+    @staticmethod
+    def _matched(path: str, patterns: Sequence[str]) -> str | None:
+        """The layer a glob makes of ``path``'s module: per glob the shortest matching prefix,
+        the longest of those (None: no glob matches)."""
+        parts = path.split(".")
+        prefixes = [".".join(parts[: i + 1]) for i in range(len(parts))]
+        found = [
+            next((p for p in prefixes if fnmatch.fnmatchcase(p, glob)), None) for glob in patterns
+        ]
+        matches = [p for p in found if p is not None]
+        return max(matches, key=len) if matches else None
 
     @staticmethod
     def _in_execution_order(program: ExportedProgram, names: list[str]) -> list[str]:

@@ -91,6 +91,24 @@ def test_patterns_choose_the_granularity() -> None:
         layer_graph(workload.model, workload.example_input, patterns=["nothing.*"])
 
 
+@pytest.mark.parametrize(
+    "patterns", [["h*", "h0.*"], ["h0.attn"], ["h0.attn", "h0.ln1", "h0.ln2", "h0.mlp"]]
+)
+def test_a_split_module_keeps_its_other_children_as_layers(patterns: list[str]) -> None:
+    """``'h*' 'h0.*'`` dropped the nested glob (h0 stayed whole), and ``'h0.attn'`` put
+    ``h0.ln1`` into ``embed`` and ``h0.ln2``, ``h0.mlp`` into ``h0.attn``, under those names."""
+    args = {"layers": "2", "dim": "32", "heads": "2", "seq": "16"}
+    workload = load_workload("gpt", args, microbatch_size=B)
+    graph = layer_graph(workload.model, workload.example_input, patterns=patterns)
+    assert graph.layers == [
+        "embed", "h0.ln1", "h0.attn", "h0.ln2", "h0.mlp", "h1", "norm", "head"
+    ]  # fmt: skip
+    depth = layer_graph(workload.model, workload.example_input, depth=2)
+    for name in ("h0.ln1", "h0.attn", "h0.ln2", "h0.mlp"):  # the same cuts as --depth 2's
+        mine, theirs = graph.layers.index(name), depth.layers.index(name)
+        assert graph.cut_bytes()[mine] == depth.cut_bytes()[theirs]
+
+
 class _DataDependent(nn.Module):
     def __init__(self) -> None:
         super().__init__()
