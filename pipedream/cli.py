@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 from pipedream import __version__
 from pipedream.errors import AlreadyReported, PipedreamError, RunFailure
-from pipedream.outputs import check_not_input, check_output
+from pipedream.outputs import check_distinct, check_not_input, check_output
 
 __all__ = ["build_parser", "main"]
 
@@ -51,6 +51,25 @@ _INPUTS: dict[str, Callable[[argparse.Namespace], list[str | None]]] = {
     "trace": lambda args: [args.plan, os.path.join(args.run_dir, "traces")],
 }
 """Each verb's inputs that its outputs must not replace (files) or write into (folders)."""
+
+
+def _trace_defaults(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The files ``pipedream trace`` writes where ``-o`` or ``--png`` is not given."""
+    from pipedream.runtime.trace_plot import matplotlib_available
+
+    defaults = []
+    if args.output is None:
+        defaults.append(("-o (default)", os.path.join(args.run_dir, "trace.json")))
+    if args.png is None and matplotlib_available():
+        defaults.append(("--png (default)", os.path.join(args.run_dir, "timeline.png")))
+    return defaults
+
+
+_DEFAULT_OUTPUTS: dict[str, Callable[[argparse.Namespace], list[tuple[str, str]]]] = {
+    "trace": _trace_defaults,
+}
+"""The files a verb writes by default where its output options are left out: ``(how the
+messages call it, path)``, checked against the outputs given."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -413,11 +432,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     module_name, _, function = _HANDLERS[args.verb].partition(":")
     try:
+        outputs = []
         for attribute, option, example in _OUTPUTS.get(args.verb, ()):
             if getattr(args, attribute) is not None:
                 image = example.endswith(".png")
                 check_not_input(getattr(args, attribute), option, _INPUTS[args.verb](args))
                 check_output(getattr(args, attribute), option, example=example, image=image)
+                outputs.append((option, getattr(args, attribute)))
+        defaults = _DEFAULT_OUTPUTS.get(args.verb)
+        check_distinct(outputs + (defaults(args) if defaults else []))
         handler = getattr(importlib.import_module(module_name), function)
         code = handler(args)
     except AlreadyReported:

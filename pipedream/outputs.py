@@ -7,19 +7,20 @@ existing path that is not a regular file, a folder that cannot be created or wri
 images a file type matplotlib does not write; it creates the missing folders, as the writers
 would. :func:`check_not_input` refuses an output that would replace one of the command's own
 inputs (``pipedream plan profile.yaml -o profile.yaml``) or write into an input folder (a
-checkpoint, a run's traces).
+checkpoint, a run's traces), and :func:`check_distinct` two outputs of one command that are the
+same file (``pipedream profile --plot p.png -o p.png`` wrote the profile, then the image over it).
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from pipedream.errors import PipedreamError
 
-__all__ = ["IMAGE_SUFFIXES", "OutputError", "check_not_input", "check_output"]
+__all__ = ["IMAGE_SUFFIXES", "OutputError", "check_distinct", "check_not_input", "check_output"]
 
 IMAGE_SUFFIXES = (
     ".png",
@@ -101,3 +102,27 @@ def check_not_input(path: str, option: str, inputs: Iterable[str | None]) -> Non
                 f"{option} {path}: is inside the input folder {given}, whose files are the "
                 "command's input; write the output elsewhere"
             )
+
+
+def check_distinct(outputs: Sequence[tuple[str, str]]) -> None:
+    """Raise :class:`OutputError` if two of a command's ``outputs`` (``(option, path)`` pairs, in
+    the order the command writes them) are the same file, however written (relative, through
+    links): the later one would replace the earlier."""
+    seen: list[tuple[str, str, Path]] = []
+    for option, path in outputs:
+        target = Path(path).resolve()
+        for earlier_option, earlier_path, earlier in seen:
+            if target == earlier or _same_existing_file(target, earlier):
+                raise OutputError(
+                    f"{option} {path}: is the same file as {earlier_option} {earlier_path}, "
+                    "which writing it would replace; give each output its own path"
+                )
+        seen.append((option, path, target))
+
+
+def _same_existing_file(one: Path, other: Path) -> bool:
+    """Whether two existing paths are one file (hard links)."""
+    try:
+        return one.is_file() and other.is_file() and one.samefile(other)
+    except OSError:
+        return False

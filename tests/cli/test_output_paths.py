@@ -4,6 +4,7 @@ device such as ``/dev/null`` with the file (pipedream/outputs.py)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import stat
 from pathlib import Path
@@ -133,3 +134,44 @@ def test_an_output_never_replaces_an_input(
     assert line[0].endswith("write the output elsewhere")
     assert all((places / n).read_text() == "the input\n" for n in ("p.yaml", "t.yaml", "plan.yaml"))
     assert not (places / "run" / "traces" / "rank-000.json").exists()
+
+
+# (the command, its outputs under tmp_path, what the line says)
+SAME_FILE_CASES = [
+    (["profile", "digits", "--plot", "{d}/same.png", "-o", "{d}/same.png"],
+     "--plot {d}/same.png: is the same file as -o {d}/same.png"),
+    (["profile", "digits", "-o", "{d}/same.png", "--plot", "{d}/adir/../same.png"],
+     "--plot {d}/adir/../same.png: is the same file as -o {d}/same.png"),
+    (["profile", "digits", "-o", "{d}/same.png", "--plot", "{d}/link.png"],
+     "--plot {d}/link.png: is the same file as -o {d}/same.png"),
+    (["trace", "{d}/run", "-o", "{d}/t.png", "--png", "{d}/t.png"],
+     "--png {d}/t.png: is the same file as -o {d}/t.png"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("command", "message"), SAME_FILE_CASES)
+def test_two_outputs_are_never_one_file(places: Path, command: list[str], message: str) -> None:
+    """``profile --plot same.png -o same.png`` profiled, wrote the profile, then replaced it with
+    the image, and exited 0; now it stops before profiling."""
+    (places / "link.png").symlink_to(places / "same.png")
+    result = run_main(*(part.format(d=places) for part in command))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (
+        f"pipedream {command[0]}: error: {message.format(d=places)}, which writing it would "
+        "replace; give each output its own path\n"
+    )
+    assert result.stdout == ""  # nothing measured
+    assert not (places / "same.png").exists() and not (places / "t.png").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="needs matplotlib")
+def test_an_output_is_never_the_file_another_writes_by_default(places: Path) -> None:
+    """``trace RUN -o RUN/timeline.png`` wrote the Perfetto trace, then the Gantt chart over it
+    (``--png``'s default)."""
+    run = places / "run"
+    result = run_main("trace", str(run), "-o", str(run / "timeline.png"))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (
+        f"pipedream trace: error: --png (default) {run}/timeline.png: is the same file as -o "
+        f"{run}/timeline.png, which writing it would replace; give each output its own path\n"
+    )
