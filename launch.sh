@@ -65,8 +65,10 @@ done
 # Validate the plan and the options for `pipedream train`, and work out processes per node,
 # before starting anything: a bad plan, a bad option or a world size that does not match gives
 # one line and exit code 2, not one per rank and a torchrun error report.
-nproc=$("$python_bin" -m pipedream.runtime.launch_check "$plan" --nnodes "${nnodes:-1}" \
+# It prints the processes per node and the number of nodes (--nnodes 1:1 is 1).
+checked=$("$python_bin" -m pipedream.runtime.launch_check "$plan" --nnodes "${nnodes:-1}" \
           ${nproc:+--nproc-per-node "$nproc"} -- "${train_args[@]+"${train_args[@]}"}")
+read -r nproc nodes <<<"$checked"
 
 # Pin the run directory here, so that workers restarted by torchrun (--max-restarts) find the
 # checkpoints of the run they continue.
@@ -78,7 +80,7 @@ if [[ $has_run_dir -eq 0 ]]; then
   train_args+=(--run-dir "runs/$(date +%Y%m%d-%H%M%S)")
 fi
 
-if [[ $rendezvous -eq 0 && "${nnodes:-1}" == "1" ]]; then
+if [[ $rendezvous -eq 0 && "$nodes" == "1" ]]; then
   torchrun_args+=(--standalone)
 fi
 

@@ -4,7 +4,8 @@
 Used by ``launch.sh`` before torchrun starts: validates the plan, its action tables, its
 workload's name and options (without building the model) and the options for ``pipedream
 train`` (as every rank would, and a checkpoint to resume from), and prints the number of
-processes per node, or prints the error and exits with status 2.
+processes per node and the number of nodes (``--nnodes 1:1`` is one), or prints the error and
+exits with status 2.
 """
 
 from __future__ import annotations
@@ -20,7 +21,37 @@ from pipedream.runtime.train_options import check_options, check_segments, train
 from pipedream.schedules import validate_plan_schedule, validation_bound
 from pipedream.workload_options import check_workload
 
-__all__ = ["check_train_options", "main", "processes_per_node"]
+__all__ = ["check_train_options", "main", "node_count", "processes_per_node"]
+
+
+def _whole_number(value: str, option: str, what: str) -> int:
+    """``value`` of ``option`` as an integer, else :class:`LaunchError` naming the option."""
+    try:
+        return int(value)
+    except ValueError:
+        raise LaunchError(f"{option} {value!r}: must be a whole number of {what}") from None
+
+
+def node_count(value: str, world_size: int) -> int:
+    """The number of nodes that ``--nnodes value`` asks for: ``N``, or torchrun's elastic range
+    ``MIN:MAX`` where ``MIN == MAX``. A range that lets the job start on fewer nodes than it
+    waits for is refused: a plan's world size is fixed, so torchrun would wait for the other
+    nodes forever, or start too few processes."""
+    low, colon, high = value.partition(":")
+    if not colon:
+        return _whole_number(value, "--nnodes", "nodes, or MIN:MAX with MIN = MAX")
+    try:
+        nodes = int(low), int(high)
+    except ValueError:
+        raise LaunchError(
+            f"--nnodes {value!r}: must be a whole number of nodes, or MIN:MAX with MIN = MAX"
+        ) from None
+    if nodes[0] != nodes[1]:
+        raise LaunchError(
+            f"--nnodes {value}: a plan runs on a fixed number of processes ({world_size}), so "
+            f"not on an elastic range of nodes; give one number, e.g. --nnodes {nodes[1]}"
+        )
+    return nodes[0]
 
 
 def processes_per_node(world_size: int, *, nnodes: int, nproc_per_node: int | None) -> int:
@@ -99,19 +130,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv[:split])
     try:
         plan = load_plan(args.plan)
-        try:
-            nnodes = int(str(args.nnodes).split(":")[-1])
-            nproc = None if args.nproc_per_node is None else int(args.nproc_per_node)
-        except ValueError:
-            raise LaunchError(
-                f"--nnodes {args.nnodes!r} / --nproc-per-node {args.nproc_per_node!r} must be "
-                "whole numbers"
-            ) from None
+        nnodes = node_count(args.nnodes, plan.world_size)
+        nproc = None
+        if args.nproc_per_node is not None:
+            nproc = _whole_number(args.nproc_per_node, "--nproc-per-node", "processes")
         count = processes_per_node(plan.world_size, nnodes=nnodes, nproc_per_node=nproc)
         check_workload(plan.workload, plan.workload_args, source=args.plan)  # cheap: first
         validate_plan_schedule(plan, [validation_bound(plan)], source=args.plan)
         check_train_options(args.plan, plan, argv[split + 1 :], nproc_per_node=count)
-        print(count)
+        print(count, nnodes)
     except PipedreamError as exc:
         print(f"launch.sh: error: {exc}", file=sys.stderr)
         return 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import socket
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import yaml
 
 from pipedream.runtime import launch_check
 
-from launching import launch, run_main, straight_plan, write_plan
+from launching import REPO, launch, run_main, straight_plan, write_plan
 
 # The default mlp with layers=2 has the layers "0", "1" (Linear+ReLU blocks) and "2" (the head).
 MLP_ARGS = {"layers": "2", "samples": "64"}
@@ -251,6 +252,74 @@ def test_launch_sh_malformed_plan(tmp_path: Path) -> None:
     assert line == f"launch.sh: error: {path}: world_size: must be >= 1, got -2; use 1 or more"
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        pytest.param(
+            ["--nnodes", "1:2"],
+            "--nnodes 1:2: a plan runs on a fixed number of processes (2), so not on an elastic "
+            "range of nodes; give one number, e.g. --nnodes 2",
+            id="elastic-range",  # accepted, then torchrun waited for a second node forever
+        ),
+        pytest.param(
+            ["--nnodes=abc"],
+            "--nnodes 'abc': must be a whole number of nodes, or MIN:MAX with MIN = MAX",
+            id="nnodes",  # named --nproc-per-node None too
+        ),
+        pytest.param(
+            ["--nnodes", "1:x"],
+            "--nnodes '1:x': must be a whole number of nodes, or MIN:MAX with MIN = MAX",
+            id="nnodes-range",
+        ),
+        pytest.param(
+            ["--nproc-per-node", "two"],
+            "--nproc-per-node 'two': must be a whole number of processes",
+            id="nproc-per-node",  # named --nnodes '1' too
+        ),
+    ],
+)
+def test_launch_sh_names_the_node_option_it_refuses(
+    tmp_path: Path, options: list[str], message: str
+) -> None:
+    result = launch(_plan(tmp_path, _two_stages()), *options, "--steps", "1", timeout=60)
+    assert _one_line(result, "launch.sh: error: ") == f"launch.sh: error: {message}"
+    assert result.stdout == ""  # torchrun never started
+
+
+def _torchrun_argv(tmp_path: Path, plan: Path, *options: str) -> list[str]:
+    """The command line launch.sh gives torchrun for ``./launch.sh PLAN OPTIONS...``: its
+    interpreter ($PYTHON) is a script that prints the arguments of ``-m
+    pipedream.runtime.torchrun`` instead of starting it (and runs the checks before it)."""
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = -m ] && [ "$2" = pipedream.runtime.torchrun ]; then\n'
+        "  shift 2; printf '%s\\n' \"$@\"; exit 0\n"
+        "fi\n"
+        f'exec {sys.executable} "$@"\n'
+    )
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake)}
+    result = subprocess.run(
+        ["bash", str(REPO / "launch.sh"), str(plan), *options],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()
+
+
+@pytest.mark.parametrize("nnodes", ["1", "1:1"])
+def test_launch_sh_runs_one_node_standalone(tmp_path: Path, nnodes: str) -> None:
+    """``--nnodes 1:1`` is one node, as ``--nnodes 1``: torchrun --standalone (it went without,
+    on the static rendezvous at a fixed port)."""
+    argv = _torchrun_argv(tmp_path, _plan(tmp_path, _two_stages()), "--nnodes", nnodes)
+    assert "--standalone" in argv
+    assert argv[argv.index("--nproc-per-node") + 1] == "2"
+
+
 # ---------------------------------------------------------------------------------------------
 # pipedream train: options
 
@@ -393,7 +462,7 @@ def test_launch_check_refuses_a_device_the_node_lacks(
     code = launch_check.main([str(path), "--", "--steps", "2", "--device", device])
     captured = capsys.readouterr()
     if message is None:
-        assert (code, captured.out) == (0, "2\n")
+        assert (code, captured.out) == (0, "2 1\n")  # 2 processes per node, 1 node
     else:
         assert (code, captured.err) == (2, f"launch.sh: error: {message}\n")
 

@@ -32,7 +32,7 @@ def test_the_stage_side_is_one_rank_training_every_layer(tmp_path: Path, capsys)
     assert command[command.index("--device") + 1] == "cpu"
     assert env["WORLD_SIZE"] == "1" and env["MASTER_ADDR"] == "127.0.0.1"
     assert launch_check.main([str(tmp_path / "plan.yaml")]) == 0  # what launch.sh checks
-    assert capsys.readouterr().out == "1\n"  # one process
+    assert capsys.readouterr().out == "1 1\n"  # one process, on one node
 
 
 def test_without_valgrind_it_says_what_to_install(monkeypatch, capsys) -> None:
