@@ -5,14 +5,15 @@
 #
 # torchrun's own options (--nnodes, --node-rank, --nproc-per-node, --rdzv-backend,
 # --rdzv-endpoint, --rdzv-id, --rdzv-conf, --max-restarts, --master-addr, --master-port,
-# --monitor-interval, --standalone) go to torchrun; all others go to `pipedream train`.
+# --monitor-interval, --standalone; as torchrun, also --opt=value and --node_rank etc.) go to
+# torchrun; all others go to `pipedream train`.
 # --nproc-per-node defaults to the plan's world_size divided by --nnodes (default 1).
 # A single-node launch without rendezvous options uses torchrun --standalone (loopback only).
 # Set PYTHON to choose the interpreter (default: python, else python3).
 set -euo pipefail
 
 if [[ $# -lt 1 || "$1" == "-h" || "$1" == "--help" ]]; then
-  sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
   exit $([[ $# -lt 1 ]] && echo 2 || echo 0)
 fi
 
@@ -32,7 +33,8 @@ while [[ $# -gt 0 ]]; do
       torchrun_args+=("$arg"); rendezvous=1; shift ;;
     --nnodes|--node-rank|--node_rank|--nproc-per-node|--nproc_per_node|--rdzv-backend|--rdzv_backend|\
     --rdzv-endpoint|--rdzv_endpoint|--rdzv-id|--rdzv_id|--rdzv-conf|--rdzv_conf|--max-restarts|\
-    --max_restarts|--master-addr|--master_addr|--master-port|--master_port|--monitor-interval)
+    --max_restarts|--master-addr|--master_addr|--master-port|--master_port|--monitor-interval|\
+    --monitor_interval)
       if [[ $# -lt 2 ]]; then echo "launch.sh: error: $arg needs a value" >&2; exit 2; fi
       value="$2"; shift 2
       name="${arg//_/-}"
@@ -42,9 +44,12 @@ while [[ $# -gt 0 ]]; do
         --rdzv-*|--master-*) rendezvous=1 ;;
       esac
       torchrun_args+=("$name" "$value") ;;
-    --nnodes=*|--node-rank=*|--nproc-per-node=*|--rdzv-backend=*|--rdzv-endpoint=*|--rdzv-id=*|\
-    --rdzv-conf=*|--max-restarts=*|--master-addr=*|--master-port=*|--monitor-interval=*)
+    --nnodes=*|--node-rank=*|--node_rank=*|--nproc-per-node=*|--nproc_per_node=*|\
+    --rdzv-backend=*|--rdzv_backend=*|--rdzv-endpoint=*|--rdzv_endpoint=*|--rdzv-id=*|\
+    --rdzv_id=*|--rdzv-conf=*|--rdzv_conf=*|--max-restarts=*|--max_restarts=*|--master-addr=*|\
+    --master_addr=*|--master-port=*|--master_port=*|--monitor-interval=*|--monitor_interval=*)
       name="${arg%%=*}"; value="${arg#*=}"; shift
+      name="${name//_/-}"
       case "$name" in
         --nnodes) nnodes="$value" ;;
         --nproc-per-node) nproc="$value"; continue ;;

@@ -320,6 +320,40 @@ def test_launch_sh_runs_one_node_standalone(tmp_path: Path, nnodes: str) -> None
     assert argv[argv.index("--nproc-per-node") + 1] == "2"
 
 
+@pytest.mark.parametrize(
+    "spelling",
+    [
+        ["--node_rank=0", "--max_restarts=0", "--master_addr=127.0.0.1", "--master_port=29501"],
+        ["--node-rank=0", "--max-restarts=0", "--master-addr=127.0.0.1", "--master-port=29501"],
+        ["--node_rank", "0", "--max_restarts", "0", "--master_addr", "127.0.0.1"]
+        + ["--master_port", "29501"],
+    ],
+    ids=["underscore=value", "dash=value", "underscore value"],
+)
+def test_launch_sh_gives_torchrun_its_options_however_spelled(
+    tmp_path: Path, spelling: list[str]
+) -> None:
+    """torchrun takes ``--node_rank=0`` as ``--node-rank=0``; launch.sh gave the underscore
+    spelling with ``=`` to ``pipedream train``, which refused it."""
+    path = _plan(tmp_path, _two_stages())
+    argv = _torchrun_argv(tmp_path, path, *spelling, "--nproc_per_node=2", "--steps", "1")
+    options = argv[: argv.index("-m")]
+    assert options == [
+        "--node-rank", "0", "--max-restarts", "0", "--master-addr", "127.0.0.1",
+        "--master-port", "29501", "--nproc-per-node", "2",
+    ]  # fmt: skip
+    assert argv[argv.index("train") + 1 :][:3] == [str(path), "--steps", "1"]
+
+
+def test_launch_sh_trains_with_underscored_torchrun_options(tmp_path: Path) -> None:
+    """The underscore spellings with ``=`` and ``--nnodes=1:1`` start a real run."""
+    path = _plan(tmp_path, _single())
+    options = ["--nnodes=1:1", "--node_rank=0", "--max_restarts=0", "--nproc_per_node=1"]
+    result = launch(path, *options, "--steps", "1", "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "run" / "checkpoints" / "step-000001" / "manifest.yaml").is_file()
+
+
 # ---------------------------------------------------------------------------------------------
 # pipedream train: options
 
