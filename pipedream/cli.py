@@ -427,6 +427,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stdout_closed() -> int:
+    """The reader of stdout went away (``pipedream plan ... | head -1``): exit with status 1
+    and no traceback, as Python's documentation advises (the note on SIGPIPE in the ``signal``
+    module). stdout is pointed at ``os.devnull`` first, so that Python's own flush of it at exit
+    does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout is not a file (io.UnsupportedOperation is both)
+        pass
+    return EXIT_FAILURE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -443,6 +457,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_distinct(outputs + (defaults(args) if defaults else []))
         handler = getattr(importlib.import_module(module_name), function)
         code = handler(args)
+        sys.stdout.flush()  # here, where a reader that went away is caught
+    except BrokenPipeError:
+        return _stdout_closed()
     except AlreadyReported:
         return EXIT_BAD_INPUT
     except PipedreamError as exc:

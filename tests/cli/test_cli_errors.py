@@ -803,3 +803,46 @@ def test_launch_rejects_an_invalid_schedule_before_torchrun(tmp_path: Path) -> N
         "microbatches >= stages (3), got 2"
     ]
     assert "torch.distributed" not in result.stdout + result.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# A reader of stdout that goes away (`pipedream plan ... | head -1`)
+
+
+@pytest.mark.parametrize(
+    ("command", "written"),
+    [
+        (["plan", "{d}/profile.yaml", "--workers", "2", "-o", "{d}/out.yaml"], "out.yaml"),
+        (["simulate", "{d}/plan.yaml"], None),
+        (
+            ["profile", "mlp", "--workload-arg", "layers=1", "--repeats", "1", "-o", "{d}/p.yaml"],
+            "p.yaml",
+        ),
+    ],
+    ids=["plan", "simulate", "profile"],
+)
+def test_a_closed_stdout_ends_quietly(
+    tmp_path: Path, command: list[str], written: str | None
+) -> None:
+    """``pipedream plan ... | head -1`` ended in a BrokenPipeError traceback: now the command
+    stops without a word and exit status 1, as Python's documentation advises, its output
+    file written (before the report). Here stdout is a pipe whose reader is gone before the
+    command starts, so every write to it fails."""
+    profile = _profile_with(tmp_path / "profile.yaml", "none")
+    made = run_main("plan", str(profile), "--workers", "2", "-o", str(tmp_path / "plan.yaml"))
+    assert made.returncode == 0, made.stderr
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "pipedream.cli", *(p.format(d=tmp_path) for p in command)],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+    finally:
+        os.close(write_end)
+    assert (result.returncode, result.stderr) == (1, "")
+    assert written is None or (tmp_path / written).is_file()
