@@ -57,3 +57,15 @@ def test_no_file_points_outside_the_repository() -> None:
             continue
         offenders += [f"{path.relative_to(REPO)}: {m.group()}" for m in OUTSIDE.finditer(text)]
     assert offenders == []
+
+
+def test_the_plan_format_lists_every_schedule() -> None:
+    """docs/formats.md's plan table named six schedules, where plans also have
+    ``interleaved-1f1b`` and ``zbv``: the row names the registry's schedules, in its order."""
+    from pipedream.schedules import SCHEDULES
+
+    text = (REPO / "docs" / "formats.md").read_text(encoding="utf-8")
+    rows = [line for line in text.splitlines() if line.startswith("| `schedule` | string |")]
+    assert len(rows) == 1, rows
+    meaning = rows[0].split("|")[4]
+    assert re.findall(r"`([^`]+)`", meaning) == list(SCHEDULES)
