@@ -10,7 +10,8 @@
                             [--width SLOTS] [--png FILE] [--trace RUN_DIR [--trace-skip N]]
 
 The per-layer costs come from ``--profile``, else from the profile the plan records (written
-by ``pipedream plan``, relative to the plan file); the bandwidths from ``--topology`` or
+by ``pipedream plan``, relative to the plan file), which must be of the plan's workload and
+microbatch size (other ``workload_args`` get a note); the bandwidths from ``--topology`` or
 ``--bandwidth``, else the cluster the plan records, else one level at 1e9 bytes/s. It prints
 the grid (ranks x time slots, bubbles as ``.``), the simulated steady-state time per minibatch
 next to the plan's own prediction, and each rank's busy share (with ``--spread``, every
@@ -56,24 +57,85 @@ from pipedream.optimizer.simulator import (
 from pipedream.optimizer.timeline import draw_timeline, format_timeline
 from pipedream.optimizer.verify import INTERFACE
 
-__all__ = ["concurrency_note", "format_jitter", "format_measured", "format_report", "run"]
+__all__ = [
+    "check_profile",
+    "concurrency_note",
+    "format_jitter",
+    "format_measured",
+    "format_report",
+    "run",
+    "workload_args_note",
+]
 
 
-def _profile(args: argparse.Namespace, plan: Plan) -> Profile:
+def _profile(args: argparse.Namespace, plan: Plan) -> tuple[Profile, str]:
+    """The profile of the layers' costs, and how the messages name it; refused where it is of
+    another workload or microbatch size than the plan (:func:`check_profile`)."""
     if args.profile is not None:
-        return load_profile(args.profile)
-    path = profile_path(plan, args.plan)
-    if path is None:
+        profile, source = load_profile(args.profile), f"--profile {args.profile}"
+    else:
+        path = profile_path(plan, args.plan)
+        if path is None:
+            raise PlanningError(
+                f"{args.plan} does not record the profile it was made from (a hand-written "
+                "plan?); pass --profile PROFILE"
+            )
+        if not path.exists():
+            raise PlanningError(
+                f"{args.plan} was made from the profile {plan.profile}, which is not at {path}; "
+                "pass --profile PROFILE"
+            )
+        profile, source = load_profile(path), f"the profile {path}"
+    check_profile(profile, source, plan, args.plan, recorded=args.profile is None)
+    return profile, source
+
+
+def check_profile(
+    profile: Profile, source: str, plan: Plan, plan_source: str, *, recorded: bool = False
+) -> None:
+    """Raise :class:`PlanningError` where ``profile`` (named ``source``; ``recorded``: the one
+    the plan records) measured another workload or another microbatch size than ``plan``
+    trains: its costs are then not the plan's, and the times simulated from them meaningless."""
+    if profile.workload != plan.workload:
         raise PlanningError(
-            f"{args.plan} does not record the profile it was made from (a hand-written plan?); "
-            "pass --profile PROFILE"
+            f"{source}: measured the workload {profile.workload}, but {plan_source} trains "
+            f"{plan.workload}; pass --profile with a profile of {plan.workload}"
         )
-    if not path.exists():
+    if profile.microbatch_size != plan.microbatch_size:
+        again = f"profile again with --microbatch-size {plan.microbatch_size}"
+        fix = (
+            f"{again} and pass that with --profile"
+            if recorded
+            else f"pass the profile the plan was made from, or {again}"
+        )
         raise PlanningError(
-            f"{args.plan} was made from the profile {plan.profile}, which is not at {path}; "
-            "pass --profile PROFILE"
+            f"{source}: measured microbatches of {profile.microbatch_size} samples, but "
+            f"{plan_source} trains microbatches of {plan.microbatch_size}; {fix}"
         )
-    return load_profile(path)
+
+
+def workload_args_note(profile: Profile, source: str, plan: Plan, plan_source: str) -> str:
+    """A note where ``profile`` was measured with other workload options than ``plan`` records
+    (a plan records those of the profile it was made from), else an empty string.
+
+    Not a refusal: options such as ``lr``, ``seed`` or ``samples`` leave every layer's costs as
+    they are (a plan edited to train at another ``lr`` simulates from its own profile), and an
+    option given with its default value is the same model as one left out. Options of the
+    model's sizes do change them, which nothing but the user can tell apart here."""
+    keys = sorted(set(profile.workload_args) | set(plan.workload_args))
+    differ = [
+        f"{key}: {profile.workload_args.get(key, 'its default')} in the profile, "
+        f"{plan.workload_args.get(key, 'its default')} in the plan"
+        for key in keys
+        if profile.workload_args.get(key) != plan.workload_args.get(key)
+    ]
+    if not differ:
+        return ""
+    return (
+        f"note: {source} was measured with other workload_args than {plan_source} records "
+        f"({'; '.join(differ)}); the times below are right only if these options leave the "
+        "layers as they are (as lr or seed do, unlike sizes): else profile with the plan's"
+    )
 
 
 def _topology(args: argparse.Namespace, plan: Plan) -> Topology:
@@ -425,7 +487,7 @@ def run(args: argparse.Namespace) -> int:
         raise PlanningError(f"--width {args.width}: must be at least 1 slot")
     message_spread = _message_spread(args)
     per_rank = _per_rank(args)
-    profile = _profile(args, plan)
+    profile, source = _profile(args, plan)
     topology = _topology(args, plan)
     steps = _steps(args, plan)
     skip = _trace_skip(args)
@@ -456,9 +518,12 @@ def run(args: argparse.Namespace) -> int:
         f"{plan.world_size} ranks, {plan.microbatches} microbatch(es) per minibatch, "
         f"{timeline.num_minibatches} minibatches on {topology.describe()}"
     )
-    note = concurrency_note(profile, plan, topology)
-    if note:
-        print(note)
+    for note in (
+        workload_args_note(profile, source, plan, args.plan),
+        concurrency_note(profile, plan, topology),
+    ):
+        if note:
+            print(note)
     print()
     print(format_timeline(timeline, plan, width=args.width))
     print()

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -262,6 +264,74 @@ def test_simulate_without_matplotlib_says_how_to_install(files, capsys, monkeypa
     assert code == 2 and err.count("\n") == 1 and "pip install -e '.[plot]'" in err
 
 
+def _planned_with_another_profile(files: dict[str, Path], capsys, **changes: Any) -> Path:
+    """Plan from the toy profile, then save a profile with ``changes`` beside it."""
+    argv = ["plan", str(files["profile"]), "--workers", "2", "-o", str(files["plan"])]
+    assert run_cli(argv, capsys)[0] == 0
+    other = files["profile"].with_name("other.yaml")
+    save_profile(replace(PROFILE, **changes), other)
+    return other
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            {"microbatch_size": 32},
+            "--profile {other}: measured microbatches of 32 samples, but {plan} trains "
+            "microbatches of 8; pass the profile the plan was made from, or profile again with "
+            "--microbatch-size 8",
+        ),
+        (
+            {"workload": "mlp"},
+            "--profile {other}: measured the workload mlp, but {plan} trains toy; pass --profile "
+            "with a profile of toy",
+        ),
+    ],
+    ids=["microbatch_size", "workload"],
+)
+def test_simulate_refuses_a_profile_of_another_microbatch_or_workload(
+    files, capsys, changes: dict[str, Any], message: str
+) -> None:
+    """A profile of microbatches of 32 simulated a plan of microbatches of 8 without a word,
+    reporting simulated / predicted ratios of nothing."""
+    other = _planned_with_another_profile(files, capsys, **changes)
+    argv = ["simulate", str(files["plan"]), "--profile", str(other)]
+    code, out, err = run_cli(argv, capsys)
+    expected = message.format(other=other, plan=files["plan"])
+    assert (code, out, err) == (2, "", f"pipedream simulate: error: {expected}\n")
+
+
+def test_simulate_refuses_the_recorded_profile_of_another_microbatch(files, capsys) -> None:
+    """The profile the plan records, profiled again with another microbatch size."""
+    _planned_with_another_profile(files, capsys)
+    save_profile(replace(PROFILE, microbatch_size=4), files["profile"])
+    code, _, err = run_cli(["simulate", str(files["plan"])], capsys)
+    recorded = files["plan"].parent / ".." / "data" / "profile.yaml"  # as the plan records it
+    assert (code, err) == (
+        2,
+        f"pipedream simulate: error: the profile {recorded}: measured microbatches of 4 samples, "
+        f"but {files['plan']} trains microbatches of 8; profile again with --microbatch-size 8 "
+        "and pass that with --profile\n",
+    )
+
+
+def test_simulate_notes_a_profile_of_other_workload_args(files, capsys) -> None:
+    """Other options (``lr`` here) need not change a layer's costs: a note, not a refusal."""
+    other = _planned_with_another_profile(files, capsys, workload_args={"lr": "0.1"})
+    argv = ["simulate", str(files["plan"]), "--profile", str(other)]
+    code, out, err = run_cli(argv, capsys)
+    assert (code, err) == (0, "")
+    assert out.splitlines()[1] == (
+        f"note: --profile {other} was measured with other workload_args than {files['plan']} "
+        "records (lr: 0.1 in the profile, its default in the plan); the times below are right "
+        "only if these options leave the layers as they are (as lr or seed do, unlike sizes): "
+        "else profile with the plan's"
+    )
+    argv = ["simulate", str(files["plan"]), "--profile", str(files["profile"])]
+    assert "workload_args" not in run_cli(argv, capsys)[1]  # the same options: no note
+
+
 def hand_written(tmp_path: Path, replicas: tuple[int, ...] = (1, 1)) -> Path:
     stages, rank = [], 0
     names = [("l0", "l2"), ("l3", "l5")]
@@ -357,7 +427,7 @@ def hand_written(tmp_path: Path, replicas: tuple[int, ...] = (1, 1)) -> Path:
 def test_new_options_fail_in_one_line_with_exit_2(files, tmp_path, capsys, argv, message) -> None:
     other = tmp_path / "other.yaml"
     save_profile(
-        Profile("o", 1, "cpu", "float32", (LayerProfile("x", "Linear", 1, 1, 1, 1),)), other
+        Profile("toy", 8, "cpu", "float32", (LayerProfile("x", "Linear", 1, 1, 1, 1),)), other
     )
     names = {
         "profile": files["profile"],
