@@ -146,8 +146,9 @@ def run(args: argparse.Namespace) -> int:
         under = "1f1b" if placed else plan.schedule
         found = baselines(request, cluster=result.cluster, schedule=under)
         simulated = None
-        if plan.prediction is not None and plan.prediction.method == "simulated":
-            # like with like: the baselines' tables simulated as the plan's were
+        if plan.prediction is not None and _exact(plan):
+            # like with like: the baselines' tables simulated as the plan's were (or as exact
+            # as a single stage's formula, verify.one_stage_ms)
             simulated = simulated_baselines(
                 found,
                 profile,
@@ -205,11 +206,19 @@ def _note_fewer(
 
 
 def _alike_ms(*plans: Plan, profile: Profile, topology: Topology) -> list[float] | None:
-    """The predicted times of ``plans``, all by formula or all simulated (None where one of
-    them is too big to simulate)."""
+    """The predicted times of ``plans``, all by a pipeline's formula or all as simulated (None
+    where one of them is too big to simulate)."""
     predictions = [plan.prediction for plan in plans if plan.prediction is not None]
-    if len(predictions) == len(plans) and len({p.method for p in predictions}) == 1:
+    if len(predictions) == len(plans) and len({_exact(plan) for plan in plans}) == 1:
         return [p.time_per_minibatch_ms for p in predictions]
     times = [simulated_ms(plan, profile, topology) for plan in plans]
     known = [t for t in times if t is not None]
     return known if len(known) == len(plans) else None
+
+
+def _exact(plan: Plan) -> bool:
+    """Whether the plan's prediction is what its simulation gives: simulated, or of a single
+    stage (:func:`~pipedream.optimizer.verify.one_stage_ms`); else the formula of a
+    pipeline, which leaves out the updates and the runtime's cost per action."""
+    assert plan.prediction is not None
+    return plan.prediction.method == "simulated" or plan.num_stages == 1

@@ -15,11 +15,14 @@ replicas stay inside the innermost unit when the tree puts them there), and the 
   for 2bw, plus the flush bubble ``S - 1`` for 1f1b/gpipe; where that formula is not exact
   (pipelines, replicated stages under ``m > 1``, split backwards) the simulated time of the
   DP's plan, the best straight pipeline and data parallelism decides, and the fastest is kept
-  (``method: simulated``, :mod:`~pipedream.optimizer.verify`);
+  (``method: simulated``, :mod:`~pipedream.optimizer.verify`); a plan of one stage takes
+  :func:`~pipedream.optimizer.verify.one_stage_ms`, which charges exactly what its simulation
+  would (the updates and the runtime's cost per action too);
 * ``throughput_samples_per_s = microbatch_size * m * 1000 / time_per_minibatch_ms``;
 * ``memory_bytes``: :class:`~pipedream.optimizer.memory.MemoryModel`'s estimate per worker;
 * ``data_parallel_time_per_minibatch_ms``: every worker replicating the whole model (one
-  stage on every level), same cost model and ``m``.
+  stage on every level), same schedule and ``m``: exact (as simulated) where the plan's time
+  is, the slot formula beside a pipeline's formula.
 """
 
 from __future__ import annotations
@@ -60,8 +63,11 @@ from pipedream.optimizer.tree import (
     leaf_ranks,
 )
 from pipedream.optimizer.verify import (
+    cluster_network,
+    data_parallel_time_ms,
     lower_bound_ms,
     needs_simulation,
+    one_stage_ms,
     simulated_ms,
     simulated_run,
     simulation_work,
@@ -216,6 +222,8 @@ def plan_profile(profile: Profile, *, topology: Topology, options: PlanOptions) 
             found, profile, topology, force=bool(placed_found), recompute=options.recompute
         )
         simulated_auto = checked is not found
+        if not simulated_auto:
+            checked = _one_stage_outcomes(checked, profile)
         dropped = not simulated_auto and bool(placed_found)
         if dropped:  # too big to simulate: the closed forms alone compare
             placed_found = []
@@ -253,6 +261,9 @@ def plan_profile(profile: Profile, *, topology: Topology, options: PlanOptions) 
             plan.prediction,
             time_per_minibatch_ms=time_ms,
             throughput_samples_per_s=profile.microbatch_size * plan.microbatches * 1e3 / time_ms,
+            data_parallel_time_per_minibatch_ms=data_parallel_time_ms(
+                profile, outcome.cluster, outcome.schedule
+            ),
             method="simulated",
         )
         plan = replace(plan, prediction=prediction)
@@ -388,6 +399,31 @@ def _simulated_outcomes(
             return outcomes
         out.append(replace(outcome, time_per_minibatch_ms=simulated))
     return out
+
+
+def _one_stage_outcomes(outcomes: list[Outcome], profile: Profile) -> list[Outcome]:
+    """``--schedule auto``'s candidates where none was simulated: with their plans' exact
+    times where every one is a single stage (what a simulation would say,
+    :func:`~pipedream.optimizer.verify.one_stage_ms`: the updates and the runtime's costs
+    per action, which favour more microbatches per update), else as they are (the formula,
+    alike for all)."""
+    if any(outcome.tree is not None and _num_stages(outcome.tree) > 1 for outcome in outcomes):
+        return outcomes
+    out = []
+    for outcome in outcomes:
+        if outcome.tree is not None:
+            plan, _ = build_plan(
+                profile, tree=outcome.tree, cluster=outcome.cluster, schedule=outcome.schedule
+            )
+            assert plan.prediction is not None and plan.num_stages == 1
+            outcome = replace(outcome, time_per_minibatch_ms=plan.prediction.time_per_minibatch_ms)
+        out.append(outcome)
+    return out
+
+
+def _num_stages(tree: Tree) -> int:
+    """Stages of the flattened plan of ``tree``."""
+    return sum(_num_stages(node.inner) if node.inner else 1 for node in tree)
 
 
 def _fastest_simulated(
@@ -554,18 +590,6 @@ def build_plan(
         StagePlan(names[leaf.first], names[leaf.last], leaf.replicas, leaf_ranks_)
         for leaf, leaf_ranks_ in zip(leaves, ranks)
     )
-    data_parallel = evaluate_tree(
-        costs, data_parallel_tree(cluster, costs.num_layers), cluster=cluster
-    )
-    prediction = Prediction(
-        time_per_minibatch_ms=time_ms,
-        throughput_samples_per_s=profile.microbatch_size * m * 1e3 / time_ms,
-        bottleneck=evaluation.bottleneck,
-        stage_ms=tuple(leaf.time_ms for leaf in leaves),
-        memory_bytes=tuple(leaf.memory_bytes for leaf in leaves),
-        data_parallel_time_per_minibatch_ms=data_parallel.microbatch_ms * m,
-        cost_model=cluster.cost_model,
-    )
     plan = Plan(
         workload=profile.workload,
         schedule=schedule,
@@ -576,8 +600,25 @@ def build_plan(
         workload_args=dict(profile.workload_args),
         layers=tuple(names),
         recompute=recompute,
-        prediction=prediction,
     )
+    if len(leaves) == 1:  # exact: what the simulation charges, and so the data parallel line
+        time_ms = one_stage_ms(plan, profile, cluster_network(cluster))
+        data_parallel_ms = data_parallel_time_ms(profile, cluster, schedule, recompute=recompute)
+    else:  # a pipeline's formula, and data parallelism's by the same arithmetic
+        data_parallel = evaluate_tree(
+            costs, data_parallel_tree(cluster, costs.num_layers), cluster=cluster
+        )
+        data_parallel_ms = data_parallel.microbatch_ms * m
+    prediction = Prediction(
+        time_per_minibatch_ms=time_ms,
+        throughput_samples_per_s=profile.microbatch_size * m * 1e3 / time_ms,
+        bottleneck=evaluation.bottleneck,
+        stage_ms=tuple(leaf.time_ms for leaf in leaves),
+        memory_bytes=tuple(leaf.memory_bytes for leaf in leaves),
+        data_parallel_time_per_minibatch_ms=data_parallel_ms,
+        cost_model=cluster.cost_model,
+    )
+    plan = replace(plan, prediction=prediction)
     if lookup(schedule).splits_backward:  # the tables say what the closed form bounds
         memory_of = worker_memory(plan, costs, [(leaf.first, leaf.last) for leaf in leaves])
         exact = tuple(memory_of[stage.ranks[0]] for stage in stages)

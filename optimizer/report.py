@@ -114,6 +114,8 @@ def _how_predicted(plan: Plan) -> str:
     """The end of the prediction's line: why its time is simulated, or that it could not be."""
     assert plan.prediction is not None
     if plan.prediction.method != "simulated":
+        if plan.num_stages == 1:  # verify.one_stage_ms: the simulation's time, not simulated
+            return "; one stage: exact, with its updates and the runtime's cost per action)"
         if needs_simulation(plan):  # the formula stands: too big to simulate
             return "; by the formula: too big to simulate, which may give more)"
         return ")"
@@ -277,10 +279,12 @@ def format_comparison(
         if baseline_schedule
         else f"schedule {plan.schedule}"
     )
+    simulated = plan.prediction.method == "simulated"
     if baselines_simulated:
-        how = "; every time simulated"
-    elif plan.prediction.method == "simulated":
-        how = "; the optimizer's time simulated, the baselines' by formula (too big to simulate)"
+        how = "; every time simulated" if simulated else "; the baselines' times simulated"
+    elif simulated or plan.num_stages == 1:
+        own = "simulated" if simulated else "exact (one stage)"
+        how = f"; the optimizer's time {own}, the baselines' by formula (too big to simulate)"
     else:
         how = ""
     title = (

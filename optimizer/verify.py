@@ -36,7 +36,10 @@ the same schedule and ``m``, then the plans a local search finds beside the fast
 in its prediction; with ``--schedule auto``, every
 candidate is simulated as soon as one needs it. The simulation also charges what the formula
 leaves out (each layer's ``update_ms``, the runtime's cost per action, weight copies), so
-simulated plans are only ever compared with simulated plans. ``--cost-model pipedream``, the
+simulated plans are only ever compared with simulated plans. A plan of one stage needs no
+simulation: :func:`one_stage_ms` charges exactly what the simulation would (its replicas meet
+only in the allreduce, so nothing waits), and its prediction and the data parallel line are
+that. ``--cost-model pipedream``, the
 original optimizer's arithmetic, keeps the formula but for replicated stages under several
 microbatches and split backwards. Simulation is skipped (the formula stands for all) above
 :data:`MAX_SIMULATED_ACTIONS` actions, where it would cost more than the planning itself; a
@@ -45,20 +48,25 @@ simulation that needs more minibatches to reach its steady state stops at that b
 
 from __future__ import annotations
 
+import functools
 import math
 
-from pipedream.formats.plan import Plan
+from pipedream.formats.plan import Plan, StagePlan
 from pipedream.formats.profile import Profile
 from pipedream.formats.topology import Topology
 from pipedream.optimizer.bounds import minibatch_lower_bound
 from pipedream.optimizer.simulator import Network, Timeline, default_steps, simulate, stage_work
-from pipedream.schedules import lookup
+from pipedream.optimizer.tree import Cluster
+from pipedream.schedules import Op, build_tables, lookup, spec_from_plan, version_use
 
 __all__ = [
     "INTERFACE",
     "MAX_SIMULATED_ACTIONS",
+    "cluster_network",
+    "data_parallel_time_ms",
     "lower_bound_ms",
     "needs_simulation",
+    "one_stage_ms",
     "planner_network",
     "simulated_ms",
     "simulated_run",
@@ -89,6 +97,51 @@ def needs_simulation(plan: Plan) -> bool:
         return True
     original = plan.prediction is not None and plan.prediction.cost_model == "pipedream"
     return len(plan.stages) > 1 and not original
+
+
+def one_stage_ms(plan: Plan, profile: Profile, network: Network) -> float:
+    """The time per minibatch of a plan of one stage, exactly as :func:`simulated_ms` gives it
+    (on ``network``, whose allreduce it charges), without simulating.
+
+    Every replica runs the whole model on its own minibatches (minibatch ``t`` on replica
+    ``t mod R``) and meets the others only in the allreduce before each update, so nothing
+    waits and every replica's ``R`` minibatches take the sum of its actions:
+    ``m (F + B) + (m - 1) accumulate + allreduce + U`` (the layers' forward and backward and
+    ``update_ms``, the runtime's cost per action, reading the inputs and targets, the loss,
+    adding into ``.grad``: :func:`~pipedream.optimizer.simulator.stage_work`) plus a weight
+    copy for each update whose version is stashed (2bw's), divided by ``R``.
+    """
+    assert len(plan.stages) == 1, plan.stages
+    (work,) = stage_work(plan, profile)
+    (stage,) = plan.stages
+    m = plan.microbatches
+    allreduce = network.allreduce_ms(work.parameter_bytes, stage.ranks) if stage.replicas > 1 else 0
+    round_ms = (
+        m * (work.forward_ms + work.backward_ms)
+        + (m - 1) * work.accumulate_ms
+        + allreduce
+        + work.update_ms
+        + _copies_per_update(plan.schedule, m) * work.copy_ms
+    )
+    return round_ms / stage.replicas
+
+
+COPY_PROBE_MINIBATCHES = 8
+"""Minibatches of the table :func:`_copies_per_update` reads (its middle updates are those of
+the steady state: one stage keeps at most two versions)."""
+
+
+@functools.cache
+def _copies_per_update(schedule: str, microbatches: int) -> float:
+    """The share of a one-stage plan's steady-state updates whose version is stashed (used
+    after the next update), read from the schedule's own table for one worker."""
+    n = COPY_PROBE_MINIBATCHES
+    probe = Plan("probe", schedule, 1, microbatches, 1, (StagePlan("a", "a", 1, (0,)),))
+    (table,) = build_tables(spec_from_plan(probe, 0, n)).values()
+    use = version_use(table, initial_version=0)
+    updates = sum(action.op is Op.UPDATE for action in table)
+    middle = range(updates // 4 + 1, updates - updates // 4 + 1)  # version v: the v-th update
+    return sum(use.needs_copy(v) for v in middle) / len(middle)
 
 
 def _compute_actions(plan: Plan) -> int:
@@ -154,3 +207,32 @@ def simulation_work(timeline: Timeline | None, plan: Plan) -> int:
 def simulated_ms(plan: Plan, profile: Profile, topology: Topology) -> float | None:
     """The simulated steady-state time per minibatch, or None when the run would be too big."""
     return steady_ms(simulated_run(plan, profile, topology))
+
+
+def cluster_network(cluster: Cluster) -> Network:
+    """The planner's network (:func:`planner_network`) of the
+    topology ``cluster`` was made from (its levels of one unit change no allreduce)."""
+    sizes = tuple(cluster.unit_workers(level) for level in range(cluster.num_levels))
+    return Network(sizes, cluster.bandwidths, interface=INTERFACE)
+
+
+def data_parallel_time_ms(
+    profile: Profile, cluster: Cluster, schedule: str, *, recompute: bool = False
+) -> float:
+    """Every worker of ``cluster`` running the whole model under ``schedule`` (its ``m``;
+    ``recompute``: recomputing activations): exact, as the simulation gives it
+    (:func:`one_stage_ms`)."""
+    names = profile.layer_names
+    workers = cluster.num_workers
+    plan = Plan(
+        workload=profile.workload,
+        schedule=schedule,
+        microbatch_size=profile.microbatch_size,
+        microbatches=cluster.microbatches,
+        world_size=workers,
+        stages=(StagePlan(names[0], names[-1], workers, tuple(range(workers))),),
+        workload_args=dict(profile.workload_args),
+        layers=tuple(names),
+        recompute=recompute,
+    )
+    return one_stage_ms(plan, profile, cluster_network(cluster))

@@ -11,9 +11,18 @@ import pytest
 from pipedream.cli import main
 from pipedream.formats import LayerProfile, Plan, Profile, StagePlan, Topology, save_profile
 from pipedream.formats.plan import Prediction
+from pipedream.formats.profile import ActionOverhead
+from pipedream.formats.topology import Level
+from pipedream.optimizer import verify
 from pipedream.optimizer.planner import PlanOptions, make_plan, plan_profile
 from pipedream.optimizer.simulator import Event, Timeline, default_steps
-from pipedream.optimizer.verify import needs_simulation, simulated_ms, simulation_work
+from pipedream.optimizer.verify import (
+    needs_simulation,
+    one_stage_ms,
+    planner_network,
+    simulated_ms,
+    simulation_work,
+)
 from pipedream.profiler.pipedream_import import import_pipedream_graph
 
 VGG16 = Path(__file__).resolve().parents[1] / "data" / "pipedream-profiles" / "vgg16.txt"
@@ -104,6 +113,133 @@ def test_a_straight_pipeline_of_equal_stages_simulates_to_the_formula() -> None:
         )
         assert plan.prediction is not None and plan.prediction.method == method
         assert plan.prediction.time_per_minibatch_ms == pytest.approx((4 + 4 - 1) * 3.0)
+
+
+def _busy(num_layers: int = 2, *, activation_bytes: int = 10**8, params: int = 2**20) -> Profile:
+    """Layers of 1 ms forward, 2 ms backward and 0.5 ms update, with the runtime's costs per
+    action: what the formula leaves out and the simulation charges."""
+    layers = tuple(
+        LayerProfile(f"l{i}", "Linear", 1.0, 2.0, activation_bytes, params, update_ms=0.5)
+        for i in range(num_layers)
+    )
+    overhead = ActionOverhead(
+        forward_ms=0.1,
+        backward_ms=0.2,
+        update_ms=0.3,
+        copy_ms_per_mib=0.25,
+        accumulate_ms_per_mib=0.125,
+        inputs_ms=0.05,
+        targets_ms=0.04,
+        loss_forward_ms=0.03,
+        loss_backward_ms=0.06,
+    )
+    return Profile("toy", 8, "cpu", "float32", layers, overhead=overhead)
+
+
+THREE_LEVELS = Topology((Level("gpu", 2, 1e10), Level("host", 2, 1e9), Level("rack", 2, 1e8)))
+
+
+@pytest.mark.parametrize(
+    ("schedule", "m"),
+    [
+        ("pipedream", 1),
+        ("pipedream-vs", 1),
+        ("2bw", 1),
+        ("2bw", 3),
+        ("1f1b", 1),
+        ("1f1b", 3),
+        ("gpipe", 4),
+        ("zb-h1", 3),
+    ],
+)
+def test_one_stage_formula_is_its_simulation(vgg16: Profile, schedule: str, m: int) -> None:
+    # every replica alone but for the allreduce: the sum of its actions, whatever the
+    # schedule (2bw copies its weights at every update), the levels or the ranks
+    cases = [
+        (Topology.single_level(1, 1e9), (0,)),
+        (Topology.single_level(4, 1e9), (0, 1, 2, 3)),
+        (Topology.single_level(4, 1e9), (0, 1, 2)),  # --fewer-workers
+        (THREE_LEVELS, tuple(range(8))),
+        (THREE_LEVELS, (0, 1, 2, 3, 4, 5)),
+    ]
+    for profile in (_busy(), vgg16):
+        names = profile.layer_names
+        for topology, ranks in cases:
+            stage = StagePlan(names[0], names[-1], len(ranks), ranks)
+            plan = Plan("toy", schedule, 8, m, topology.num_workers, (stage,), layers=names)
+            expected = simulated_ms(plan, profile, topology)
+            assert expected is not None
+            got = one_stage_ms(plan, profile, planner_network(topology))
+            assert got == pytest.approx(expected, rel=1e-9), (profile.workload, topology, ranks)
+
+
+def test_single_stage_plans_predict_what_they_simulate() -> None:
+    profile = _busy()
+    one = Topology.single_level(1, 1e9)
+    # F 2 + 0.1 + 0.05 inputs + 0.04 targets + 0.03 loss, B 4 + 0.2 + 0.06 loss, U 1 + 0.3:
+    # the formula said 6.0 (the layers' forward and backward alone)
+    expected = {
+        ("pipedream", 1): 7.78,
+        ("1f1b", 2): 2 * 6.48 + 0.25 + 1.3,  # one gradient added into .grad (2 MiB)
+        ("gpipe", 2): 2 * 6.48 + 0.25 + 1.3,
+        ("2bw", 2): 2 * 6.48 + 0.25 + 1.3 + 0.5,  # and a stashed copy of the 2 MiB weights
+    }
+    for (schedule, m), time_ms in expected.items():
+        plan = make_plan(profile, topology=one, options=PlanOptions(schedule, microbatches=m))
+        assert plan.prediction is not None and plan.prediction.method == "closed-form"
+        assert plan.prediction.time_per_minibatch_ms == pytest.approx(time_ms, abs=1e-9)
+        assert plan.prediction.data_parallel_time_per_minibatch_ms == pytest.approx(time_ms)
+        assert simulated_ms(plan, profile, one) == pytest.approx(time_ms, abs=1e-9)
+    # data parallelism beats pipelines whose 100 MB activations take 200 ms: 4 replicas,
+    # the allreduce of 2 MiB 6.291 ms (the formula said (6 + 6.291) / 4 = 3.073)
+    four = Topology.single_level(4, 1e9)
+    allreduce = 4 * 3 / 4 * 2 * 2**20 / 1e9 * 1e3
+    for options in (
+        PlanOptions("pipedream"),
+        PlanOptions("pipedream-vs"),
+        PlanOptions("pipedream", cost_model="pipedream"),
+    ):
+        plan = make_plan(profile, topology=four, options=options)
+        assert plan.prediction is not None and plan.prediction.method == "closed-form"
+        assert [stage.replicas for stage in plan.stages] == [4]
+        assert plan.prediction.time_per_minibatch_ms == pytest.approx((7.78 + allreduce) / 4)
+        assert plan.prediction.data_parallel_time_per_minibatch_ms == pytest.approx(
+            (7.78 + allreduce) / 4
+        )
+        assert simulated_ms(plan, profile, four) == pytest.approx((7.78 + allreduce) / 4)
+    # a costly allreduce: one worker of four (--fewer-workers), and three levels
+    heavy = _busy(params=2**27)
+    fewer = make_plan(heavy, topology=four, options=PlanOptions(use_fewer_workers=True))
+    assert fewer.world_size == 1 and fewer.prediction is not None
+    assert fewer.prediction.time_per_minibatch_ms == pytest.approx(
+        simulated_ms(fewer, heavy, four), rel=1e-9
+    )
+    plan = make_plan(profile, topology=THREE_LEVELS, options=PlanOptions("pipedream"))
+    assert plan.num_stages == 1 and plan.prediction is not None
+    assert plan.prediction.time_per_minibatch_ms == pytest.approx(
+        simulated_ms(plan, profile, THREE_LEVELS), rel=1e-9
+    )
+
+
+def test_auto_ranks_single_stage_candidates_by_their_exact_times(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # too big to simulate (none is simulated), one layer on one worker: every candidate is
+    # one stage, whose formula is exact; more microbatches per update are faster per sample
+    monkeypatch.setattr(verify, "MAX_SIMULATED_ACTIONS", 0)
+    profile = _busy(1)
+    result = plan_profile(
+        profile, topology=Topology.single_level(1, 1e9), options=PlanOptions(schedule="auto")
+    )
+    prediction = result.plan.prediction
+    assert prediction is not None and prediction.method == "closed-form"
+    chosen = result.candidates[0]
+    assert chosen.microbatches == 32 and chosen.schedule in ("1f1b", "gpipe", "zb-h1")
+    assert chosen.time_per_minibatch_ms == prediction.time_per_minibatch_ms
+    # F 1 + 0.1 + 0.12, B 2 + 0.26, 31 gradients added (1 MiB), U 0.5 + 0.3
+    assert prediction.time_per_minibatch_ms == pytest.approx(32 * 3.48 + 31 * 0.125 + 0.8)
+    pipedream = next(c for c in result.candidates if c.schedule == "pipedream")
+    assert pipedream.time_per_minibatch_ms == pytest.approx(3.48 + 0.8)
 
 
 def test_auto_compares_simulated_candidates_only(vgg16: Profile) -> None:
