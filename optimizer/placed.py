@@ -53,10 +53,13 @@ from pipedream.optimizer.tree import (
     Node,
     Tree,
     TreeEvaluation,
-    data_parallel_tree,
-    evaluate_tree,
 )
-from pipedream.optimizer.verify import lower_bound_ms, simulated_ms, too_big_to_simulate
+from pipedream.optimizer.verify import (
+    data_parallel_time_ms,
+    lower_bound_ms,
+    simulated_ms,
+    too_big_to_simulate,
+)
 from pipedream.schedules import SCHEDULES, lookup
 
 __all__ = [
@@ -285,7 +288,7 @@ def _simulated(
             stage_ms=stage_ms,
             memory_bytes=layout.memory,
             data_parallel_time_per_minibatch_ms=_data_parallel_ms(
-                LayerCosts.from_profile(profile, recompute=plan.recompute), cluster
+                profile, cluster, recompute=plan.recompute
             ),
             cost_model=cluster.cost_model,
             method="simulated",
@@ -301,9 +304,16 @@ def _simulated(
     return PlacedPlan(plan, tree, TreeEvaluation(leaves), cluster)
 
 
-def _data_parallel_ms(costs: LayerCosts, cluster: Cluster) -> float:
-    tree = data_parallel_tree(cluster, costs.num_layers)
-    return evaluate_tree(costs, tree, cluster=cluster).microbatch_ms * cluster.microbatches
+DATA_PARALLEL_SCHEDULE = "1f1b"
+"""The schedule of the data parallel line next to a placed plan: its update rule with one
+stage per worker (``pipedream plan --compare``'s baselines run under it too)."""
+
+
+def _data_parallel_ms(profile: Profile, cluster: Cluster, *, recompute: bool) -> float:
+    """Data parallelism on ``cluster``'s workers, ``m`` microbatches, under
+    :data:`DATA_PARALLEL_SCHEDULE` (``recompute``: recomputing activations): exact, what its
+    simulation gives, as the placed plan's time is simulated."""
+    return data_parallel_time_ms(profile, cluster, DATA_PARALLEL_SCHEDULE, recompute=recompute)
 
 
 def placed_plan(

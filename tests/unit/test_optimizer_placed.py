@@ -18,8 +18,8 @@ from test_optimizer_hierarchy import random_costs
 from test_optimizer_schedules import profile_of
 
 from pipedream.errors import PlanningError
-from pipedream.formats import Plan, Profile, Topology
-from pipedream.formats.profile import TiedParameter
+from pipedream.formats import LayerProfile, Plan, Profile, StagePlan, Topology
+from pipedream.formats.profile import ActionOverhead, TiedParameter
 from pipedream.optimizer.cost_model import COST_MODELS
 from pipedream.optimizer.placed import (
     balanced_spans,
@@ -31,6 +31,7 @@ from pipedream.optimizer.planner import PlanOptions, plan_profile
 from pipedream.optimizer.report import format_summary
 from pipedream.optimizer.tied_costs import TiedLayers
 from pipedream.optimizer.tree import Cluster
+from pipedream.optimizer.verify import simulated_ms
 
 EIGHT = profile_of([10] * 8, [0] * 8, [0] * 8, acts=[100] * 8)
 TWO_WORKERS = Topology.single_level(2, 1e9)
@@ -265,3 +266,35 @@ def test_stage_times_are_the_cost_models_stage_costs(cost_model: str, seed: int)
         for j in range(i, 12):
             expected[i, j] = model.stage_cost(costs, first=i, last=j, replicas=1).total_ms
     assert np.array_equal(stage_times(costs, cluster), expected)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv"])
+def test_the_data_parallel_line_is_simulated_as_the_plan_is(schedule: str) -> None:
+    # the plan is simulated, and so is the line next to it: data parallelism under 1f1b with
+    # the plan's microbatches, the line `--schedule 1f1b` prints for them (it once was the
+    # formula, without the updates and the runtime's cost per action)
+    layers = tuple(
+        LayerProfile(f"l{i}", "Linear", 1.0, 2.0, 1000, 2**20, update_ms=0.5) for i in range(8)
+    )
+    overhead = ActionOverhead(forward_ms=0.1, backward_ms=0.2, update_ms=0.3)
+    profile = Profile("toy", 8, "cpu", "float32", layers, overhead=overhead)
+    topology = Topology.single_level(4, 1e9)
+    placed = plan_profile(profile, topology=topology, options=PlanOptions(schedule)).plan
+    assert placed.prediction is not None and placed.prediction.method == "simulated"
+    m = placed.microbatches
+    names = profile.layer_names
+    data_parallel = Plan(
+        "toy", "1f1b", 8, m, 4, (StagePlan(names[0], names[-1], 4, (0, 1, 2, 3)),), layers=names
+    )
+    expected = simulated_ms(data_parallel, profile, topology)
+    assert expected is not None
+    assert placed.prediction.data_parallel_time_per_minibatch_ms == pytest.approx(expected)
+    onefoneb = plan_profile(
+        profile, topology=topology, options=PlanOptions("1f1b", microbatches=m)
+    ).plan
+    assert onefoneb.prediction is not None
+    assert onefoneb.prediction.data_parallel_time_per_minibatch_ms == pytest.approx(expected)
+    # 8 layers of 3 ms and 0.5 ms of update, 0.1 + 0.2 + 0.3 ms per action, allreduce of
+    # 8 MiB on 4 replicas (the formula said (24 m + allreduce) / 4)
+    allreduce = 3 * 8 * 2**20 / 1e9 * 1e3
+    assert expected == pytest.approx((m * (24 + 0.3) + 4 + 0.3 + allreduce) / 4)
