@@ -284,17 +284,35 @@ def _spread(args: argparse.Namespace, profile: Profile) -> PassSpread | None:
     return profile.spread
 
 
-def format_report(timeline: Timeline, plan: Plan, drawn: str = "") -> str:
+def format_report(
+    timeline: Timeline, plan: Plan, drawn: str = "", *, enough_steps: int | None = None
+) -> str:
     """The simulated time next to the plan's prediction, and the busy share of each rank
-    (``drawn``: what the simulation drew from a spread, said when it did)."""
+    (``drawn``: what the simulation drew from a spread, said when it did; ``enough_steps``:
+    the minibatches a run needs for its fill, a steady state and its drain, suggested where
+    the run was too short for them)."""
     first, last = timeline.measured
-    where = "the mean" if timeline.drawn else "steady state"
-    lines = [
-        f"simulated time per minibatch: {timeline.time_per_minibatch_ms:.3f} ms ({where} "
-        f"between minibatches {first} and {last} of {timeline.num_minibatches})"
-    ]
+    n = timeline.num_minibatches
+    if timeline.drawn:
+        where = f"the mean between minibatches {first} and {last} of {n}"
+    elif timeline.steady:
+        where = f"steady state between minibatches {first} and {last} of {n}"
+    elif timeline.from_start:
+        where = f"the average over all {n} minibatches from the start, fill and drain included"
+    else:
+        where = f"the average between minibatches {first} and {last} of {n}, after the fill"
+    lines = [f"simulated time per minibatch: {timeline.time_per_minibatch_ms:.3f} ms ({where})"]
     if timeline.drawn:
         lines.append(drawn)
+    elif timeline.from_start:
+        more = "more minibatches with --steps"
+        if enough_steps is not None and enough_steps > n:
+            more = f"at least --steps {enough_steps}"
+        lines.append(
+            f"no steady state: {n} minibatches are too few for the pipeline's fill, a steady "
+            f"state and its drain; simulate {more}, or leave --steps out (the simulator then "
+            "runs until its steady state shows)"
+        )
     elif not timeline.steady:
         lines.append(
             "no steady cycle showed (the average over the window above): simulate more "
@@ -303,9 +321,10 @@ def format_report(timeline: Timeline, plan: Plan, drawn: str = "") -> str:
     if plan.prediction is not None:
         predicted = plan.prediction.time_per_minibatch_ms
         ratio = timeline.time_per_minibatch_ms / predicted
+        fill = "; the simulated time includes the fill" if timeline.from_start else ""
         lines.append(
             f"plan's prediction ({plan.prediction.cost_model} cost model): {predicted:.3f} ms "
-            f"(simulated / predicted = {ratio:.3f})"
+            f"(simulated / predicted = {ratio:.3f}{fill})"
         )
     ranks = dict.fromkeys(rank for stage in plan.stages for rank in stage.ranks)
     busy = [f"{rank}: {100 * timeline.busy_fraction(rank):.0f}%" for rank in ranks]
@@ -313,15 +332,23 @@ def format_report(timeline: Timeline, plan: Plan, drawn: str = "") -> str:
     return "\n".join(lines)
 
 
-def format_jitter(timeline: Timeline, noisy: Timeline) -> str:
+def format_jitter(timeline: Timeline, noisy: Timeline, *, steps_given: bool = False) -> str:
     """The fixed simulation next to the jittered one (:func:`jittered`), and whether the fixed
-    steady state is fragile (the two more than :data:`FRAGILE` apart)."""
-    change = noisy.time_per_minibatch_ms / timeline.time_per_minibatch_ms - 1
-    line = (
+    steady state is fragile (the two more than :data:`FRAGILE` apart). The two are compared
+    only where the fixed run's time is its steady state, or the simulator's own run's average
+    (``steps_given``: the run's length was ``--steps``, and one that reached no steady state
+    averages over what it had, the fill too where it is too short)."""
+    head = (
         f"with every action and message {100 * JITTER:.0f}% longer or shorter at random "
-        f"(seeded): {noisy.time_per_minibatch_ms:.3f} ms per minibatch ({change:+.1%}; the mean "
-        f"between minibatches {noisy.measured[0]} and {noisy.measured[1]})"
+        f"(seeded): {noisy.time_per_minibatch_ms:.3f} ms per minibatch"
     )
+    window = f"the mean between minibatches {noisy.measured[0]} and {noisy.measured[1]}"
+    if not timeline.steady and (steps_given or timeline.from_start):
+        return (
+            f"{head} ({window}; not compared with the fixed time above, which is no steady state)"
+        )
+    change = noisy.time_per_minibatch_ms / timeline.time_per_minibatch_ms - 1
+    line = f"{head} ({change:+.1%}; {window})"
     if abs(change) > FRAGILE:
         line += (
             "\nthe fixed steady state is fragile: small timing noise moves it (a late action "
@@ -527,9 +554,11 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(format_timeline(timeline, plan, width=args.width))
     print()
-    print(format_report(timeline, plan, _drawn_description(spread, network.message_spread)))
+    drawn = _drawn_description(spread, network.message_spread)
+    print(format_report(timeline, plan, drawn, enough_steps=default_steps(plan, network)))
     if not timeline.drawn:
-        print(format_jitter(timeline, jittered(plan, work, network)))
+        noisy = jittered(plan, work, network)
+        print(format_jitter(timeline, noisy, steps_given=steps is not None))
     if measured is not None:
         print()
         replayed = measured_work(work, measured)

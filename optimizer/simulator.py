@@ -330,6 +330,13 @@ class Timeline:
     that ended (``pipedream simulate --trace`` sets them beside the run's)."""
 
     @property
+    def from_start(self) -> bool:
+        """Whether the time is the average over the whole run from its start, the fill and
+        the drain included: a run too short for a window after the fill (every other window,
+        steady or drawn or not, begins after it, at minibatch 1 or later)."""
+        return not self.steady and not self.drawn and self.measured[0] == 0
+
+    @property
     def makespan_ms(self) -> float:
         return max(event.end_ms for event in self.events)
 

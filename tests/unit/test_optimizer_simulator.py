@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from pipedream.errors import PlanningError
@@ -15,12 +17,14 @@ from pipedream.formats import (
     StagePlan,
     Topology,
 )
+from pipedream.formats.plan import Prediction
 from pipedream.optimizer import simulator
 from pipedream.optimizer.simulate_command import (
     MAX_ACTIONS,
     _max_minibatches,
     _simulated_means,
     format_jitter,
+    format_report,
 )
 from pipedream.optimizer.simulator import (
     FRAGILE,
@@ -600,3 +604,41 @@ def test_a_message_waiting_for_an_interface_leaves_its_link_to_others() -> None:
         network = Network((4,), (1e6,), interface=interface)
         times[interface] = simulate(plan, work, network, num_minibatches=48).time_per_minibatch_ms
     assert times == pytest.approx({False: 20 / 3, True: 10.0})
+
+
+def test_a_run_too_short_for_a_steady_state_says_so() -> None:
+    # 4 stages of F = 1, B = 2 under pipedream: the first minibatch completes at 12 ms (the
+    # fill), then one every 3 ms; 4 minibatches average 21 / 4 = 5.25 ms, the fill included,
+    # which is no steady state, and no ground to call the schedule fragile
+    prediction = Prediction(3.0, 1.0, 0, (3.0,) * 4, (0.0,) * 4, 12.0, cost_model="symmetric")
+    plan = replace(plan_of("pipedream", [1, 1, 1, 1]), prediction=prediction)
+    work = equal(4, 1.0, 2.0)
+    short = simulate(plan, work, FAST, num_minibatches=4)
+    assert short.completions_ms == (12.0, 15.0, 18.0, 21.0)
+    assert short.from_start and not short.steady
+    assert default_steps(plan, FAST) == 12
+    report = format_report(short, plan, enough_steps=default_steps(plan, FAST)).splitlines()
+    assert report[:3] == [
+        "simulated time per minibatch: 5.250 ms (the average over all 4 minibatches from the "
+        "start, fill and drain included)",
+        "no steady state: 4 minibatches are too few for the pipeline's fill, a steady state and "
+        "its drain; simulate at least --steps 12, or leave --steps out (the simulator then runs "
+        "until its steady state shows)",
+        "plan's prediction (symmetric cost model): 3.000 ms (simulated / predicted = 1.750; the "
+        "simulated time includes the fill)",
+    ]
+    noisy = jittered(plan, work, FAST)
+    line = format_jitter(short, noisy, steps_given=True)
+    assert "fragile" not in line
+    assert line.endswith(
+        f"{noisy.time_per_minibatch_ms:.3f} ms per minibatch (the mean between minibatches "
+        f"{noisy.measured[0]} and {noisy.measured[1]}; not compared with the fixed time above, "
+        "which is no steady state)"
+    )
+    # 12 minibatches reach it: 3 ms between minibatches 4 and 7
+    steady = simulate(plan, work, FAST, num_minibatches=12)
+    assert steady.steady and not steady.from_start
+    assert format_report(steady, plan).splitlines()[:2] == [
+        "simulated time per minibatch: 3.000 ms (steady state between minibatches 4 and 7 of 12)",
+        "plan's prediction (symmetric cost model): 3.000 ms (simulated / predicted = 1.000)",
+    ]
