@@ -71,7 +71,6 @@ __all__ = [
     "candidate_cuts",
     "copy_counts",
     "default_placed_microbatches",
-    "placed_plan",
     "placed_search",
     "stage_times",
     "stages_per_worker_options",
@@ -316,35 +315,6 @@ def _data_parallel_ms(profile: Profile, cluster: Cluster, *, recompute: bool) ->
     return data_parallel_time_ms(profile, cluster, DATA_PARALLEL_SCHEDULE, recompute=recompute)
 
 
-def placed_plan(
-    profile: Profile,
-    topology: Topology,
-    *,
-    schedule: str,
-    microbatches: int | None,
-    virtual_stages: int | None,
-    memory_limit: float | None,
-    cost_model: str,
-    straight: bool = False,
-    recompute: bool = False,
-) -> tuple[PlacedPlan | None, str]:
-    """The fastest plan for ``schedule`` that fits ``memory_limit`` (see the module
-    docstring), or None and why there is none; ``straight``: one copy of the pipeline over
-    all workers (no stage replicated); ``recompute``: activations recomputed in backward."""
-    found = placed_search(
-        profile,
-        topology,
-        schedule=schedule,
-        microbatches=microbatches,
-        virtual_stages=virtual_stages,
-        memory_limit=memory_limit,
-        cost_model=cost_model,
-        straight=straight,
-        recompute=recompute,
-    )
-    return found.plan, found.problem
-
-
 @dataclass(frozen=True)
 class PlacedSearch:
     """What :func:`placed_search` found."""
@@ -370,7 +340,10 @@ def placed_search(
     straight: bool = False,
     recompute: bool = False,
 ) -> PlacedSearch:
-    """:func:`placed_plan`, saying also whether the memory limit is why there is no plan.
+    """The fastest plan for ``schedule`` that fits ``memory_limit`` (see the module
+    docstring), or None and why there is none, and whether the memory limit is why;
+    ``straight``: one copy of the pipeline over all workers (no stage replicated);
+    ``recompute``: activations recomputed in backward.
 
     The candidates that fit are simulated in the order of their lower bounds
     (:func:`~pipedream.optimizer.bounds.minibatch_lower_bound`, per microbatch); once the

@@ -42,7 +42,7 @@ from pipedream.optimizer.cost_model import (
     minibatch_ms,
 )
 from pipedream.optimizer.memory import MemoryModel
-from pipedream.optimizer.placed import PLACED, copy_counts, placed_plan, placed_search
+from pipedream.optimizer.placed import PLACED, copy_counts, placed_search
 from pipedream.optimizer.refine import Moves, Refined, refine
 from pipedream.optimizer.search import (
     AUTO_MICROBATCHES,
@@ -201,7 +201,7 @@ def plan_profile(profile: Profile, *, topology: Topology, options: PlanOptions) 
     refined = None
     not_compared = ""
     if options.schedule in PLACED:
-        placed, problem = placed_plan(
+        search = placed_search(
             profile,
             topology,
             schedule=options.schedule,
@@ -212,8 +212,9 @@ def plan_profile(profile: Profile, *, topology: Topology, options: PlanOptions) 
             straight=options.straight,
             recompute=options.recompute,
         )
+        placed = search.plan
         if placed is None:
-            raise PlanningError(problem)
+            raise PlanningError(search.problem)
         return PlanResult(placed.plan, placed.tree, placed.cluster, placed.evaluation)
     if options.schedule == AUTO:
         found = solve_auto(request, microbatches=options.microbatches)

@@ -181,10 +181,10 @@ def test_placed_plans_simulate_only_what_can_win(
 
     monkeypatch.setattr(placed, "simulated_ms", counted)
     options = dict(schedule=schedule, microbatches=None, virtual_stages=None, memory_limit=None)
-    chosen, _ = placed.placed_plan(original, topology, cost_model="symmetric", **options)
+    chosen = placed.placed_search(original, topology, cost_model="symmetric", **options).plan
     with_bounds = len(runs)
     monkeypatch.setattr(placed, "BOUND_SLACK", float("inf"))
-    every, _ = placed.placed_plan(original, topology, cost_model="symmetric", **options)
+    every = placed.placed_search(original, topology, cost_model="symmetric", **options).plan
     assert chosen is not None and every is not None
     assert chosen.plan == every.plan
     assert (with_bounds, len(runs) - with_bounds) == SIMULATED[name, schedule]
