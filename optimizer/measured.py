@@ -269,10 +269,12 @@ def steady_window(traces: Sequence[RankTrace], plan: Plan, *, skip: int | None) 
     first = start + skip
     measured = [c for c in range(first + 1, start + len(ends)) if c not in restarts]
     if not measured:
+        fewer = skip > 0 and any(c not in restarts for c in range(start + 1, start + len(ends)))
         raise TraceError(
             f"every interval between the {unit} after the first {skip} spans a checkpoint "
             f"(stretches {_stretch_list(traces[0].stretches)}; the pipeline drains at each): "
-            "measure a run with longer stretches (--checkpoint-every), or leave out fewer"
+            "measure a run with longer stretches (--checkpoint-every)"
+            + (", or leave out fewer" if fewer else "")
         )
     return Window(start, tuple(ends), tuple(measured))
 

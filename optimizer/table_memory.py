@@ -20,8 +20,10 @@ So a worker holds, over the stages it runs::
 
 With ``--recompute`` (``LayerCosts.recompute``) a forward holds only the stage's input until
 its backward; the backward recomputes the activations and holds them while it runs (split:
-from ``I``, which recomputes them, to ``W``), so an unsplit backward adds its stage's
-activations to the peak, one microbatch at a time.
+from ``I``, which recomputes them, to ``W``, with the buffers ``I`` leaves for ``W`` counted
+as activations once more, as above), so an unsplit backward adds its stage's activations to
+the peak, one microbatch at a time. The first stage's input, from the data loader, is not in
+the profile and counts as nothing.
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ def worker_memory(
     if costs.recompute:
         activations = held
         held = {stage: costs.input_bytes(first) for stage, (first, _) in enumerate(spans)}
-        deferred = activations if split else dict.fromkeys(held, 0.0)
+        # split: I keeps the recomputed graph for W, and what it leaves for W as above
+        deferred = {s: 2 * a for s, a in activations.items()} if split else dict.fromkeys(held, 0.0)
         recomputed = dict.fromkeys(held, 0.0) if split else activations
     else:
         deferred = held if split else dict.fromkeys(held, 0.0)

@@ -103,6 +103,9 @@ class _Setup:
     """The stretches to train (None: the checkpoint is already at ``--steps``)."""
     placement: Placement | None = None
     posting: Posting | None = None
+    note: str = ""
+    """A restart's note, said once every rank's setup went well (a setup that fails again
+    resumes nothing)."""
 
 
 def train(options: TrainOptions) -> int:
@@ -139,6 +142,8 @@ def train(options: TrainOptions) -> int:
             timeout=timeout,
         )
     assert setup is not None  # a failure raised above
+    if setup.note and env.local_rank == 0:
+        print(setup.note, file=sys.stderr)
     if setup.todo is None:
         return 0  # nothing to do (said by _set_up)
     options, todo = setup.options, setup.todo
@@ -181,11 +186,11 @@ def _set_up(options: TrainOptions, plan: Plan, env: LaunchEnv) -> _Setup:
     rank's: :func:`train` has it said once per node)."""
     source = options.plan_path
     speaks = env.local_rank == 0  # notes every rank would print: one line per node
+    note = ""
     if env.restart_count > 0:  # torchrun restarted the workers (--max-restarts)
         resume = restart_point(options.resume, options.run_dir)
         where = "the newest checkpoint" if resume == "auto" else f"{resume}, where the run began"
-        if speaks:
-            print(f"pipedream: restart {env.restart_count}: resuming from {where}", file=sys.stderr)
+        note = f"pipedream: restart {env.restart_count}: resuming from {where}"
         options = dataclasses.replace(options, resume=resume)
     workload = load_workload(
         plan.workload, plan.workload_args, microbatch_size=plan.microbatch_size, source=source
@@ -206,7 +211,7 @@ def _set_up(options: TrainOptions, plan: Plan, env: LaunchEnv) -> _Setup:
                 f"{options.steps}; nothing to do",
                 file=sys.stderr,
             )
-        return _Setup(options, workload, layout, resume_from, None)
+        return _Setup(options, workload, layout, resume_from, None, note=note)
     todo = segments(options.steps, options.checkpoint_every, start)
     placement = device_and_backend(env, options.device)
     posting = validate_plan_schedule(
@@ -217,7 +222,7 @@ def _set_up(options: TrainOptions, plan: Plan, env: LaunchEnv) -> _Setup:
         tied=layout.tied_pairs,
         in_order=_in_order(placement.backend),
     )
-    return _Setup(options, workload, layout, resume_from, todo, placement, posting)
+    return _Setup(options, workload, layout, resume_from, todo, placement, posting, note)
 
 
 def _how_to_continue(run_dir: Path) -> str:

@@ -87,8 +87,7 @@ def run_plan(
     folder = Path(tempfile.mkdtemp(prefix="ranks-"))
     procs, files = [], []
     for rank in range(world):
-        rank_env = {
-            **(env or {}),
+        rank_env = {  # env may set torchrun's variables too (a restart's count)
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": str(world),
@@ -97,6 +96,7 @@ def run_plan(
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "TORCHELASTIC_RESTART_COUNT": "0",
+            **(env or {}),
         }
         out, err = folder / f"{rank}.out", folder / f"{rank}.err"
         files.append((out, err))

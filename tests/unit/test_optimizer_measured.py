@@ -192,6 +192,10 @@ def test_intervals_across_a_checkpoint_are_left_out() -> None:
     assert (run.stages[0].between, run.stages[1].between) == pytest.approx((0.1, 0.0))
     with pytest.raises(TraceError, match=r"spans a checkpoint \(stretches 0..3, 4..4, 5..5;"):
         measure_run(checkpointed(6, ((0, 4), (4, 1), (5, 1)), pause=0.05), PLAN, skip=3)
+    # where every interval of the run spans one, leaving out fewer cannot help: not said
+    every = tuple((first, 1) for first in range(6))
+    with pytest.raises(TraceError, match=r"\(--checkpoint-every\)$"):
+        measure_run(checkpointed(6, every, pause=0.05), PLAN, skip=0)
 
 
 def test_a_resumed_run_is_measured_from_its_checkpoint() -> None:

@@ -142,3 +142,18 @@ def test_a_run_that_recomputes_says_its_plan_did_not(tmp_path) -> None:
         )  # fmt: skip
         assert result.returncode == 0, result.stderr[-2000:]
         assert (note in result.stderr) is says, result.stderr[-2000:]
+
+
+def test_a_split_backward_keeps_the_recomputed_graph_until_w() -> None:
+    """zb-h1 on 2 stages: rank 1 runs F0 I0 F1 I1 W0 W1. Its I recomputes the 20 MB and keeps
+    them, with what it leaves for W (counted as the activations once more, as without
+    recomputing), until W: recomputing only adds the 1 MB inputs (82 MB at I1, 80 without).
+    It was counted as 1 MB + 20 MB per microbatch waiting for W."""
+    plan = Plan(
+        "toy", "zb-h1", 8, 2, 2, (StagePlan("l0", "l1", 1, (0,)), StagePlan("l2", "l3", 1, (1,)))
+    )
+    spans, weights = [(0, 1), (2, 3)], 2 * 2 * MB
+    plain = worker_memory(plan, LayerCosts.from_profile(PROFILE), spans)
+    again = worker_memory(plan, LayerCosts.from_profile(PROFILE, recompute=True), spans)
+    assert plain == {0: weights + 60 * MB, 1: weights + 80 * MB}  # F0 F1 I0: 3 x 20 on rank 0
+    assert again == {0: weights + 40 * MB, 1: weights + 82 * MB}
