@@ -72,11 +72,18 @@ def agree_on_setup(
 ) -> None:
     """Tell the other ranks, through the rendezvous ``store``, whether this rank's setup
     failed (``failure``), and hear theirs; if any failed, :func:`refuse_together`. A rank that
-    crashed instead ends the job through torchrun, as before."""
+    crashed instead ends the job through torchrun, as before.
+
+    Rank 0 returns only once every rank has read the others' word: where rank 0 hosts the
+    store (a launcher other than torchrun, whose agent hosts it), a rank 0 that exits at once
+    (nothing to do, a refused setup) takes the store with it while the others still read."""
     store.set(f"setup/{rank}", "" if failure is None else f"!{failure}")
     keys = [f"setup/{other}" for other in range(world_size)]
     store.wait(keys, timeout)
     said = [store.get(key).decode("utf-8") for key in keys]
+    store.set(f"setup-read/{rank}", "")
+    if rank == 0:
+        store.wait([f"setup-read/{other}" for other in range(world_size)], timeout)
     messages = [text[1:] if text else None for text in said]
     if any(message is not None for message in messages):
         refuse_together(messages, local_rank=local_rank)
