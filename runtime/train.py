@@ -10,6 +10,7 @@ uninterrupted one.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import gc
 import os
 import sys
@@ -109,6 +110,8 @@ class _Setup:
 
 
 def train(options: TrainOptions) -> int:
+    if not faulthandler.is_enabled():  # a rank a C++ library aborts says where it was
+        faulthandler.enable(all_threads=True)
     configure_host_memory()  # before anything is allocated: every step reuses its memory
     if options.deterministic:
         make_deterministic()

@@ -73,7 +73,8 @@ def test_readme_demo_reaches_90_percent_on_digits(tmp_path: Path) -> None:
         text=True,
         timeout=300,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    # the ranks' own lines come before torchrun's report of the failure
+    assert result.returncode == 0, result.stderr[:6000] + "\n[...]\n" + result.stderr[-1500:]
     (run_dir,) = tmp_path.glob("run-*")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["evaluation"]["test_accuracy"] >= 0.90
