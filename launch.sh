@@ -23,8 +23,8 @@ python_bin="${PYTHON:-$(command -v python || command -v python3)}"
 
 torchrun_args=()
 train_args=()
-nnodes=""
-nproc=""
+nnodes=()  # the option and its value, where given (an empty value is refused below)
+nproc=()
 rendezvous=0
 while [[ $# -gt 0 ]]; do
   arg="$1"
@@ -39,8 +39,8 @@ while [[ $# -gt 0 ]]; do
       value="$2"; shift 2
       name="${arg//_/-}"
       case "$name" in
-        --nnodes) nnodes="$value" ;;
-        --nproc-per-node) nproc="$value"; continue ;;
+        --nnodes) nnodes=(--nnodes "$value") ;;
+        --nproc-per-node) nproc=(--nproc-per-node "$value"); continue ;;
         --rdzv-*|--master-*) rendezvous=1 ;;
       esac
       torchrun_args+=("$name" "$value") ;;
@@ -51,8 +51,8 @@ while [[ $# -gt 0 ]]; do
       name="${arg%%=*}"; value="${arg#*=}"; shift
       name="${name//_/-}"
       case "$name" in
-        --nnodes) nnodes="$value" ;;
-        --nproc-per-node) nproc="$value"; continue ;;
+        --nnodes) nnodes=(--nnodes "$value") ;;
+        --nproc-per-node) nproc=(--nproc-per-node "$value"); continue ;;
         --rdzv-*|--master-*) rendezvous=1 ;;
       esac
       torchrun_args+=("$name" "$value") ;;
@@ -71,9 +71,9 @@ done
 # before starting anything: a bad plan, a bad option or a world size that does not match gives
 # one line and exit code 2, not one per rank and a torchrun error report.
 # It prints the processes per node and the number of nodes (--nnodes 1:1 is 1).
-checked=$("$python_bin" -m pipedream.runtime.launch_check "$plan" --nnodes "${nnodes:-1}" \
-          ${nproc:+--nproc-per-node "$nproc"} -- "${train_args[@]+"${train_args[@]}"}")
-read -r nproc nodes <<<"$checked"
+checked=$("$python_bin" -m pipedream.runtime.launch_check "$plan" "${nnodes[@]+"${nnodes[@]}"}" \
+          "${nproc[@]+"${nproc[@]}"}" -- "${train_args[@]+"${train_args[@]}"}")
+read -r processes nodes <<<"$checked"
 
 # Pin the run directory here, so that workers restarted by torchrun (--max-restarts) find the
 # checkpoints of the run they continue.
@@ -89,5 +89,5 @@ if [[ $rendezvous -eq 0 && "$nodes" == "1" ]]; then
   torchrun_args+=(--standalone)
 fi
 
-exec "$python_bin" -m pipedream.runtime.torchrun "${torchrun_args[@]}" --nproc-per-node "$nproc" \
+exec "$python_bin" -m pipedream.runtime.torchrun "${torchrun_args[@]}" --nproc-per-node "$processes" \
   -m pipedream.cli train "$plan" "${train_args[@]+"${train_args[@]}"}"

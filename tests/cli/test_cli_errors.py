@@ -272,6 +272,16 @@ def test_launch_sh_malformed_plan(tmp_path: Path) -> None:
             id="nnodes-range",
         ),
         pytest.param(
+            ["--nnodes="],
+            "--nnodes '': must be a whole number of nodes, or MIN:MAX with MIN = MAX",
+            id="nnodes-empty",  # checked as 1, then handed to torchrun empty
+        ),
+        pytest.param(
+            ["--nproc-per-node="],
+            "--nproc-per-node '': must be a whole number of processes",
+            id="nproc-per-node-empty",  # dropped: the plan's count was used
+        ),
+        pytest.param(
             ["--nproc-per-node", "two"],
             "--nproc-per-node 'two': must be a whole number of processes",
             id="nproc-per-node",  # named --nnodes '1' too
