@@ -447,11 +447,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     module_name, _, function = _HANDLERS[args.verb].partition(":")
     try:
         outputs = []
+        drawn_by = next((o for _, o, e in _OUTPUTS.get(args.verb, ()) if e.endswith(".png")), None)
         for attribute, option, example in _OUTPUTS.get(args.verb, ()):
             if getattr(args, attribute) is not None:
                 image = example.endswith(".png")
                 check_not_input(getattr(args, attribute), option, _INPUTS[args.verb](args))
-                check_output(getattr(args, attribute), option, example=example, image=image)
+                check_output(
+                    getattr(args, attribute),
+                    option,
+                    example=example,
+                    image=image,
+                    image_option=drawn_by,
+                )
                 outputs.append((option, getattr(args, attribute)))
         defaults = _DEFAULT_OUTPUTS.get(args.verb)
         check_distinct(outputs + (defaults(args) if defaults else []))

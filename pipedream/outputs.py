@@ -3,12 +3,14 @@
 A profile can take minutes and a plan search longer: a path that cannot be written must fail at
 once, in one line, not with a traceback after the work (or, as root, by replacing a device such
 as ``/dev/null`` with the file). :func:`check_output` refuses an empty path, a directory, an
-existing path that is not a regular file, a folder that cannot be created or written, and for
-images a file type matplotlib does not write; it creates the missing folders, as the writers
-would. :func:`check_not_input` refuses an output that would replace one of the command's own
-inputs (``pipedream plan profile.yaml -o profile.yaml``) or write into an input folder (a
-checkpoint, a run's traces), and :func:`check_distinct` two outputs of one command that are the
-same file (``pipedream profile --plot p.png -o p.png`` wrote the profile, then the image over it).
+existing path that is not a regular file, a folder that cannot be created or written, for
+images a file type matplotlib does not write, and for the other outputs an image's name (the
+trace's JSON written as ``run.png``, where ``--png`` was meant); it creates the missing folders,
+as the writers would. :func:`check_not_input` refuses an output that would replace one of the
+command's own inputs (``pipedream plan profile.yaml -o profile.yaml``) or write into an input
+folder (a checkpoint, a run's traces), and :func:`check_distinct` two outputs of one command
+that are the same file (``pipedream profile --plot p.png -o p.yaml`` with ``p.png`` a link to
+``p.yaml`` wrote the profile, then the image over it).
 """
 
 from __future__ import annotations
@@ -43,9 +45,14 @@ class OutputError(PipedreamError):
     """An output path that cannot be written."""
 
 
-def check_output(path: str, option: str, *, example: str, image: bool = False) -> None:
+def check_output(
+    path: str, option: str, *, example: str, image: bool = False, image_option: str | None = None
+) -> None:
     """Raise :class:`OutputError` unless ``path`` (given as ``option``) can be written as a
-    file; create its missing folders. ``example`` is a file name the messages suggest."""
+    file; create its missing folders. ``example`` is a file name the messages suggest. A file
+    that is not an image (``image`` False) must not be named as one: ``trace -o run.png`` wrote
+    the trace's JSON under an image's name, where the picture was meant (``image_option``, the
+    command's option that draws one, if any)."""
     if not path:
         raise OutputError(f"{option} '': give a file path such as {example}")
     target = Path(path)
@@ -62,6 +69,12 @@ def check_output(path: str, option: str, *, example: str, image: bool = False) -
         shown = f"'{target.suffix}'" if target.suffix else "no suffix"
         raise OutputError(
             f"{option} {path}: unsupported image type ({shown}); end the name in .png, .svg or .pdf"
+        )
+    if not image and target.suffix.lower() in IMAGE_SUFFIXES:
+        drawn = f"; the picture is {image_option} {path}" if image_option else ""
+        raise OutputError(
+            f"{option} {path}: an image's name, but {option} writes a {Path(example).suffix} "
+            f"file; give a name such as {example}{drawn}"
         )
     folder = target.parent
     existing = folder

@@ -46,6 +46,13 @@ CASES = [
      "{d}/adir/trace.json"),
     (["export", "run/checkpoints/step-000001"], "-o", "afile/m.pt",
      "-o {d}/afile/m.pt: {d}/afile is a file, not a folder; choose another path"),
+    # an image's name for a file that is not one (the trace's JSON was written as run.png)
+    (["trace", "run"], "-o", "run.png", "-o {d}/run.png: an image's name, but -o writes a "
+     ".json file; give a name such as trace.json; the picture is --png {d}/run.png"),
+    (["profile", "digits"], "-o", "p.PDF", "-o {d}/p.PDF: an image's name, but -o writes a "
+     ".yaml file; give a name such as profile.yaml; the picture is --plot {d}/p.PDF"),
+    (["export", "run/checkpoints/step-000001"], "-o", "model.svg", "-o {d}/model.svg: an "
+     "image's name, but -o writes a .pt file; give a name such as model.pt"),
 ]  # fmt: skip
 
 
@@ -136,24 +143,24 @@ def test_an_output_never_replaces_an_input(
     assert not (places / "run" / "traces" / "rank-000.json").exists()
 
 
-# (the command, its outputs under tmp_path, what the line says)
+# (the command, its outputs under tmp_path, what the line says): two names of one file, through
+# a link (the same name twice is refused already: an output is an image or names none)
 SAME_FILE_CASES = [
-    (["profile", "digits", "--plot", "{d}/same.png", "-o", "{d}/same.png"],
-     "--plot {d}/same.png: is the same file as -o {d}/same.png"),
-    (["profile", "digits", "-o", "{d}/same.png", "--plot", "{d}/adir/../same.png"],
-     "--plot {d}/adir/../same.png: is the same file as -o {d}/same.png"),
-    (["profile", "digits", "-o", "{d}/same.png", "--plot", "{d}/link.png"],
-     "--plot {d}/link.png: is the same file as -o {d}/same.png"),
-    (["trace", "{d}/run", "-o", "{d}/t.png", "--png", "{d}/t.png"],
-     "--png {d}/t.png: is the same file as -o {d}/t.png"),
+    (["profile", "digits", "-o", "{d}/same.yaml", "--plot", "{d}/link.png"],
+     "--plot {d}/link.png: is the same file as -o {d}/same.yaml"),
+    (["profile", "digits", "-o", "{d}/adir/../link.png.yaml", "--plot", "{d}/link.png"],
+     "--plot {d}/link.png: is the same file as -o {d}/adir/../link.png.yaml"),
+    (["trace", "{d}/run", "-o", "{d}/same.yaml", "--png", "{d}/link.png"],
+     "--png {d}/link.png: is the same file as -o {d}/same.yaml"),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize(("command", "message"), SAME_FILE_CASES)
 def test_two_outputs_are_never_one_file(places: Path, command: list[str], message: str) -> None:
     """``profile --plot same.png -o same.png`` profiled, wrote the profile, then replaced it with
-    the image, and exited 0; now it stops before profiling."""
-    (places / "link.png").symlink_to(places / "same.png")
+    the image, and exited 0; now it stops before profiling, whatever the names."""
+    (places / "link.png").symlink_to(places / "same.yaml")
+    (places / "link.png.yaml").symlink_to(places / "same.yaml")
     result = run_main(*(part.format(d=places) for part in command))
     assert result.returncode == 2, result.stderr
     assert result.stderr == (
@@ -161,17 +168,22 @@ def test_two_outputs_are_never_one_file(places: Path, command: list[str], messag
         "replace; give each output its own path\n"
     )
     assert result.stdout == ""  # nothing measured
-    assert not (places / "same.png").exists() and not (places / "t.png").exists()
+    assert not (places / "same.yaml").exists()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="needs matplotlib")
 def test_an_output_is_never_the_file_another_writes_by_default(places: Path) -> None:
     """``trace RUN -o RUN/timeline.png`` wrote the Perfetto trace, then the Gantt chart over it
-    (``--png``'s default)."""
+    (``--png``'s default); ``-o RUN/trace`` linked to it does not write it either."""
     run = places / "run"
+    run.mkdir()
     result = run_main("trace", str(run), "-o", str(run / "timeline.png"))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(f"pipedream trace: error: -o {run}/timeline.png: an image's")
+    (run / "trace").symlink_to(run / "timeline.png")
+    result = run_main("trace", str(run), "-o", str(run / "trace"))
     assert result.returncode == 2, result.stderr
     assert result.stderr == (
         f"pipedream trace: error: --png (default) {run}/timeline.png: is the same file as -o "
-        f"{run}/timeline.png, which writing it would replace; give each output its own path\n"
+        f"{run}/trace, which writing it would replace; give each output its own path\n"
     )
