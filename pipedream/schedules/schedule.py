@@ -140,10 +140,14 @@ class Schedule:
 
 def replica_minibatches(spec: PipelineSpec, stage: int, replica: int) -> list[int]:
     """The minibatches replica ``replica`` of ``stage`` runs: those ``t`` with
-    ``t mod replicas = replica`` (1F1B-RR)."""
+    ``t mod replicas = replica`` (1F1B-RR), counted from minibatch 0 as
+    :meth:`PipelineSpec.rank_of` counts them, also where the stretch starts elsewhere (a run
+    resumed from a checkpoint at a step that is not a multiple of ``replicas``, one written
+    under another plan): counted from ``first_minibatch``, the replicas' tables disagreed with
+    the messages' routes and the run hung."""
     r = spec.replicas(stage)
     first = spec.first_minibatch
-    return [first + k for k in range(spec.num_minibatches) if k % r == replica]
+    return [t for t in range(first, first + spec.num_minibatches) if t % r == replica]
 
 
 def one_f_one_b(items: Sequence[int], warmup: int) -> list[OrderEntry]:

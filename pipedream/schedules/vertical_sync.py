@@ -21,13 +21,16 @@ def stage_zero_version(spec: PipelineSpec, stage: int, microbatch: int, updates_
 
     Stage 0's replica ran ``max(0, i - w_0)`` updates before the forward of its ``i``-th
     minibatch, each covering ``r_0`` minibatches; this stage's version covering the same
-    minibatches is that ``// r_s``.
+    minibatches is its version at the stretch's start plus the rounds of its ``r_s`` replicas
+    they fill, counted from the start as its updates are (where a resumed run starts at a step
+    that is not a multiple of ``r_s``, ``(first + covered) // r_s`` named a round not done).
     """
     minibatch = microbatch // spec.microbatches
     r0 = spec.replicas(0)
     local0 = (minibatch - spec.first_minibatch) // r0
     covered = max(0, local0 - warmup_depth(spec, 0)) * r0
-    return (spec.first_minibatch + covered) // spec.replicas(stage)
+    r_s = spec.replicas(stage)
+    return spec.first_minibatch // r_s + covered // r_s
 
 
 PIPEDREAM_VS = Schedule(

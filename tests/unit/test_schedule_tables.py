@@ -105,6 +105,43 @@ def test_replicated_tables_valid(shape: tuple[int, ...], schedule: str) -> None:
         validate_tables(spec, build_tables(spec))
 
 
+@pytest.mark.parametrize(
+    ("schedule", "m"),
+    [("pipedream", 1), ("pipedream-vs", 1), ("2bw", 3), ("1f1b", 2), ("gpipe", 2), ("zb-h1", 2)],
+)
+def test_replicated_tables_valid_from_any_minibatch(schedule: str, m: int) -> None:
+    """A run resumed from a checkpoint another plan wrote starts where that plan stopped, which
+    need not be a multiple of this plan's replicas (step 3 of a straight pipeline, resumed with
+    a stage of 2): each replica's minibatches were counted from there, the message routes from
+    minibatch 0, and the ranks waited for each other forever."""
+    for shape in ((2, 1), (1, 2), (2, 1, 3)):
+        ranks, rank = [], 0
+        for count in shape:
+            ranks.append(tuple(range(rank, rank + count)))
+            rank += count
+        multiple = math.lcm(*shape)
+        for first in range(2 * multiple):
+            spec = PipelineSpec(schedule, tuple(ranks), m, 2 * multiple, first_minibatch=first)
+            validate_tables(spec, build_tables(spec))
+
+
+def test_vertical_sync_never_runs_ahead_of_stage_zero_when_resumed_off_a_round() -> None:
+    """Under pipedream-vs a stage's version covers no minibatch that stage 0's version of the
+    same minibatch leaves out, also where the run resumed in the middle of a round of its
+    replicas (step 3, rounds of 2: ``(3 + 1) // 2`` named the version of minibatches 3 and 4
+    for a forward stage 0 ran on the version of minibatch 3 alone)."""
+    for first in range(4):
+        spec = PipelineSpec("pipedream-vs", ((0,), (1, 2)), 1, 8, first_minibatch=first)
+        tables = build_tables(spec)
+        covered = {a.index: a.version for a in tables[0] if a.op is Op.FORWARD}
+        for rank in (1, 2):
+            for action in tables[rank]:
+                if action.op is Op.FORWARD:
+                    assert action.version is not None
+                    rounds = action.version - first // 2
+                    assert rounds * 2 <= covered[action.index] - first, (first, action)
+
+
 def test_2bw_replicated_tables_run() -> None:
     """With a replicated stage every stage drains each minibatch: carried over, a warm-up
     waited for forwards that a replica starts only after an allreduce waiting for it (315 of
