@@ -86,11 +86,22 @@ def load_optimizer_by_name(
     optimizer: torch.optim.Optimizer, names: list[str], saved: dict[str, Any]
 ) -> None:
     """Inverse of :func:`optimizer_state_by_name` for a (possibly differently split) stage;
-    ``names`` are the names of the optimizer's parameters, in its order."""
+    ``names`` are the names of the optimizer's parameters, in its order.
+
+    Each of the optimizer's parameter groups takes the hyperparameters of the saved group that
+    held its first parameter (a workload's optimizer may give weights and biases groups of
+    their own, with their own weight decay or learning rate), else those of the first saved
+    group: every group took the first's, and a resumed run differed from an uninterrupted one.
+    """
     index = {name: i for i, name in enumerate(names)}
-    groups = optimizer.state_dict()["param_groups"]
-    hyper = saved["param_groups"][0] if saved["param_groups"] else {}
-    new_groups = [{**hyper, **{"params": g["params"]}} for g in groups]
+    saved_groups = saved["param_groups"]
+    group_of = {name: group for group in saved_groups for name in group["params"]}
+    fallback = saved_groups[0] if saved_groups else {}
+    new_groups = []
+    for group in optimizer.state_dict()["param_groups"]:
+        held = (group_of.get(names[i]) for i in group["params"])
+        source = next((found for found in held if found is not None), fallback)
+        new_groups.append({**group, **source, "params": group["params"]})
     state = {index[n]: v for n, v in saved["state"].items() if n in index}
     optimizer.load_state_dict({"state": state, "param_groups": new_groups})
 
@@ -316,9 +327,14 @@ def restore_stage(
         payload = load_stage_file(directory, entry)
         model.update(payload["model"])
         opt_state.update(payload["optimizer"]["state"])
-        groups = groups or payload["optimizer"]["param_groups"]
+        groups += payload["optimizer"]["param_groups"]  # each stage's: a group per file
     model = expand_aliases(model, tied_names(manifest))
     opt_state = expand_aliases(opt_state, tied_names(manifest))
+    aliases = {name: names for names in tied_names(manifest) for name in names}
+    groups = [  # a tied parameter in its group under each of its names, as in the state
+        {**group, "params": [alias for n in group["params"] for alias in aliases.get(n, [n])]}
+        for group in groups
+    ]
     wanted = module.state_dict()
     missing = [key for key in wanted if key not in model]
     if missing:

@@ -160,7 +160,14 @@ class StageWorker:
         # every forward's use of one would take the GIL to count a reference to that object.
         with torch.enable_grad():
             self._accumulator_graph = [p.sum() for p in trained if p.requires_grad]
-        self.param_names = [name for name in named if name not in self._copies]
+        name_of = {id(p): name for name, p in named.items()}
+        self.param_names = (
+            [name_of[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
+            if self.optimizer is not None
+            else []
+        )
+        """The names of the optimizer's parameters in its order, which its state dict numbers
+        them by (a factory that groups them, weights apart from biases, reorders them)."""
         self._call = ParameterSwap(self.module)
         splits = any(a.op is Op.BACKWARD_INPUT and a.stage == config.stage for a in table)
         self._split = (

@@ -1,0 +1,107 @@
+"""Optimizer state of a workload whose optimizer puts parameters in groups of their own (weights
+apart from biases, each with its own weight decay and learning rate) survives a checkpoint:
+saved and restored, under the same split and under another, it is the state that was saved."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pipedream.runtime.checkpoint import (
+    restore_stage,
+    save_stage_file,
+    stage_payload,
+    write_manifest,
+)
+from pipedream.runtime.stage_worker import StageWorker, WorkerConfig
+from pipedream.schedules import PipelineSpec, build_tables
+
+
+def _grouped(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """Biases first (no decay, a larger step), then the weights: the module's order changed."""
+    params = list(params)
+    groups = [
+        {"params": [p for p in params if p.ndim == 1], "lr": 0.5, "weight_decay": 0.0},
+        {"params": [p for p in params if p.ndim > 1], "lr": 0.1, "weight_decay": 0.3},
+    ]
+    return torch.optim.AdamW([g for g in groups if g["params"]])
+
+
+def _worker(module: nn.Module) -> StageWorker:
+    table = build_tables(PipelineSpec("1f1b", ((0,),), 1, 1))[0]
+    return StageWorker(
+        WorkerConfig(0, 1, 1),
+        module,
+        table,
+        optimizer_factory=_grouped,
+        loss_fn=nn.functional.mse_loss,
+        data=None,
+    )
+
+
+def _trained(module: nn.Module) -> StageWorker:
+    """A worker whose optimizer has taken two steps (its state differs per parameter)."""
+    worker = _worker(module)
+    assert worker.optimizer is not None
+    for _ in range(2):
+        for p in worker.module.parameters():
+            p.grad = torch.randn_like(p)
+        worker.optimizer.step()
+    return worker
+
+
+def _state(worker: StageWorker) -> dict[str, tuple]:
+    """Each parameter's hyperparameters and Adam moments, by name."""
+    assert worker.optimizer is not None
+    named = {id(p): n for n, p in worker.module.named_parameters()}
+    out = {}
+    for group in worker.optimizer.param_groups:
+        for p in group["params"]:
+            state = worker.optimizer.state[p]
+            out[named[id(p)]] = (group["lr"], group["weight_decay"], state["exp_avg"].tolist())
+    return out
+
+
+def _save(directory: Path, workers: list[StageWorker]) -> None:
+    files = []
+    for stage, worker in enumerate(workers):
+        payload = stage_payload(
+            worker.module,
+            worker.optimizer,
+            stage=stage,
+            step=2,
+            data_position=2,
+            param_names=worker.param_names,
+        )
+        files.append(save_stage_file(directory, stage, payload))
+    write_manifest(directory, step=2, files=files, extra={})
+
+
+def _model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+
+
+def test_grouped_optimizer_state_is_restored_as_saved(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    saved = _trained(_model())
+    _save(tmp_path, [saved])
+    resumed = _worker(_model())
+    restore_stage(tmp_path, resumed.module, resumed.optimizer, param_names=resumed.param_names)
+    # every group took the first group's hyperparameters, and the moments went to the
+    # parameters of the module's order (a weight's to a bias: another shape)
+    assert _state(resumed) == _state(saved)
+
+
+def test_grouped_optimizer_state_is_restored_under_another_split(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = _model()  # two stages that keep the model's names, restored as one
+    cuts = [["0"], ["1", "2"]]
+    stages = [_trained(nn.Sequential(OrderedDict((n, model[int(n)]) for n in c))) for c in cuts]
+    _save(tmp_path, stages)
+    whole = _worker(_model())
+    restore_stage(tmp_path, whole.module, whole.optimizer, param_names=whole.param_names)
+    assert _state(whole) == {**_state(stages[0]), **_state(stages[1])}
