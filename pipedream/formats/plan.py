@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -330,6 +330,15 @@ class Plan:
         )
 
 
+def _places_with(spec: PipelineSpec, *, microbatches: int) -> bool:
+    """Whether the schedule takes ``spec``'s stages and ranks with ``microbatches``."""
+    try:
+        replace(spec, microbatches=microbatches).validate()
+    except ScheduleError:
+        return False
+    return True
+
+
 def _check_ranks(
     reader: MappingReader,
     stages: list[StagePlan],
@@ -358,6 +367,13 @@ def _check_ranks(
         try:
             spec.validate()
         except ScheduleError as exc:
+            # stages the schedule takes with a multiple of the ranks as microbatches (which
+            # interleaving runs in groups of a copy's ranks): the microbatches are wrong
+            other = (microbatches // spec.world_size + 1) * spec.world_size
+            if _places_with(spec, microbatches=other):
+                raise reader.error(
+                    "microbatches", str(exc), f"e.g. microbatches: {other}"
+                ) from None
             fix = "place the stages as the schedule does"
             raise reader.error("stages", str(exc), fix) from None
     if len(seen) != world_size:

@@ -647,6 +647,15 @@ CASES: list[tuple[str, str, Edit, str, str, str]] = [
      "stages", "schedule 'interleaved-1f1b' replicates whole pipelines: give every stage the "
      "same number of replicas; got [2, 1]",
      "place the stages as the schedule does"),
+    # stages placed right, microbatches not in the schedule's groups: not the stages' fault
+    ("plan-several-stages-microbatches", "plan",
+     lambda d: d.update(
+         schedule="interleaved-1f1b", microbatches=3, world_size=2, layers=["0", "1", "2", "3"],
+         prediction=None, workload_args={"layers": "3"},
+         stages=[{"first_layer": str(s), "last_layer": str(s), "ranks": [s % 2]} for s in range(4)],
+     ),
+     "microbatches", "schedule 'interleaved-1f1b' needs microbatches in groups of the 2 ranks; "
+     "got 3 (use a multiple of 2)", "e.g. microbatches: 4"),
     ("plan-microbatches-pipedream", "plan", _set("microbatches", value=4), "microbatches",
      "must be 1 for schedule 'pipedream', got 4", "use schedule '2bw'"),
     ("plan-microbatches-pipedream-vs", "plan",
