@@ -124,6 +124,15 @@ def check_segments(options: TrainOptions, plan: Plan, *, start: int = 0) -> None
                 listed = ", ".join(str(c) for c in counts[:-1])
                 which = f"the stages have {listed} and {counts[-1]} replicas"
                 lcm = ", their least common multiple"
+            if start % multiple:  # a checkpoint another plan wrote: multiples do not fit
+                steps = start + max(multiple, count - count % multiple)
+                raise LaunchError(
+                    f"{which}, so every stretch between checkpoints must be a multiple of "
+                    f"{multiple}{lcm}; the run resumes at step {start}, not a multiple of "
+                    f"{multiple} (a checkpoint of another plan), so checkpoints at multiples of "
+                    f"--checkpoint-every do not fit: train without --checkpoint-every to a step "
+                    f"{multiple} x k after {start} (e.g. --steps {steps}), then resume from there"
+                )
             raise LaunchError(
                 f"{which}, so --steps and --checkpoint-every must be multiples of {multiple}"
                 f"{lcm} (a segment of {count} minibatches starts at {first}{resumed})"

@@ -215,15 +215,20 @@ def test_the_steps_are_checked_from_where_a_run_resumes(
     run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Four replicas need segments of 4: 8 minibatches checkpointed every 4 are, from step 0;
-    from step 2 the first is 2 long. Every rank used to find that out, after launch.sh."""
+    from step 2 the first is 2 long. Every rank used to find that out, after launch.sh. The
+    error said to use multiples of 4, which 8 and 4 are: from step 2 none fits, and it says
+    how to go on."""
     step2 = str(run / "checkpoints" / "step-000002")
     options = ("--steps", "8", "--checkpoint-every", "4", "--run-dir", str(tmp_path / "new"))
     assert _launch_check(tmp_path, *options, replicas=4) == 0
     capsys.readouterr()
     assert _launch_check(tmp_path, *options, "--resume", step2, replicas=4) == 2
     assert capsys.readouterr().err == (
-        "launch.sh: error: stage 0 has 4 replicas, so --steps and --checkpoint-every must be "
-        "multiples of 4 (a segment of 2 minibatches starts at 2; the run resumes at step 2)\n"
+        "launch.sh: error: stage 0 has 4 replicas, so every stretch between checkpoints must "
+        "be a multiple of 4; the run resumes at step 2, not a multiple of 4 (a checkpoint of "
+        "another plan), so checkpoints at multiples of --checkpoint-every do not fit: train "
+        "without --checkpoint-every to a step 4 x k after 2 (e.g. --steps 6), then resume from "
+        "there\n"
     )
 
 
