@@ -46,9 +46,30 @@ class StageIO:
     buffers and inputs alone): no gradient message carries them back."""
 
 
+_CHECKS = frozenset(
+    {
+        "_assert_async",
+        "_assert_scalar",
+        "_assert_tensor_metadata",
+        "sym_constrain_range",
+        "sym_constrain_range_for_size",
+    }
+)
+"""Operations that only check a value (``x.to(dtype)`` exports as a check of ``x`` and then the
+conversion): they compute nothing and run with the operation after them."""
+
+
+def _is_check(node: fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and target.overloadpacket.__name__ in _CHECKS
+
+
 def _module_path(node: fx.Node) -> str:
+    """The module a node ran in ("": the root module's own operations, and the checks, whose
+    recorded module cannot be trusted: torch 2.8 records a check of a layer's input under the
+    module that made the input)."""
     stack = node.meta.get("nn_module_stack")
-    if not stack:
+    if not stack or _is_check(node):
         return ""
     return str(list(stack.values())[-1][0])
 
@@ -222,13 +243,22 @@ class LayerGraph:
         layer_of: dict[str, int] = {}
         current = None
         owning: set[int] = set()  # layers whose module runs some operation
+        checks: list[str] = []  # checks waiting for the operation after them
         for node in self.nodes:
+            if _is_check(node):
+                checks.append(node.name)
+                continue
             path = _module_path(node)
             match = next((name for name in by_length if path and _within(path, name)), None)
             if match is not None:
                 current = index[match]
                 owning.add(current)
             layer_of[node.name] = current if current is not None else -1
+            for check in checks:  # where the checked value is used: no value crosses for it
+                layer_of[check] = layer_of[node.name]
+            checks.clear()
+        for check in checks:
+            layer_of[check] = current if current is not None else -1
         # a name that is no module of the model would own only the root-level operations
         # around it: refused below, like a module that runs nothing
         for node in self.nodes:  # root-level nodes before the first layer join it
