@@ -52,6 +52,9 @@ _INPUTS: dict[str, Callable[[argparse.Namespace], list[str | None]]] = {
 }
 """Each verb's inputs that its outputs must not replace (files) or write into (folders)."""
 
+_NEEDS_TORCH = frozenset({"profile", "train", "export"})
+"""The verbs that run torch: they check its release first (``pipedream/torch_support.py``)."""
+
 
 def _trace_defaults(args: argparse.Namespace) -> list[tuple[str, str]]:
     """The files ``pipedream trace`` writes where ``-o`` or ``--png`` is not given."""
@@ -462,6 +465,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 outputs.append((option, getattr(args, attribute)))
         defaults = _DEFAULT_OUTPUTS.get(args.verb)
         check_distinct(outputs + (defaults(args) if defaults else []))
+        if args.verb in _NEEDS_TORCH:
+            from pipedream.torch_support import check_installed_torch
+
+            check_installed_torch()
         handler = getattr(importlib.import_module(module_name), function)
         code = handler(args)
         sys.stdout.flush()  # here, where a reader that went away is caught

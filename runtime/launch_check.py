@@ -19,6 +19,7 @@ from pipedream.errors import LaunchError, PipedreamError
 from pipedream.formats.plan import Plan, load_plan
 from pipedream.runtime.train_options import check_options, check_segments, train_options
 from pipedream.schedules import validate_plan_schedule, validation_bound
+from pipedream.torch_support import check_installed_torch
 from pipedream.workload_options import check_workload
 
 __all__ = ["check_train_options", "main", "node_count", "processes_per_node"]
@@ -129,6 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--nproc-per-node", default=None)
     args = parser.parse_args(argv[:split])
     try:
+        check_installed_torch()
         plan = load_plan(args.plan)
         nnodes = node_count(args.nnodes, plan.world_size)
         nproc = None

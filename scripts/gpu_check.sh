@@ -19,6 +19,7 @@ out="${1:-.}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 "$python_bin" -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -n 3
+"$python_bin" -m pipedream.torch_support  # one line and status 2 where torch is too old
 "$python_bin" -c 'import torch; assert torch.cuda.is_available(), "no CUDA GPU"; print("GPU:", torch.cuda.get_device_name(), "torch", torch.__version__)'
 start=$(date +%s)
 # the speed comparison runs even when a test fails; the script fails if either did
