@@ -56,6 +56,7 @@ from pipedream.optimizer.simulator import (
 )
 from pipedream.optimizer.timeline import draw_timeline, format_timeline
 from pipedream.optimizer.verify import INTERFACE
+from pipedream.wording import count
 
 __all__ = [
     "check_profile",
@@ -224,7 +225,7 @@ def _max_minibatches(plan: Plan, steps: int | None, network: Network) -> int:
     if not fixes:
         fixes.append("fewer workers")
     raise PlanningError(
-        f"simulating this plan takes {needed} minibatches of {plan.microbatches} microbatch(es) "
+        f"simulating this plan takes {needed} minibatches of {_microbatches(plan.microbatches)} "
         f"on {plan.world_size} ranks, {needed * per_minibatch:,} forwards and backwards (at "
         f"most {MAX_ACTIONS:,}); use {', or '.join(fixes)}"
     )
@@ -298,7 +299,8 @@ def format_report(
     elif timeline.steady:
         where = f"steady state between minibatches {first} and {last} of {n}"
     elif timeline.from_start:
-        where = f"the average over all {n} minibatches from the start, fill and drain included"
+        every = f"all {_minibatches(n)}" if n > 1 else _minibatches(n)
+        where = f"the average over {every} from the start, fill and drain included"
     else:
         where = f"the average between minibatches {first} and {last} of {n}, after the fill"
     lines = [f"simulated time per minibatch: {timeline.time_per_minibatch_ms:.3f} ms ({where})"]
@@ -309,7 +311,8 @@ def format_report(
         if enough_steps is not None and enough_steps > n:
             more = f"at least --steps {enough_steps}"
         lines.append(
-            f"no steady state: {n} minibatches are too few for the pipeline's fill, a steady "
+            f"no steady state: {_minibatches(n)} {'is' if n == 1 else 'are'} too few for the "
+            "pipeline's fill, a steady "
             f"state and its drain; simulate {more}, or leave --steps out (the simulator then "
             "runs until its steady state shows)"
         )
@@ -493,7 +496,8 @@ def concurrency_note(profile: Profile, plan: Plan, topology: Topology) -> str:
     if profile.device != "cpu" or profile.concurrent >= per_host:
         return ""
     return (
-        f"note: the profile was measured by {profile.concurrent} process(es) training at once, "
+        f"note: the profile was measured by {count(profile.concurrent, 'process', 'processes')} "
+        "training at once, "
         f"but up to {per_host} ranks share a host ({topology.levels[0].name}) here; on CPUs "
         f"the layers then run slower than profiled: profile with --concurrent {per_host}"
     )
@@ -541,9 +545,9 @@ def run(args: argparse.Namespace) -> int:
         plan, work, network, num_minibatches=steps, max_minibatches=longest, spread=spread
     )
     print(
-        f"{plan.workload}: schedule {plan.schedule}, {plan.num_stages} stages on "
-        f"{plan.world_size} ranks, {plan.microbatches} microbatch(es) per minibatch, "
-        f"{timeline.num_minibatches} minibatches on {topology.describe()}"
+        f"{plan.workload}: schedule {plan.schedule}, {count(plan.num_stages, 'stage')} on "
+        f"{count(plan.world_size, 'rank')}, {_microbatches(plan.microbatches)} per minibatch, "
+        f"{_minibatches(timeline.num_minibatches)} on {topology.describe()}"
     )
     for note in (
         workload_args_note(profile, source, plan, args.plan),
@@ -568,3 +572,11 @@ def run(args: argparse.Namespace) -> int:
         draw_timeline(timeline, plan, args.png)
         print(f"wrote {args.png}")
     return 0
+
+
+def _minibatches(n: int) -> str:
+    return count(n, "minibatch", "minibatches")
+
+
+def _microbatches(n: int) -> str:
+    return count(n, "microbatch", "microbatches")

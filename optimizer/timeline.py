@@ -21,6 +21,7 @@ import os
 from pipedream.errors import PlanningError
 from pipedream.formats.plan import Plan
 from pipedream.optimizer.simulator import Event, Timeline
+from pipedream.wording import count
 
 __all__ = ["COLOURS", "draw_timeline", "format_timeline", "slot_ms"]
 
@@ -130,9 +131,9 @@ def draw_timeline(timeline: Timeline, plan: Plan, path: str | os.PathLike[str]) 
     axes.set_xlabel("time (ms)")
     axes.set_xlim(0, timeline.makespan_ms)
     axes.set_title(
-        f"{plan.workload}: {plan.schedule}, {plan.num_stages} stages, {plan.microbatches} "
-        f"microbatch(es)/minibatch; simulated {timeline.time_per_minibatch_ms:.3f} ms per "
-        "minibatch (white: bubbles)"
+        f"{plan.workload}: {plan.schedule}, {count(plan.num_stages, 'stage')}, "
+        f"{count(plan.microbatches, 'microbatch', 'microbatches')}/minibatch; simulated "
+        f"{timeline.time_per_minibatch_ms:.3f} ms per minibatch (white: bubbles)"
     )
     names = {
         "F": "forward",

@@ -21,6 +21,7 @@ from pipedream.formats.yamlio import read_yaml_mapping, write_yaml
 from pipedream.schedules.registry import SCHEDULES
 from pipedream.schedules.schedule import Schedule
 from pipedream.schedules.spec import MAX_MICROBATCHES, PipelineSpec
+from pipedream.wording import count
 
 __all__ = [
     "PLAN_FORMAT",
@@ -452,8 +453,8 @@ def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
         path,
         plan.to_dict(),
         header=(
-            f"pipedream plan for {plan.workload}: {plan.num_stages} stages (replicas {shape}), "
-            f"schedule {plan.schedule}, {plan.world_size} workers\n"
+            f"pipedream plan for {plan.workload}: {count(plan.num_stages, 'stage')} (replicas "
+            f"{shape}), schedule {plan.schedule}, {count(plan.world_size, 'worker')}\n"
             "Edit freely: stages are layer ranges (inclusive) run by the listed global ranks."
         ),
     )

@@ -78,9 +78,9 @@ def test_plan_on_a_topology_records_profile_and_cluster(files, capsys) -> None:
 @pytest.mark.parametrize(
     ("device", "concurrent", "workers", "expected"),
     [
-        ("cpu", 1, 2, "by 1 process(es) training at once, but up to 2 ranks share a host (server)"),
+        ("cpu", 1, 2, "by 1 process training at once, but up to 2 ranks share a host (server)"),
         ("cpu", 2, 2, ""),
-        ("cpu", 2, 4, "by 2 process(es) training at once, but up to 3 ranks share a host"),
+        ("cpu", 2, 4, "by 2 processes training at once, but up to 3 ranks share a host"),
         ("cuda:0", 1, 4, ""),  # every rank has its own device
     ],
 )
@@ -104,6 +104,27 @@ def test_simulate_says_when_a_cpu_profile_misses_the_ranks_of_a_host(
     if expected:
         per_host = min(workers, 3)
         assert note.endswith(f"profile with --concurrent {per_host}")
+
+
+def test_one_of_a_thing_is_said_in_the_singular(files, tmp_path, capsys) -> None:
+    """A one-stage plan of one microbatch simulated for one minibatch said "1 stages",
+    "1 microbatch(es)", "1 minibatches" and "1 process(es)"."""
+    plan = Plan("toy", "1f1b", 8, 1, 2, (StagePlan("l0", "l5", 2, (0, 1)),), PROFILE.layer_names)
+    plan_file = tmp_path / "one.yaml"
+    save_plan(replace(plan, profile=str(files["profile"])), plan_file)
+    assert plan_file.read_text().startswith(
+        "# pipedream plan for toy: 1 stage (replicas 2), schedule 1f1b, 2 workers\n"
+    )
+    straight = replace(
+        plan, world_size=1, stages=(StagePlan("l0", "l5", 1, (0,)),), profile=str(files["profile"])
+    )
+    save_plan(straight, plan_file)
+    code, out, err = run_cli(["simulate", str(plan_file), "--steps", "1", "--width", "12"], capsys)
+    assert code == 0, err
+    assert out.startswith("toy: schedule 1f1b, 1 stage on 1 rank, 1 microbatch per minibatch, ")
+    assert ", 1 minibatch on " in out
+    assert "(the average over 1 minibatch from the start, fill and drain included)" in out
+    assert "no steady state: 1 minibatch is too few for the pipeline's fill" in out
 
 
 def test_plan_auto_prints_what_it_tried(files, capsys) -> None:

@@ -506,7 +506,7 @@ def test_a_plan_too_long_to_simulate_is_refused_in_one_line() -> None:
     with pytest.raises(PlanningError) as refused:
         _max_minibatches(plan, None, FAST)
     assert str(refused.value) == (
-        "simulating this plan takes 9781200 minibatches of 1 microbatch(es) on 300 ranks, "
+        "simulating this plan takes 9781200 minibatches of 1 microbatch on 300 ranks, "
         "5,868,720,000 forwards and backwards (at most 2,000,000); use replica counts with a "
         "smaller least common multiple: [39, 76, 75, 110] repeat only every 815100 minibatches "
         "(training needs --steps in multiples of it too)"
@@ -535,7 +535,7 @@ def test_a_plan_of_many_microbatches_too_long_to_simulate_blames_them(
         _max_minibatches(plan, steps, FAST)
     needed = steps or default_steps(plan, FAST)
     assert str(refused.value) == (
-        f"simulating this plan takes {needed} minibatches of 16384 microbatch(es) on 4 ranks, "
+        f"simulating this plan takes {needed} minibatches of 16384 microbatches on 4 ranks, "
         f"{needed * 2 * 4 * 16384:,} forwards and backwards (at most 2,000,000); use {fixes}"
     )
 
@@ -545,7 +545,7 @@ def test_a_plan_too_long_to_simulate_for_its_workers_alone_says_fewer_workers() 
     with pytest.raises(PlanningError) as refused:
         _max_minibatches(plan, None, FAST)
     assert str(refused.value) == (
-        "simulating this plan takes 1424 minibatches of 1 microbatch(es) on 710 ranks, "
+        "simulating this plan takes 1424 minibatches of 1 microbatch on 710 ranks, "
         "2,022,080 forwards and backwards (at most 2,000,000); use fewer workers"
     )
 
