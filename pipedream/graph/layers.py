@@ -64,6 +64,12 @@ def _is_check(node: fx.Node) -> bool:
     return isinstance(target, torch._ops.OpOverload) and target.overloadpacket.__name__ in _CHECKS
 
 
+def _without_grad(node: fx.Node) -> bool:
+    """Whether ``node`` runs a region of the forward under ``torch.no_grad()`` (torch.export
+    keeps it as a submodule called with gradients off)."""
+    return node.target is torch.ops.higher_order.wrap_with_set_grad_enabled and not node.args[0]
+
+
 def _module_path(node: fx.Node) -> str:
     """The module a node ran in ("": the root module's own operations, and the checks, whose
     recorded module cannot be trusted: torch 2.8 records a check of a layer's input under the
@@ -144,6 +150,8 @@ class LayerGraph:
         found: set[str] = set(parameters)
         for node in self.program.graph.nodes:
             if node.op != "call_function" or not any(a.name in found for a in node.all_input_nodes):
+                continue
+            if _without_grad(node):  # a ``torch.no_grad()`` region: its results carry none
                 continue
             values = node.meta.get("val")
             tensors = values if isinstance(values, (tuple, list)) else [values]

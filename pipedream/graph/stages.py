@@ -123,6 +123,12 @@ def build_stage_module(
     def lookup(node: fx.Node) -> fx.Node:
         if node.name in env:
             return env[node.name]
+        if node.op == "get_attr":  # the body of a region (no_grad, autocast) the graph calls
+            body = graph.program.graph_module.get_submodule(str(node.target))
+            if not _has_path(root, str(node.target)):
+                root.add_module(str(node.target), body)
+            env[node.name] = new.get_attr(str(node.target))
+            return env[node.name]
         target = graph.tensor_names.get(node.name)
         if target is None:
             raise AssertionError(f"stage {io.stage} needs {node.name}, which it does not get")
