@@ -84,26 +84,43 @@ def optimizer_state_by_name(optimizer: torch.optim.Optimizer, names: list[str]) 
 
 def load_optimizer_by_name(
     optimizer: torch.optim.Optimizer, names: list[str], saved: dict[str, Any]
-) -> None:
+) -> tuple[str, ...]:
     """Inverse of :func:`optimizer_state_by_name` for a (possibly differently split) stage;
-    ``names`` are the names of the optimizer's parameters, in its order.
+    ``names`` are the names of the optimizer's parameters, in its order. Returns the settings
+    the workload gives that differ from the checkpoint's, as ``"lr 0.1 -> 0.01"``.
 
-    Each of the optimizer's parameter groups takes the hyperparameters of the saved group that
-    held its first parameter (a workload's optimizer may give weights and biases groups of
-    their own, with their own weight decay or learning rate), else those of the first saved
-    group: every group took the first's, and a resumed run differed from an uninterrupted one.
+    The state (moments, step counts) is the checkpoint's; the settings of each parameter group
+    (learning rate, weight decay, ...) stay the ones the workload gave it, so a run resumed
+    with a changed ``lr`` in its ``workload_args`` trains with the new one. Unchanged, they
+    equal the saved ones and the resumed run the uninterrupted one. A group is compared with
+    the saved group that held its first parameter (a workload's optimizer may give weights and
+    biases groups of their own, with their own weight decay or learning rate).
     """
     index = {name: i for i, name in enumerate(names)}
-    saved_groups = saved["param_groups"]
-    group_of = {name: group for group in saved_groups for name in group["params"]}
-    fallback = saved_groups[0] if saved_groups else {}
-    new_groups = []
-    for group in optimizer.state_dict()["param_groups"]:
+    group_of = {name: group for group in saved["param_groups"] for name in group["params"]}
+    groups = optimizer.state_dict()["param_groups"]
+    changed = []
+    for number, group in enumerate(groups):
         held = (group_of.get(names[i]) for i in group["params"])
-        source = next((found for found in held if found is not None), fallback)
-        new_groups.append({**group, **source, "params": group["params"]})
+        source = next((found for found in held if found is not None), None)
+        if source is None:
+            continue
+        where = f"group {number}: " if len(groups) > 1 else ""
+        changed += [
+            f"{where}{key} {source[key]!r} -> {value!r}"
+            for key, value in group.items()
+            if key != "params" and key in source and not _same_setting(source[key], value)
+        ]
     state = {index[n]: v for n, v in saved["state"].items() if n in index}
-    optimizer.load_state_dict({"state": state, "param_groups": new_groups})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    return tuple(changed)
+
+
+def _same_setting(saved: Any, given: Any) -> bool:
+    """Whether two values of an optimizer setting are equal (a learning rate may be a tensor)."""
+    if isinstance(saved, torch.Tensor) or isinstance(given, torch.Tensor):
+        return bool(torch.equal(torch.as_tensor(saved), torch.as_tensor(given)))
+    return bool(saved == given)
 
 
 def save_stage_file(directory: Path, stage: int, payload: dict[str, Any]) -> tuple[str, str]:
@@ -303,6 +320,8 @@ class Restored:
     """Every name the checkpoint holds a tensor under (a tied tensor under each of them)."""
     tied: tuple[tuple[str, ...], ...]
     """The names of each tied tensor."""
+    changed_settings: tuple[str, ...] = ()
+    """The optimizer settings the workload gives that differ from the checkpoint's (used)."""
 
 
 def restore_stage(
@@ -349,13 +368,14 @@ def restore_stage(
                 f"{tuple(value.shape)}; resume with the same workload arguments"
             )
     module.load_state_dict({key: model[key] for key in wanted})
+    changed: tuple[str, ...] = ()
     if optimizer is not None:
         if param_names is None:
             param_names = [name for name, _ in module.named_parameters()]
         saved = {"state": opt_state, "param_groups": groups}
-        load_optimizer_by_name(optimizer, list(param_names), saved)
+        changed = load_optimizer_by_name(optimizer, list(param_names), saved)
     tied = tuple(tuple(names) for names in tied_names(manifest))
-    return Restored(frozenset(wanted), frozenset(model), tied)
+    return Restored(frozenset(wanted), frozenset(model), tied, changed)
 
 
 def untaken(restored: Sequence[Restored]) -> list[str]:

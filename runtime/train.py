@@ -519,6 +519,14 @@ class _RankJob:
                 "workload_args the checkpoint was written with"
             )
             refuse_together([message] * self.env.world_size, local_rank=self.env.local_rank)
+        changed = [c for _, theirs in everyone for each in theirs for c in each.changed_settings]
+        if changed and self.rank == 0:
+            print(
+                f"pipedream: the workload's optimizer settings differ from those of {directory} "
+                f"and are used: {', '.join(dict.fromkeys(changed))} (the optimizer's state is "
+                "the checkpoint's)",
+                file=sys.stderr,
+            )
 
     def _write_trace(self, trace: list[TracedAction], *, complete: bool) -> None:
         write_trace(

@@ -105,3 +105,45 @@ def test_grouped_optimizer_state_is_restored_under_another_split(tmp_path: Path)
     whole = _worker(_model())
     restore_stage(tmp_path, whole.module, whole.optimizer, param_names=whole.param_names)
     assert _state(whole) == {**_state(stages[0]), **_state(stages[1])}
+
+
+def test_a_resume_trains_with_the_settings_the_workload_gives_now(tmp_path: Path) -> None:
+    """A run resumed with another learning rate in its workload_args kept the checkpoint's (as
+    ``Optimizer.load_state_dict`` does), silently: the new one is used and the change said."""
+    torch.manual_seed(0)
+    saved = _trained(_model())
+    _save(tmp_path, [saved])
+
+    def slower(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        optimizer = _grouped(params)
+        optimizer.param_groups[1]["lr"] = 0.05  # the weights' group: 0.1 in the checkpoint
+        return optimizer
+
+    table = build_tables(PipelineSpec("1f1b", ((0,),), 1, 1))[0]
+    resumed = StageWorker(
+        WorkerConfig(0, 1, 1),
+        _model(),
+        table,
+        optimizer_factory=slower,
+        loss_fn=nn.functional.mse_loss,
+        data=None,
+    )
+    restored = restore_stage(
+        tmp_path, resumed.module, resumed.optimizer, param_names=resumed.param_names
+    )
+    assert restored.changed_settings == ("group 1: lr 0.1 -> 0.05",)
+    expected = {
+        name: (0.05 if lr == 0.1 else lr, decay, moments)
+        for name, (lr, decay, moments) in _state(saved).items()
+    }
+    assert _state(resumed) == expected  # the moments saved, the learning rate given now
+
+
+def test_an_unchanged_resume_says_nothing_changed(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    _save(tmp_path, [_trained(_model())])
+    resumed = _worker(_model())
+    restored = restore_stage(
+        tmp_path, resumed.module, resumed.optimizer, param_names=resumed.param_names
+    )
+    assert restored.changed_settings == ()

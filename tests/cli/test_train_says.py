@@ -1,0 +1,45 @@
+"""What ``pipedream train`` says, in one process: a run resumed with other optimizer settings
+in its plan's ``workload_args`` (a smaller ``lr`` for a last stretch) trains with them and says
+which changed, an unchanged resume says nothing (docs/cli.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pipedream.runtime.checkpoint import load_full_state_dict
+
+from launching import run_main, straight_plan, write_plan
+
+
+def _train(tmp_path: Path, name: str, lr: str, *args: str) -> str:
+    plan = write_plan(
+        straight_plan("mlp", [["0", "1", "2"]], workload_args={"layers": "2", "lr": lr}),
+        tmp_path / f"{name}.yaml",
+    )
+    result = run_main("train", str(plan), "--no-progress", *args)
+    assert result.returncode == 0, result.stderr
+    return result.stderr
+
+
+def test_a_resume_with_another_lr_trains_with_it_and_says_so(tmp_path: Path) -> None:
+    run, other = str(tmp_path / "run"), str(tmp_path / "other")
+    _train(tmp_path, "first", "0.05", "--steps", "2", "--checkpoint-every", "2", "--run-dir", run)
+    step2 = str(tmp_path / "run" / "checkpoints" / "step-000002")
+    same = _train(tmp_path, "same", "0.05", "--steps", "4", "--run-dir", run, "--resume", step2)
+    assert "optimizer settings" not in same
+    said = _train(tmp_path, "slower", "0.01", "--steps", "4", "--run-dir", other, "--resume", step2)
+    assert (
+        f"pipedream: the workload's optimizer settings differ from those of {step2} and are "
+        "used: lr 0.05 -> 0.01 (the optimizer's state is the checkpoint's)\n"
+    ) in said
+    start = load_full_state_dict(step2)
+    at_05 = load_full_state_dict(tmp_path / "run" / "checkpoints" / "step-000004")
+    at_01 = load_full_state_dict(tmp_path / "other" / "checkpoints" / "step-000004")
+    for name in start:  # from the same weights on the same data, smaller steps
+        if start[name].is_floating_point() and not torch.equal(at_05[name], start[name]):
+            moved_05 = (at_05[name] - start[name]).abs().sum()
+            moved_01 = (at_01[name] - start[name]).abs().sum()
+            assert 0 < moved_01 < moved_05
+
