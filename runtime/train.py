@@ -110,8 +110,7 @@ class _Setup:
 
 
 def train(options: TrainOptions) -> int:
-    if not faulthandler.is_enabled():  # a rank a C++ library aborts says where it was
-        faulthandler.enable(all_threads=True)
+    _enable_faulthandler()
     configure_host_memory()  # before anything is allocated: every step reuses its memory
     if options.deterministic:
         make_deterministic()
@@ -181,6 +180,19 @@ def train(options: TrainOptions) -> int:
         gc.collect()  # drop lingering gloo work objects (in cycles) while the interpreter lives
         dist.destroy_process_group()
         gc.collect()
+
+
+def _enable_faulthandler() -> None:
+    """Have a rank that a C++ library aborts print every thread's Python stack, on the process's
+    own stderr: ``sys.stderr`` may have no file descriptor (a notebook, a caller that captures
+    it), and the dump is then skipped rather than the run refused."""
+    stream = sys.__stderr__
+    if faulthandler.is_enabled() or stream is None:
+        return
+    try:
+        faulthandler.enable(file=stream, all_threads=True)
+    except (OSError, ValueError):  # io.UnsupportedOperation: no file descriptor behind it
+        pass
 
 
 def _set_up(options: TrainOptions, plan: Plan, env: LaunchEnv) -> _Setup:

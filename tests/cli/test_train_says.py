@@ -1,11 +1,14 @@
-"""What ``pipedream train`` says, in one process: a run resumed with other optimizer settings
-in its plan's ``workload_args`` (a smaller ``lr`` for a last stretch) trains with them and says
-which changed, an unchanged resume says nothing (docs/cli.md)."""
+"""``pipedream train`` in one process: a run resumed with other optimizer settings in its plan's
+``workload_args`` (a smaller ``lr`` for a last stretch) trains with them and says which changed,
+an unchanged resume says nothing (docs/cli.md); a ``sys.stderr`` without a file descriptor is no
+obstacle; counts of one are said in the singular."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from pipedream.runtime.checkpoint import load_full_state_dict
@@ -42,4 +45,25 @@ def test_a_resume_with_another_lr_trains_with_it_and_says_so(tmp_path: Path) -> 
             moved_05 = (at_05[name] - start[name]).abs().sum()
             moved_01 = (at_01[name] - start[name]).abs().sum()
             assert 0 < moved_01 < moved_05
+
+
+def test_a_stderr_without_a_file_descriptor_is_no_obstacle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``sys.stderr`` that has no file descriptor (a notebook's, or this test's capture): the
+    fault handler goes to the process's own stderr, where ``pipedream train`` had failed with
+    io.UnsupportedOperation before training."""
+    from pipedream.runtime import train
+
+    enabled_on = []
+
+    def enable(file: object = None, all_threads: bool = False) -> None:
+        stream = sys.stderr if file is None else file
+        stream.fileno()  # type: ignore[attr-defined]  # as faulthandler: its descriptor
+        enabled_on.append(stream)
+
+    monkeypatch.setattr(train.faulthandler, "is_enabled", lambda: False)
+    monkeypatch.setattr(train.faulthandler, "enable", enable)
+    _train(tmp_path, "one", "0.05", "--steps", "1", "--run-dir", str(tmp_path / "run"))
+    assert enabled_on == [sys.__stderr__]
 
