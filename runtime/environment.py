@@ -10,6 +10,7 @@ import torch
 
 from pipedream.errors import LaunchError
 from pipedream.formats.plan import Plan
+from pipedream.wording import count
 
 __all__ = [
     "DEVICE_CHOICES",
@@ -148,8 +149,8 @@ def choose_placement(
             )
         if not exclusive:
             raise LaunchError(
-                f"--device cuda: the node runs {local} ranks but has {gpus} GPU(s); give every "
-                "rank its own GPU, or let ranks share them with --device cuda-shared"
+                f"--device cuda: the node runs {local} ranks but has {count(gpus, 'GPU')}; give "
+                "every rank its own GPU, or let ranks share them with --device cuda-shared"
             )
         return Placement(torch.device("cuda", local_rank), "nccl", gpus=local)
     if gpus < 1:

@@ -17,6 +17,7 @@ from pipedream.formats.plan import Plan
 from pipedream.formats.units import format_bytes
 from pipedream.runtime.checkpoint import load_full_state_dict
 from pipedream.runtime.metrics import MetricsLogger
+from pipedream.wording import count
 from pipedream.workload import Workload
 
 __all__ = ["RankStats", "peak_memory_bytes", "report"]
@@ -105,7 +106,7 @@ def report(
         "checkpoint": str(checkpoint),
     }
     lines = [
-        f"done: {steps} minibatches"
+        f"done: {count(steps, 'minibatch', 'minibatches')}"
         + (f" ({first_step}..{first_step + steps - 1}, resumed)" if first_step else "")
         + f" in {elapsed:.1f} s; loss {first:.4f} -> {final:.4f}",
         "time per minibatch: "
@@ -129,8 +130,9 @@ def report(
         lines.append(
             f"  rank {r.rank} {_stages_text(r.all_stages)}: busy {r.busy_fraction:.0%} (bubble "
             f"{1 - r.busy_fraction:.0%}), peak memory {format_bytes(r.peak_memory_bytes)}, "
-            f"up to {r.max_in_flight} microbatches in flight, {r.max_versions} weight versions "
-            f"held ({r.max_copies} copies x {format_bytes(r.copy_bytes)})"
+            f"up to {count(r.max_in_flight, 'microbatch', 'microbatches')} in flight, "
+            f"{count(r.max_versions, 'weight version')} "
+            f"held ({count(r.max_copies, 'copy', 'copies')} x {format_bytes(r.copy_bytes)})"
             + (
                 f", a copy of {format_bytes(r.tied_copy_bytes)} of tied parameters"
                 if r.tied_copy_bytes

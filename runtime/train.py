@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipedream import wording
 from pipedream.data import MicrobatchStream
 from pipedream.errors import CheckpointError, PipedreamError, RunFailure
 from pipedream.formats.plan import Plan, load_plan
@@ -356,19 +357,18 @@ class _RankJob:
         unused = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if unused and self.device.type == "cpu" and self.options.device == "auto":
             print(
-                f"pipedream: note: {unused} GPU(s) for {self.env.local_world_size} ranks on this "
-                "node: training on the CPU; --device cuda-shared puts the ranks on the GPUs",
+                f"pipedream: note: {wording.count(unused, 'GPU')} for "
+                f"{self.env.local_world_size} ranks on this node: training on the CPU; "
+                "--device cuda-shared puts the ranks on the GPUs",
                 file=sys.stderr,
             )
         steps = self.options.steps
-        todo = (
-            f"minibatches {start}..{steps - 1} (resumed at step {start})"
-            if start
-            else "minibatches"
-        )
+        todo = wording.count(steps - start, "minibatch", "minibatches")
+        if start:
+            todo += f" {start}..{steps - 1} (resumed at step {start})"
         print(
             f"pipedream: {plan.workload} on {self.placement.describe(plan.world_size)}, "
-            f"{plan.num_stages} stages, schedule {plan.schedule}, {steps - start} {todo} "
+            f"{wording.count(plan.num_stages, 'stage')}, schedule {plan.schedule}, {todo} "
             f"of {plan.microbatches} x {plan.microbatch_size} samples; "
             f"{_posting_note(self.posting)}run dir {self.run_dir}",
             file=sys.stderr,

@@ -473,7 +473,7 @@ def test_launch_check_refuses_the_options_every_rank_would(
          "(or auto)"),
         (0, "cuda-shared", "--device cuda-shared: this node has no GPU that PyTorch can use; use "
          "--device cpu (or auto)"),
-        (1, "cuda", "--device cuda: the node runs 2 ranks but has 1 GPU(s); give every rank its "
+        (1, "cuda", "--device cuda: the node runs 2 ranks but has 1 GPU; give every rank its "
          "own GPU, or let ranks share them with --device cuda-shared"),
         (1, "cuda-shared", None),
         (2, "cuda", None),

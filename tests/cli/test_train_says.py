@@ -67,3 +67,12 @@ def test_a_stderr_without_a_file_descriptor_is_no_obstacle(
     _train(tmp_path, "one", "0.05", "--steps", "1", "--run-dir", str(tmp_path / "run"))
     assert enabled_on == [sys.__stderr__]
 
+
+def test_a_one_minibatch_run_of_one_rank_speaks_in_the_singular(tmp_path: Path) -> None:
+    said = _train(tmp_path, "one", "0.05", "--steps", "1", "--run-dir", str(tmp_path / "run"))
+    assert said.startswith(
+        "pipedream: mlp on 1 gloo process, 1 stage, schedule pipedream, 1 minibatch of 1 x 8 "
+        "samples; run dir "
+    )
+    assert "\ndone: 1 minibatch in " in said
+    assert ", up to 1 microbatch in flight, 1 weight version held (0 copies x " in said
