@@ -220,7 +220,7 @@ class CostModel:
         assert 0 <= range_first <= first <= last < n and replicas >= 1
         range_last = n - 1 if range_last is None else range_last
         lead = first == range_first
-        compute = sum(costs.compute_ms[first : last + 1]) if inner_ms is None else inner_ms
+        compute = _in_order(costs.compute_ms[first : last + 1]) if inner_ms is None else inner_ms
         params = sum(costs.parameter_bytes[first : last + 1])
         charge_in, charge_out = self.charges(
             first=first, last=last, range_first=range_first, range_last=range_last, num_layers=n
@@ -245,6 +245,16 @@ class CostModel:
             self.stage_cost(costs, first=first, last=last, replicas=replicas).total_ms
             for first, last, replicas in stages
         )
+
+
+def _in_order(values: Sequence[float]) -> float:
+    """The sum of ``values`` added left to right, as ``np.cumsum`` adds them (the planner's
+    matrix of stage times, :func:`~pipedream.optimizer.placed.stage_times`, must hold these very
+    bits). Python's ``sum`` compensates rounding from 3.12 on, so it can differ in the last bit."""
+    total = 0.0
+    for value in values:
+        total += value
+    return total
 
 
 def minibatch_ms(

@@ -20,7 +20,7 @@ from test_optimizer_schedules import profile_of
 from pipedream.errors import PlanningError
 from pipedream.formats import LayerProfile, Plan, Profile, StagePlan, Topology
 from pipedream.formats.profile import ActionOverhead, TiedParameter
-from pipedream.optimizer.cost_model import COST_MODELS
+from pipedream.optimizer.cost_model import COST_MODELS, LayerCosts
 from pipedream.optimizer.placed import (
     balanced_spans,
     copy_counts,
@@ -266,6 +266,16 @@ def test_stage_times_are_the_cost_models_stage_costs(cost_model: str, seed: int)
         for j in range(i, 12):
             expected[i, j] = model.stage_cost(costs, first=i, last=j, replicas=1).total_ms
     assert np.array_equal(stage_times(costs, cluster), expected)
+
+
+def test_a_stage_adds_its_layers_left_to_right_on_every_python() -> None:
+    """Python's sum() compensates rounding from 3.12 on: there the cost model's stage of these
+    layers took 1.0000000000000002 ms and the planner's matrix 1.0 (added as np.cumsum adds),
+    and test_stage_times_are_the_cost_models_stage_costs failed on Python 3.12."""
+    costs = LayerCosts((1.0, 1e-16, 1e-16, 1e-16), (0.0,) * 4, (0.0,) * 4, (0.0,) * 4, (0.0,) * 3)
+    cluster = Cluster.from_topology(Topology.single_level(4, 1e9), cost_model="pipedream")
+    stage = cluster.model(0).stage_cost(costs, first=0, last=3, replicas=1)
+    assert stage.compute_ms == stage_times(costs, cluster)[0, 3] == 1.0
 
 
 @pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv"])
