@@ -25,7 +25,16 @@ tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tom
 
 SOURCE_ROOTS = ("pipedream", "profiler", "optimizer", "runtime")
 GENERIC_NAMES = ("runtime", "optimizer", "profiler")
-SKIP_DIRS = {".venv", ".git", "build", "dist", "__pycache__", ".mypy_cache", ".ruff_cache"}
+SKIP_DIRS = {
+    ".venv",
+    ".venv-oldest",
+    ".git",
+    "build",
+    "dist",
+    "__pycache__",
+    ".mypy_cache",
+    ".ruff_cache",
+}
 
 
 @pytest.fixture(scope="module")
@@ -193,3 +202,18 @@ def test_ci_runs_the_readme_test_command() -> None:
     ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
     lines = [line.replace(" -q ", " ") for line in ci.splitlines()]
     assert command in lines
+
+
+def test_the_oldest_deps_script_pins_the_floors(pyproject: dict[str, Any]) -> None:
+    """scripts/oldest_deps.sh tests the oldest releases pyproject.toml admits: each dependency
+    (and the hf extra's) pinned to a release of its floor, and nothing else pinned there."""
+    project = pyproject["project"]
+    floors = {}
+    for requirement in [*project["dependencies"], *project["optional-dependencies"]["hf"]]:
+        name, floor = re.fullmatch(r"([A-Za-z0-9_-]+)>=([0-9.]+)(,<\d+)?", requirement).group(1, 2)
+        floors[name.lower()] = floor
+    script = (REPO / "scripts" / "oldest_deps.sh").read_text(encoding="utf-8")
+    pins = dict(re.findall(r"^\s+([A-Za-z0-9_-]+)==([0-9.]+)", script, flags=re.MULTILINE))
+    assert set(pins) == set(floors)
+    for name, floor in floors.items():
+        assert pins[name] == floor or pins[name].startswith(floor + "."), (name, pins[name], floor)
