@@ -225,9 +225,10 @@ def _max_minibatches(plan: Plan, steps: int | None, network: Network) -> int:
     if not fixes:
         fixes.append("fewer workers")
     raise PlanningError(
-        f"simulating this plan takes {needed} minibatches of {_microbatches(plan.microbatches)} "
-        f"on {plan.world_size} ranks, {needed * per_minibatch:,} forwards and backwards (at "
-        f"most {MAX_ACTIONS:,}); use {', or '.join(fixes)}"
+        f"simulating this plan takes {needed} minibatches of "
+        f"{count(plan.microbatches, 'microbatch')} on {plan.world_size} ranks, "
+        f"{needed * per_minibatch:,} forwards and backwards (at most {MAX_ACTIONS:,}); use "
+        f"{', or '.join(fixes)}"
     )
 
 
@@ -299,7 +300,7 @@ def format_report(
     elif timeline.steady:
         where = f"steady state between minibatches {first} and {last} of {n}"
     elif timeline.from_start:
-        every = f"all {_minibatches(n)}" if n > 1 else _minibatches(n)
+        every = f"all {count(n, 'minibatch')}" if n > 1 else count(n, "minibatch")
         where = f"the average over {every} from the start, fill and drain included"
     else:
         where = f"the average between minibatches {first} and {last} of {n}, after the fill"
@@ -311,10 +312,9 @@ def format_report(
         if enough_steps is not None and enough_steps > n:
             more = f"at least --steps {enough_steps}"
         lines.append(
-            f"no steady state: {_minibatches(n)} {'is' if n == 1 else 'are'} too few for the "
-            "pipeline's fill, a steady "
-            f"state and its drain; simulate {more}, or leave --steps out (the simulator then "
-            "runs until its steady state shows)"
+            f"no steady state: {count(n, 'minibatch')} {'is' if n == 1 else 'are'} too few for "
+            f"the pipeline's fill, a steady state and its drain; simulate {more}, or leave "
+            "--steps out (the simulator then runs until its steady state shows)"
         )
     elif not timeline.steady:
         lines.append(
@@ -496,10 +496,9 @@ def concurrency_note(profile: Profile, plan: Plan, topology: Topology) -> str:
     if profile.device != "cpu" or profile.concurrent >= per_host:
         return ""
     return (
-        f"note: the profile was measured by {count(profile.concurrent, 'process', 'processes')} "
-        "training at once, "
-        f"but up to {per_host} ranks share a host ({topology.levels[0].name}) here; on CPUs "
-        f"the layers then run slower than profiled: profile with --concurrent {per_host}"
+        f"note: the profile was measured by {count(profile.concurrent, 'process')} training "
+        f"at once, but up to {per_host} ranks share a host ({topology.levels[0].name}) here; on "
+        f"CPUs the layers then run slower than profiled: profile with --concurrent {per_host}"
     )
 
 
@@ -546,8 +545,8 @@ def run(args: argparse.Namespace) -> int:
     )
     print(
         f"{plan.workload}: schedule {plan.schedule}, {count(plan.num_stages, 'stage')} on "
-        f"{count(plan.world_size, 'rank')}, {_microbatches(plan.microbatches)} per minibatch, "
-        f"{_minibatches(timeline.num_minibatches)} on {topology.describe()}"
+        f"{count(plan.world_size, 'rank')}, {count(plan.microbatches, 'microbatch')} per "
+        f"minibatch, {count(timeline.num_minibatches, 'minibatch')} on {topology.describe()}"
     )
     for note in (
         workload_args_note(profile, source, plan, args.plan),
@@ -572,11 +571,3 @@ def run(args: argparse.Namespace) -> int:
         draw_timeline(timeline, plan, args.png)
         print(f"wrote {args.png}")
     return 0
-
-
-def _minibatches(n: int) -> str:
-    return count(n, "minibatch", "minibatches")
-
-
-def _microbatches(n: int) -> str:
-    return count(n, "microbatch", "microbatches")

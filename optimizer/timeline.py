@@ -132,7 +132,7 @@ def draw_timeline(timeline: Timeline, plan: Plan, path: str | os.PathLike[str]) 
     axes.set_xlim(0, timeline.makespan_ms)
     axes.set_title(
         f"{plan.workload}: {plan.schedule}, {count(plan.num_stages, 'stage')}, "
-        f"{count(plan.microbatches, 'microbatch', 'microbatches')}/minibatch; simulated "
+        f"{count(plan.microbatches, 'microbatch')}/minibatch; simulated "
         f"{timeline.time_per_minibatch_ms:.3f} ms per minibatch (white: bubbles)"
     )
     names = {

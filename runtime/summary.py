@@ -106,7 +106,7 @@ def report(
         "checkpoint": str(checkpoint),
     }
     lines = [
-        f"done: {count(steps, 'minibatch', 'minibatches')}"
+        f"done: {count(steps, 'minibatch')}"
         + (f" ({first_step}..{first_step + steps - 1}, resumed)" if first_step else "")
         + f" in {elapsed:.1f} s; loss {first:.4f} -> {final:.4f}",
         "time per minibatch: "
@@ -130,9 +130,9 @@ def report(
         lines.append(
             f"  rank {r.rank} {_stages_text(r.all_stages)}: busy {r.busy_fraction:.0%} (bubble "
             f"{1 - r.busy_fraction:.0%}), peak memory {format_bytes(r.peak_memory_bytes)}, "
-            f"up to {count(r.max_in_flight, 'microbatch', 'microbatches')} in flight, "
+            f"up to {count(r.max_in_flight, 'microbatch')} in flight, "
             f"{count(r.max_versions, 'weight version')} "
-            f"held ({count(r.max_copies, 'copy', 'copies')} x {format_bytes(r.copy_bytes)})"
+            f"held ({count(r.max_copies, 'copy')} x {format_bytes(r.copy_bytes)})"
             + (
                 f", a copy of {format_bytes(r.tied_copy_bytes)} of tied parameters"
                 if r.tied_copy_bytes

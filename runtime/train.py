@@ -363,7 +363,7 @@ class _RankJob:
                 file=sys.stderr,
             )
         steps = self.options.steps
-        todo = wording.count(steps - start, "minibatch", "minibatches")
+        todo = wording.count(steps - start, "minibatch")
         if start:
             todo += f" {start}..{steps - 1} (resumed at step {start})"
         print(
