@@ -27,6 +27,7 @@ from pipedream.data import MicrobatchStream
 from pipedream.errors import RunFailure
 from pipedream.graph.placement import place_module
 from pipedream.model_io import ModelIO, to_device
+from pipedream.precision import autocast, loss_input
 from pipedream.runtime.backward_split import BackwardSplit, Deferred, weight_gradients
 from pipedream.runtime.forward_buffers import ForwardBuffers
 from pipedream.runtime.parameter_swap import ParameterSwap
@@ -56,7 +57,7 @@ class WorkerConfig:
     recompute: bool = False
     """Keep only the stage inputs in forward and recompute the forward in backward."""
     precision: str = "fp32"
-    """``fp32`` or ``bf16`` (autocast; the weights stay fp32)."""
+    """``fp32`` or ``bf16`` (autocast; the weights keep their dtype): :mod:`pipedream.precision`."""
     skip_nonfinite: bool = False
     """On a NaN/inf loss, give the microbatch a zero gradient and count it instead of stopping."""
 
@@ -199,9 +200,7 @@ class StageWorker:
 
     # -- helpers ---------------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager[None]:
-        if self.config.precision == "bf16":
-            return torch.autocast(self.config.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return autocast(self.config.precision, self.config.device)
 
     def _recording(self) -> contextlib.AbstractContextManager[Deferred | None]:
         """Records the module outputs W starts from, where backwards are split."""
@@ -223,9 +222,8 @@ class StageWorker:
         """The stage's outputs on ``params`` (None: on the live parameters)."""
         with self._autocast():
             out = self.module(*inputs) if params is None else self._call(params, inputs)
-        outputs = list(out) if isinstance(out, (tuple, list)) else [out]
-        # activations cross stages in fp32 so that receivers need not know the autocast policy
-        return [o.float() if o.is_floating_point() else o for o in outputs]
+        # sent in the dtypes the stage made them in, as the next layer takes them in one process
+        return list(out) if isinstance(out, (tuple, list)) else [out]
 
     def _leaf_params(
         self, version: int, copies: Mapping[str, Tensor] | None = None
@@ -270,6 +268,7 @@ class StageWorker:
         :class:`~pipedream.runtime.loss_log.LossLog` checks the losses in batches and stops the
         run at the first non-finite one (:class:`NonFiniteLossError`).
         """
+        outputs = [loss_input(self.config.precision, output) for output in outputs]
         loss = self.loss_fn(self.model_io.unflatten_outputs(outputs), targets)
         if self.config.skip_nonfinite and not bool(torch.isfinite(loss.detach())):
             self.skipped.add(microbatch)

@@ -6,6 +6,7 @@ import torch
 
 from pipedream.data import MicrobatchStream
 from pipedream.model_io import call_model, map_tensors
+from pipedream.precision import loss_input
 from pipedream.workload import load_workload
 
 __all__ = ["plain_loop"]
@@ -62,7 +63,7 @@ def _train(
                 torch.device(device).type, torch.bfloat16, enabled=precision == "bf16"
             ):
                 output = call_model(model, inputs)
-            output = map_tensors(lambda t: t.float() if t.is_floating_point() else t, output)
+            output = map_tensors(lambda t: loss_input(precision, t), output)
             loss = built.loss_fn(output, targets)
             (loss / microbatches).backward()
             total += float(loss.detach()) / microbatches

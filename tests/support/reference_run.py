@@ -69,13 +69,14 @@ def reference_layout_weights(
     recompute: bool = False,
     seed: int = 0,
     placement: list[int] | None = None,
+    precision: str = "fp32",
 ) -> dict[str, torch.Tensor]:
     """The model's state dict (every name of a tied tensor included) after the reference
     executor ran ``steps`` minibatches of the plan, its stages cut as ``pipedream train`` cuts
     them (:func:`~pipedream.runtime.stage_layout.stage_layout`: traced models, tied parameters).
     ``placement``: the rank of every stage, where ranks run several stages (one model per rank,
     as one process has); with ``replicas`` (the same for every stage) copy ``j`` of the
-    pipeline runs on ranks ``j P .. j P + P - 1``."""
+    pipeline runs on ranks ``j P .. j P + P - 1``; ``precision`` as ``train --precision``."""
     replicas = replicas or [1] * len(stages)
     plan_stages, rank = [], 0
     copy_ranks = len(set(placement)) if placement else 0  # a pipeline copy's ranks
@@ -114,7 +115,9 @@ def reference_layout_weights(
             module = layout.build(stage)
             built = load_workload(workload, workload_args, microbatch_size=microbatch_size)
             workers.setdefault(rank, {})[stage] = StageWorker(
-                WorkerConfig(stage, len(plan_stages), microbatches, recompute=recompute),
+                WorkerConfig(
+                    stage, len(plan_stages), microbatches, recompute=recompute, precision=precision
+                ),
                 module,
                 tables[rank],
                 optimizer_factory=built.optimizer,

@@ -1,0 +1,79 @@
+"""Precisions (``pipedream.precision``): a model in bfloat16 or float64 trains across stages
+as in one process, and under ``--precision bf16`` a stage sends what autocast made."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipedream.data import MicrobatchStream
+from pipedream.precision import autocast, loss_input
+from pipedream.runtime.stage_layout import build_stage_module
+from pipedream.runtime.stage_worker import StageWorker, WorkerConfig
+from pipedream.schedules import Op, PipelineSpec, build_tables
+from pipedream.workload import load_workload
+
+from plain_loop import plain_loop
+from reference_run import reference_layout_weights
+from runs import max_rel_diff
+
+STAGES = [["0", "1"], ["2", "3", "4"]]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
+def test_a_model_in_its_own_dtype_trains_across_stages_as_in_one_process(dtype: str) -> None:
+    """Every stage's outputs used to be cast to float32 before they were sent, so the next
+    stage of a bfloat16 or float64 model failed on its first forward (a dtype mismatch)."""
+    args = {"dtype": dtype}
+    got = reference_layout_weights(
+        "dtype_model:build", args, STAGES, schedule="1f1b", microbatches=2, steps=3,
+        microbatch_size=4,
+    )  # fmt: skip
+    want, _ = plain_loop("dtype_model:build", args, steps=3, microbatches=2, microbatch_size=4)
+    assert {tensor.dtype for tensor in got.values()} == {getattr(torch, dtype)}
+    assert max_rel_diff(got, want) == 0.0
+
+
+def test_an_fp32_model_under_bf16_trains_across_stages_as_the_plain_autocast_loop() -> None:
+    """The weights stay fp32, and two stages end on the weights of a plain loop that runs the
+    same microbatches under autocast."""
+    args = {"dtype": "float32"}
+    got = reference_layout_weights(
+        "dtype_model:build", args, STAGES, schedule="1f1b", microbatches=2, steps=3,
+        microbatch_size=4, precision="bf16",
+    )  # fmt: skip
+    want, _ = plain_loop(
+        "dtype_model:build", args, steps=3, microbatches=2, microbatch_size=4, precision="bf16"
+    )
+    assert {tensor.dtype for tensor in got.values()} == {torch.float32}
+    assert max_rel_diff(got, want) == 0.0
+
+
+@pytest.mark.parametrize(("precision", "sent"), [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_a_stage_sends_its_output_in_the_dtype_it_made(precision: str, sent: torch.dtype) -> None:
+    """Under ``bf16`` a stage ending in a Linear sends bfloat16: half the bytes of fp32 (every
+    output used to be cast to fp32 first)."""
+    workload = load_workload("dtype_model:build", {"dtype": "float32"}, microbatch_size=4)
+    table = build_tables(PipelineSpec("1f1b", ((0,), (1,)), 1, 1))[0]
+    worker = StageWorker(
+        WorkerConfig(0, 2, 1, precision=precision),
+        build_stage_module(workload.model, ["0"]),
+        table,
+        optimizer_factory=workload.optimizer,
+        loss_fn=workload.loss_fn,
+        data=MicrobatchStream(workload.dataset, 4, 0),
+    )
+    forward = next(action for action in table if action.op is Op.FORWARD)
+    (output,) = worker.forward(forward, None)
+    assert output.dtype == sent and output.shape == (4, 16)
+
+
+def test_the_loss_takes_fp32_where_autocast_lowered_the_output() -> None:
+    cpu = torch.device("cpu")
+    with autocast("bf16", cpu):
+        lowered = torch.nn.functional.linear(torch.ones(2, 3), torch.ones(4, 3))
+    assert lowered.dtype == torch.bfloat16
+    assert loss_input("bf16", lowered).dtype == torch.float32
+    own = torch.ones(2, dtype=torch.bfloat16)  # a bfloat16 model's output under fp32
+    assert loss_input("fp32", own).dtype == torch.bfloat16
+    assert loss_input("fp32", own.double()).dtype == torch.float64
