@@ -131,7 +131,12 @@ def run(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile)
     limit = options.memory if options.memory is not None else topology.memory
     result = plan_profile(profile, topology=topology, options=options)
-    plan = replace(result.plan, profile=_relative(args.profile, args.output), topology=topology)
+    plan = replace(
+        result.plan,
+        profile=_relative(args.profile, args.output),
+        topology=topology,
+        precision=profile.precision,
+    )
     save_plan(plan, args.output)
     print(format_summary(result, profile=profile, topology=topology, memory_limit=limit))
     if result.candidates:

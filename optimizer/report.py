@@ -80,7 +80,9 @@ def format_summary(
     lines = [
         f"{profile.workload}: {len(profile.layers)} layers on {topology.describe()}",
         f"schedule {plan.schedule}, {plan.microbatches} x {plan.microbatch_size} samples per "
-        f"minibatch, cost model {prediction.cost_model}",
+        f"minibatch, "
+        + ("bf16 (autocast, as profiled), " if profile.precision == "bf16" else "")
+        + f"cost model {prediction.cost_model}",
         "",
         *table(header, rows, left=2),
         f"(times per {per}; compute includes the allreduce and overlaps the transfers, so a "

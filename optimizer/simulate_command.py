@@ -34,12 +34,13 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+from collections.abc import Sequence
 
 from pipedream.errors import PlanningError
 from pipedream.formats.plan import Plan, load_plan, profile_path
 from pipedream.formats.profile import PassSpread, Profile, load_profile
 from pipedream.formats.topology import DEFAULT_BANDWIDTH, Topology, load_topology
-from pipedream.formats.trace import load_traces
+from pipedream.formats.trace import RankTrace, load_traces
 from pipedream.optimizer.command import bandwidth_option
 from pipedream.optimizer.measured import MeasuredRun, measure_run, measured_work
 from pipedream.optimizer.messages import link_times
@@ -137,6 +138,46 @@ def workload_args_note(profile: Profile, source: str, plan: Plan, plan_source: s
         f"({'; '.join(differ)}); the times below are right only if these options leave the "
         "layers as they are (as lr or seed do, unlike sizes): else profile with the plan's"
     )
+
+
+def precision_note(profile: Profile, source: str, plan: Plan, plan_source: str) -> str:
+    """A note where ``profile`` was measured in another precision than ``plan`` trains in,
+    else an empty string (the layers' times and bytes are those of the profile's)."""
+    if profile.precision == plan.precision:
+        return ""
+    return (
+        f"note: {source} was measured in {profile.precision}, and {plan_source} trains in "
+        f"{plan.precision}: the times below are {profile.precision}'s; profile with "
+        f"--precision {plan.precision} to simulate the plan's runs"
+    )
+
+
+def run_settings_notes(
+    traces: Sequence[RankTrace], profile: Profile, plan: Plan, run_dir: str
+) -> list[str]:
+    """Notes where the traced run trained otherwise than the simulation assumes: in another
+    precision than the profile's, or recomputing where the plan does not (or the reverse)."""
+    run = traces[0].run if traces else None
+    if run is None:  # a trace written before runs recorded it
+        return []
+    notes = []
+    if run.precision != profile.precision:
+        notes.append(
+            f"note: the run in {run_dir} trained in {run.precision}, and the profile was "
+            f"measured in {profile.precision}: profile with --precision {run.precision} to "
+            "simulate that run"
+        )
+    if run.recompute and not plan.recompute:
+        notes.append(
+            f"note: the run in {run_dir} recomputed activations in backward (--recompute), and "
+            "the plan does not: a plan from `plan --recompute` simulates that run"
+        )
+    elif plan.recompute and not run.recompute:
+        notes.append(
+            f"note: the run in {run_dir} did not recompute activations, and the plan does "
+            "(recompute: true): the simulation counts second forwards that the run did not run"
+        )
+    return notes
 
 
 def _topology(args: argparse.Namespace, plan: Plan) -> Topology:
@@ -522,9 +563,10 @@ def run(args: argparse.Namespace) -> int:
     steps = _steps(args, plan)
     skip = _trace_skip(args)
     run_dir: str | None = getattr(args, "trace", None)
-    measured = None
+    measured, traces = None, []
     if run_dir is not None:  # read before simulating: a wrong directory fails fast
-        measured = measure_run(load_traces(run_dir), plan, skip=skip)
+        traces = load_traces(run_dir)
+        measured = measure_run(traces, plan, skip=skip)
     work = stage_work(plan, profile)
     network = Network.from_topology(
         topology,
@@ -550,7 +592,9 @@ def run(args: argparse.Namespace) -> int:
     )
     for note in (
         workload_args_note(profile, source, plan, args.plan),
+        precision_note(profile, source, plan, args.plan),
         concurrency_note(profile, plan, topology),
+        *(run_settings_notes(traces, profile, plan, run_dir) if run_dir is not None else ()),
     ):
         if note:
             print(note)

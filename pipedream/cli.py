@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pipedream import __version__
 from pipedream.errors import AlreadyReported, PipedreamError, RunFailure
 from pipedream.outputs import check_distinct, check_not_input, check_output
+from pipedream.precision import PRECISIONS
 
 __all__ = ["build_parser", "main"]
 
@@ -100,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="option for the workload factory (repeatable)",
     )
     profile.add_argument("--microbatch-size", type=int, default=None, metavar="B")
+    profile.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default=None,
+        help="measure the forwards as train --precision runs them: fp32, the model's own "
+        "dtypes (default), or bf16, autocast to bfloat16; the plan and train follow it",
+    )
     profile.add_argument(
         "--from-pipedream",
         metavar="GRAPH_TXT",
@@ -251,7 +259,13 @@ def build_parser() -> argparse.ArgumentParser:
         "microbatch (zero gradient) and count it",
     )
     train.add_argument("--trace", action="store_true", help="record per-rank action timelines")
-    train.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    train.add_argument(
+        "--precision",
+        default=None,
+        choices=PRECISIONS,
+        help="fp32, the model's own dtypes, or bf16, autocast to bfloat16 (default: the "
+        "plan's, which its profile was measured in; fp32 for a plan that names none)",
+    )
     train.add_argument("--recompute", action="store_true", help="recompute activations in backward")
     train.add_argument(
         "--device",

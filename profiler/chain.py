@@ -15,7 +15,8 @@ passes over the *whole* model, with a clock read at every layer boundary:
   times add up to the whole pass by construction.
 
 On CUDA the clock is a CUDA event recorded on the current stream (autograd runs a node's
-hooks on the stream of its forward), so the times are GPU times.
+hooks on the stream of its forward), so the times are GPU times. Under ``bf16`` the forwards
+run in autocast, as the runtime's do (:mod:`pipedream.precision`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from pipedream.model_io import tensors_in
+from pipedream.precision import autocast
 
 __all__ = ["ChainLayer", "time_chain"]
 
@@ -50,6 +52,7 @@ class _Clock:
     """Marks on the host clock, or CUDA events on the current stream."""
 
     def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.cuda = device.type == "cuda"
 
     def mark(self) -> Any:
@@ -86,18 +89,19 @@ def _first_nodes(outputs: list[list[Any]]) -> list[Any]:
 
 
 def _one_pass(
-    layers: Sequence[ChainLayer], inputs: dict[str, Any], clock: _Clock
+    layers: Sequence[ChainLayer], inputs: dict[str, Any], clock: _Clock, precision: str
 ) -> tuple[list[float], list[float]]:
     values = dict(inputs)
     forward_marks = [clock.mark()]
     produced: list[list[Any]] = []  # the grad_fn of each layer's outputs, right after it ran
     last: list[Tensor] = []
-    for layer in layers:
-        outputs = layer.module(*(values[name] for name in layer.inputs))
-        forward_marks.append(clock.mark())
-        values.update(zip(layer.outputs, outputs))
-        last = [t for value in outputs for t in tensors_in(value)]
-        produced.append([t.grad_fn for t in last if t.grad_fn is not None])
+    with autocast(precision, clock.device):
+        for layer in layers:
+            outputs = layer.module(*(values[name] for name in layer.inputs))
+            forward_marks.append(clock.mark())
+            values.update(zip(layer.outputs, outputs))
+            last = [t for value in outputs for t in tensors_in(value)]
+            produced.append([t.grad_fn for t in last if t.grad_fn is not None])
     roots = [t for t in last if t.requires_grad]
     starts: dict[int, Any] = {}
     handles = []
@@ -151,13 +155,15 @@ def time_chain(
     repeats: int,
     after_backward: Callable[[], None] | None = None,
     passes: list[tuple[float, float]] | None = None,
+    precision: str = "fp32",
 ) -> list[tuple[float, float]]:
     """Median forward and backward milliseconds of every layer over ``repeats`` whole passes
     (after ``warmup`` untimed ones). Gradients are reset to None before each pass, as after
     ``optimizer.zero_grad()``, and left None at the end. ``after_backward`` is called after every
     pass's backward, with the gradients in place (to time the optimizer step where training
     runs it). Each timed pass's whole forward and backward milliseconds are appended to
-    ``passes`` when given (how much the passes varied: :class:`~pipedream.formats.PassSpread`)."""
+    ``passes`` when given (how much the passes varied: :class:`~pipedream.formats.PassSpread`).
+    ``precision``: the forwards' (:mod:`pipedream.precision`)."""
     params = list(parameters)
     clock = _Clock(device)
     forward: list[list[float]] = [[] for _ in layers]
@@ -166,7 +172,7 @@ def time_chain(
         for iteration in range(warmup + repeats):
             for param in params:
                 param.grad = None
-            f, b = _one_pass(layers, inputs, clock)
+            f, b = _one_pass(layers, inputs, clock, precision)
             if after_backward is not None:
                 after_backward()
             if iteration >= warmup:

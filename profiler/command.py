@@ -3,20 +3,22 @@
 ::
 
     pipedream profile WORKLOAD [--workload-arg KEY=VALUE ...] [--microbatch-size B]
-                      [--concurrent K] -o PROFILE
+                      [--precision fp32|bf16] [--concurrent K] -o PROFILE
     pipedream profile --from-pipedream graph.txt -o PROFILE
 
 The measurement runs on the first GPU when CUDA is available, else on the CPU with torch's
 current number of threads (set ``OMP_NUM_THREADS`` / ``torch.set_num_threads`` to match the
 workers that will train; the summary line shows the value used). Where several CPU ranks will
 share a host, ``--concurrent K`` measures while ``K - 1`` co-runners train the same workload
-(:mod:`pipedream.profiler.corunners`).
+(:mod:`pipedream.profiler.corunners`). ``--precision bf16`` measures the forwards in
+autocast, as ``pipedream train --precision bf16`` runs them (:mod:`pipedream.precision`).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 from collections.abc import Sequence
@@ -40,6 +42,7 @@ from pipedream.formats.profile import (
 from pipedream.graph import LayerGraph
 from pipedream.host_memory import configure_host_memory
 from pipedream.model_io import batch_size, call_model, map_tensors
+from pipedream.precision import DEFAULT_PRECISION, PRECISIONS, autocast, loss_input
 from pipedream.profiler.corunners import Corunners, CorunnerSpec
 from pipedream.profiler.graph_profile import (
     graph_tied_parameters,
@@ -194,6 +197,7 @@ def profile_workload(
     depth: int | None = None,
     patterns: Sequence[str] = (),
     concurrent: int = 1,
+    precision: str = DEFAULT_PRECISION,
 ) -> Profile:
     """Build workload ``name`` and measure every layer of its model.
 
@@ -203,10 +207,15 @@ def profile_workload(
     how much the whole passes varied (:class:`~pipedream.formats.PassSpread`).
     With ``concurrent`` K > 1 (CPU only), K - 1 co-runner processes train the same workload
     meanwhile, as the other ranks of a host do (:mod:`pipedream.profiler.corunners`).
+    ``precision``: what the forwards run in (:mod:`pipedream.precision`).
     """
     if microbatch_size is not None and microbatch_size < 1:
         raise ProfilerError(f"--microbatch-size must be >= 1, got {microbatch_size}")
     check_repetitions(warmup, repeats)
+    if precision not in PRECISIONS:
+        raise ProfilerError(
+            f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}"
+        )
     if not 1 <= concurrent <= MAX_CONCURRENT:
         raise ProfilerError(
             f"--concurrent must be 1 to {MAX_CONCURRENT} (processes training on the host), got "
@@ -227,11 +236,18 @@ def profile_workload(
         )
     workload = load_workload(name, workload_args, microbatch_size=microbatch_size)
     spec = CorunnerSpec(
-        name, dict(workload_args), microbatch_size, torch.get_num_threads(), tuple(sys.path)
+        name,
+        dict(workload_args),
+        microbatch_size,
+        torch.get_num_threads(),
+        tuple(sys.path),
+        precision=precision,
     )
     graph = _layers(workload, device, depth=depth, patterns=patterns)
     with Corunners(spec, num_corunners=concurrent - 1):
-        measured = _measure(workload, device, graph, warmup=warmup, repeats=repeats)
+        measured = _measure(
+            workload, device, graph, warmup=warmup, repeats=repeats, precision=precision
+        )
     param = next(iter(workload.model.parameters()), None)
     dtype = param.dtype if param is not None else torch.get_default_dtype()
     return Profile(
@@ -240,6 +256,7 @@ def profile_workload(
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
         layers=measured.layers,
+        precision=precision,
         cut_bytes=measured.cut_bytes,
         workload_args=recorded_args(name, workload_args),
         overhead=measured.overhead,
@@ -295,15 +312,21 @@ def _measure(
     *,
     warmup: int,
     repeats: int,
+    precision: str,
 ) -> _Measured:
     """The layers' costs, the bytes across every cut of a traced model (``graph``; None: the
     children of an ``nn.Sequential``) and the tensors that cross them, the runtime's costs, how
-    much the whole passes varied, the parameters several layers use."""
+    much the whole passes varied, the parameters several layers use; all in ``precision``."""
     model = workload.model.to(device)
     example = map_tensors(lambda t: t.to(device), workload.example_input)
     cut_bytes = values = None
     passes: list[tuple[float, float]] = []
-    options = {"warmup": warmup, "repeats": repeats, "optimizer": workload.optimizer}
+    options = {
+        "warmup": warmup,
+        "repeats": repeats,
+        "optimizer": workload.optimizer,
+        "precision": precision,
+    }
     if graph is None:
         layers = measure_sequential(model, example, passes=passes, **options)
         tied = tied_parameters(
@@ -313,17 +336,20 @@ def _measure(
             ]
         )
     else:
-        layers = measure_graph(graph, model, example, passes=passes, **options)
-        cut_bytes = tuple(graph.cut_bytes())
-        values = tuple(graph_values(graph))
+        sizes: dict[str, int] = {}  # under autocast a value's dtype is not the trace's
+        layers = measure_graph(graph, model, example, passes=passes, value_bytes=sizes, **options)
+        cut_bytes = tuple(graph.cut_bytes(sizes))
+        values = tuple(graph_values(graph, sizes))
         tied = graph_tied_parameters(graph, model)
-    overhead = measure_overhead(workload.optimizer, device=device, warmup=warmup, repeats=repeats)
+    overhead = measure_overhead(
+        workload.optimizer, device=device, warmup=warmup, repeats=repeats, precision=precision
+    )
     stream = MicrobatchStream(workload.dataset, batch_size(workload.example_input), seed=0)
     inputs_ms, targets_ms = measure_data_reads(
         stream, device=device, warmup=warmup, repeats=repeats
     )
-    with torch.no_grad():
-        output = call_model(model, example)
+    with torch.no_grad(), autocast(precision, device):
+        output = map_tensors(functools.partial(loss_input, precision), call_model(model, example))
     loss_forward_ms, loss_backward_ms = measure_loss(
         workload.loss_fn,
         output,
@@ -379,6 +405,7 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
             "--depth": getattr(args, "depth", None),
             "--layers": getattr(args, "layers", None),
             "--concurrent": None if getattr(args, "concurrent", 1) == 1 else args.concurrent,
+            "--precision": getattr(args, "precision", None),
             "--warmup": args.warmup,
             "--repeats": args.repeats,
         }
@@ -419,8 +446,10 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
             depth=getattr(args, "depth", None),
             patterns=tuple(getattr(args, "layers", None) or ()),
             concurrent=concurrent,
+            precision=getattr(args, "precision", None) or DEFAULT_PRECISION,
         )
         threads = f", {torch.get_num_threads()} CPU threads" if profile.device == "cpu" else ""
+        autocast_note = " in bf16 (autocast)" if profile.precision == "bf16" else ""
         others = profile.concurrent - 1
         beside = (
             f", {others} more process{'es' if others > 1 else ''} training beside it "
@@ -429,8 +458,8 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
             else ""
         )
         how = (
-            f"measured on {profile.device}{threads}{beside}, median of {repeats} runs "
-            f"after {warmup} warm-up"
+            f"measured on {profile.device}{autocast_note}{threads}{beside}, median of {repeats} "
+            f"runs after {warmup} warm-up"
         )
     save_profile(profile, args.output)
     if getattr(args, "plot", None):

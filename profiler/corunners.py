@@ -74,6 +74,8 @@ class CorunnerSpec:
     """``torch.set_num_threads`` of the profiling process."""
     sys_path: tuple[str, ...] = ()
     """The profiling process's import path, so a workload it can import imports here too."""
+    precision: str = "fp32"
+    """What the forwards run in (``--precision``, :mod:`pipedream.precision`)."""
 
     def to_json(self) -> str:
         """The spec as the co-runner's command-line argument."""
@@ -239,7 +241,8 @@ def _train(spec: CorunnerSpec, stop: threading.Event, ready: Callable[[], None])
 
     from pipedream.data import MicrobatchStream
     from pipedream.host_memory import configure_host_memory
-    from pipedream.model_io import batch_size, call_model
+    from pipedream.model_io import batch_size, call_model, map_tensors
+    from pipedream.precision import autocast, loss_input
     from pipedream.runtime.gc_freeze import frozen_heap
     from pipedream.workload import load_workload
 
@@ -255,7 +258,10 @@ def _train(spec: CorunnerSpec, stop: threading.Event, ready: Callable[[], None])
     with frozen_heap():
         while not stop.is_set():
             inputs, targets = stream.microbatch(step)
-            workload.loss_fn(call_model(model, inputs), targets).backward()
+            with autocast(spec.precision, torch.device("cpu")):
+                output = call_model(model, inputs)
+            output = map_tensors(lambda t: loss_input(spec.precision, t), output)
+            workload.loss_fn(output, targets).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1

@@ -5,13 +5,14 @@ as its own module taking exactly the values that reach it, so skip connections a
 where they cross: ``output_bytes`` of a layer counts every value it sends to any later layer, and
 the profile's ``cut_bytes`` counts everything live across each boundary, and its ``values``
 say which layer makes each crossing tensor and which layers use it (what a plan's stages send
-each other, skip connections included).
+each other, skip connections included). Under ``bf16`` the layers run in autocast, and a
+value's bytes are those of the tensor it then is (bfloat16 after a matmul), not the trace's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from pipedream.formats.profile import LayerProfile, ProfileValue, TiedParameter
 from pipedream.graph import LayerGraph, trace_model
 from pipedream.graph.stages import build_stage_module, stage_ios
 from pipedream.model_io import first_device
+from pipedream.precision import autocast
 from pipedream.profiler.chain import ChainLayer, time_chain
 from pipedream.profiler.measure import (
     OptimizerFactory,
@@ -71,12 +73,16 @@ def measure_graph(
     repeats: int = 10,
     optimizer: OptimizerFactory | None = None,
     passes: list[tuple[float, float]] | None = None,
+    precision: str = "fp32",
+    value_bytes: dict[str, int] | None = None,
 ) -> list[LayerProfile]:
-    """Measure every layer of ``graph`` on the values it sees when ``example_input`` runs.
+    """Measure every layer of ``graph`` on the values it sees when ``example_input`` runs in
+    ``precision`` (:mod:`pipedream.precision`).
 
     Bytes and memory come from each layer module alone, the times from whole passes through the
     chain of layer modules (:mod:`pipedream.profiler.chain`); each timed pass's forward and
-    backward milliseconds are appended to ``passes`` when given.
+    backward milliseconds are appended to ``passes`` when given, and the bytes of every value
+    the layers made to ``value_bytes``.
     """
     check_repetitions(warmup, repeats)
     count = len(graph.layers)
@@ -85,10 +91,11 @@ def measure_graph(
     values: dict[str, Tensor] = dict(inputs_by_name)
     profiles, chain, modules = [], [], []
     counted: set[int] = set()
+    device = first_device(example_input)
     for index, io in enumerate(ios):
         module = build_stage_module(graph, model, index, index, io)
         inputs = tuple(values[name] for name in io.inputs)
-        with torch.no_grad():
+        with torch.no_grad(), autocast(precision, device):
             outputs = module(*inputs)
         values.update(zip(io.outputs, outputs))
         described = describe_layer(
@@ -99,6 +106,7 @@ def measure_graph(
             repeats=repeats,
             optimizer=optimizer,
             counted=counted,
+            precision=precision,
         )
         shapes = ", ".join(str(list(t.shape)) for t in outputs)
         operations = sum(1 for n in graph.nodes if graph.layer_of[n.name] == index)
@@ -110,12 +118,16 @@ def measure_graph(
         chain,
         inputs_by_name,
         model.parameters(),
-        device=first_device(example_input),
+        device=device,
         warmup=warmup,
         repeats=repeats,
         after_backward=timer,
         passes=passes,
+        precision=precision,
     )
+    if value_bytes is not None:
+        sizes = {name: t.numel() * t.element_size() for name, t in values.items()}
+        value_bytes.update(sizes)
     updates: list[float | None] = [None] * count
     if timer is not None:
         updates = list(timer.shares(skip=warmup))
@@ -140,9 +152,13 @@ def graph_tied_parameters(graph: LayerGraph, model: nn.Module) -> list[TiedParam
     ]
 
 
-def graph_values(graph: LayerGraph) -> list[ProfileValue]:
+def graph_values(
+    graph: LayerGraph, measured: Mapping[str, int] | None = None
+) -> list[ProfileValue]:
     """Every tensor of ``graph`` that a later layer or the loss uses, in graph order: the
-    wiring :func:`pipedream.graph.stage_ios` gives the stages of any plan."""
+    wiring :func:`pipedream.graph.stage_ios` gives the stages of any plan. Their bytes are the
+    trace's, or ``measured`` ones where given (:func:`measure_graph`'s ``value_bytes``)."""
+    sizes = measured or {}
     returned = set(graph.output_names)
     last = len(graph.layers) - 1
     values = []
@@ -159,7 +175,7 @@ def graph_values(graph: LayerGraph) -> list[ProfileValue]:
         values.append(
             ProfileValue(
                 name=node.name,
-                bytes=graph.value_bytes(node.name),
+                bytes=sizes[node.name] if node.name in sizes else graph.value_bytes(node.name),
                 made_by=None if made == -1 else graph.layers[made],
                 used_by=tuple(graph.layers[layer] for layer in used),
                 loss=loss,

@@ -23,7 +23,10 @@ keys).
   whole model's parameters, right after each whole backward pass (:class:`UpdateTimer`).
 
 Times on CUDA use CUDA events (GPU time of the work); on CPU ``time.perf_counter``. The number of
-CPU threads is torch's setting; this module leaves it alone.
+CPU threads is torch's setting; this module leaves it alone. Under ``precision`` ``bf16`` every
+forward runs in autocast, as the runtime's do (:mod:`pipedream.precision`): the times, the
+outputs' bytes (what a stage sends: bfloat16 after a matmul) and the memory kept for backward
+(bfloat16 copies of inputs and weights among it) are those of such a run.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from torch import Tensor, nn
 
 from pipedream.errors import PipedreamError
 from pipedream.formats.profile import LayerProfile, TiedParameter
+from pipedream.precision import autocast
 from pipedream.profiler.chain import ChainLayer, time_chain
 
 __all__ = [
@@ -107,18 +111,26 @@ def _describe(layer: nn.Module, output: list[Tensor]) -> str:
     return f"{kind} -> {shapes}" if shapes else kind
 
 
-def layer_inputs(model: nn.Sequential, example_input: Any) -> list[Any]:
-    """The input each child sees when ``example_input`` runs through ``model`` (no grad)."""
+def layer_inputs(model: nn.Sequential, example_input: Any, precision: str = "fp32") -> list[Any]:
+    """The input each child sees when ``example_input`` runs through ``model`` (no grad) in
+    ``precision``."""
     inputs = []
     x = example_input
-    with torch.no_grad():
+    device = _device_of(model)
+    with torch.no_grad(), autocast(precision, device):
         for layer in model:
             inputs.append(x)
             x = layer(x)
     return inputs
 
 
-def _saved_bytes(layer: nn.Module, x: Any) -> int:
+def _device_of(module: nn.Module) -> torch.device:
+    """Where ``module``'s parameters are (the CPU for a module without any)."""
+    param = next(iter(module.parameters()), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def _saved_bytes(layer: nn.Module, x: Any, precision: str) -> int:
     fresh = _fresh_input(x)
     excluded = {_storage_key(t) for t in (*layer.parameters(), *layer.buffers())}
     excluded.update(_storage_key(t) for t in tensors_in(fresh))
@@ -130,7 +142,8 @@ def _saved_bytes(layer: nn.Module, x: Any) -> int:
             seen[key] = _storage_nbytes(tensor)
         return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
+    with hooks, autocast(precision, _device_of(layer)):
         output = layer(fresh)  # kept alive while counting, so storage addresses stay unique
     del output
     return sum(seen.values())
@@ -240,17 +253,19 @@ def describe_layer(
     repeats: int = 10,
     optimizer: OptimizerFactory | None = None,
     counted: set[int] | None = None,
+    precision: str = "fp32",
 ) -> LayerProfile:
-    """Everything about one layer on input ``x`` except its compute times (0 here; they come
-    from whole passes, :func:`pipedream.profiler.chain.time_chain`).
+    """Everything about one layer on input ``x`` in ``precision`` except its compute times (0
+    here; they come from whole passes, :func:`pipedream.profiler.chain.time_chain`).
 
     ``counted`` holds the ``id`` of every parameter and buffer an earlier layer counted: the
     layer's bytes leave them out, and its own are added to it (tied weights count once).
     """
     check_repetitions(warmup, repeats)
     with torch.enable_grad():
-        output = tensors_in(layer(_fresh_input(x)))
-        saved = _saved_bytes(layer, x)
+        with autocast(precision, _device_of(layer)):
+            output = tensors_in(layer(_fresh_input(x)))
+        saved = _saved_bytes(layer, x, precision)
     skip = set() if counted is None else set(counted)
     state_bytes = None if optimizer is None else _optimizer_state_bytes(layer, optimizer, skip)
     own = [t for t in (*layer.parameters(), *layer.buffers()) if id(t) not in skip]
@@ -298,8 +313,10 @@ def measure_sequential(
     optimizer: OptimizerFactory | None = None,
     progress: Callable[[int, int, str], None] | None = None,
     passes: list[tuple[float, float]] | None = None,
+    precision: str = "fp32",
 ) -> list[LayerProfile]:
-    """Measure every child of ``model`` (an ``nn.Sequential``) on the device of its parameters.
+    """Measure every child of ``model`` (an ``nn.Sequential``) on the device of its parameters,
+    in ``precision`` (:mod:`pipedream.precision`).
 
     ``example_input`` is moved to that device. ``progress(i, n, name)`` is called before each layer.
     Each timed whole pass's forward and backward milliseconds are appended to ``passes`` when
@@ -314,11 +331,10 @@ def measure_sequential(
     if len(model) == 0:
         raise ProfilerError("the model is an empty nn.Sequential; give it at least one layer")
     check_repetitions(warmup, repeats)
-    param = next(iter(model.parameters()), None)
-    device = param.device if param is not None else torch.device("cpu")
+    device = _device_of(model)
     if isinstance(example_input, Tensor):
         example_input = example_input.to(device)
-    inputs = layer_inputs(model, example_input)
+    inputs = layer_inputs(model, example_input, precision)
     profiles = []
     counted: set[int] = set()
     for index, ((name, layer), x) in enumerate(zip(model.named_children(), inputs)):
@@ -333,6 +349,7 @@ def measure_sequential(
                 repeats=repeats,
                 optimizer=optimizer,
                 counted=counted,
+                precision=precision,
             )
         )
     chain = [
@@ -349,6 +366,7 @@ def measure_sequential(
         repeats=repeats,
         after_backward=timer,
         passes=passes,
+        precision=precision,
     )
     updates: list[float | None] = [None] * len(profiles)
     if timer is not None:

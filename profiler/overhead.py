@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from pipedream.data import MicrobatchStream
 from pipedream.formats.profile import ActionOverhead
 from pipedream.model_io import map_tensors, to_device
+from pipedream.precision import DEFAULT_PRECISION, autocast
 from pipedream.profiler.measure import OptimizerFactory, sync_device
 from pipedream.runtime.stage_worker import StageWorker, WorkerConfig
 from pipedream.schedules import Op, PipelineSpec, build_tables
@@ -112,8 +113,10 @@ def measure_overhead(
     device: torch.device,
     warmup: int = 3,
     repeats: int = 10,
+    precision: str = DEFAULT_PRECISION,
 ) -> ActionOverhead:
-    """The runtime's extra milliseconds per forward, backward and update action.
+    """The runtime's extra milliseconds per forward, backward and update action, its forwards
+    and the plain ones it is set against in ``precision``.
 
     On CUDA the per-action cost is host work that overlaps the kernels already queued, so it is
     not charged (0; layers so small that their launches are the bottleneck are not modelled);
@@ -132,7 +135,7 @@ def measure_overhead(
         num_minibatches=count + 2,
     )
     table = build_tables(spec, only_ranks={1})[1]
-    config = WorkerConfig(stage=1, num_stages=3, microbatches=1, device=device)
+    config = WorkerConfig(stage=1, num_stages=3, microbatches=1, device=device, precision=precision)
     worker = StageWorker(
         config,
         _Scale(),
@@ -145,8 +148,12 @@ def measure_overhead(
     plain_optimizer = optimizer(list(plain.parameters()))
     x = torch.ones(1, device=device)
 
+    def plain_forward() -> Tensor:
+        with autocast(precision, device):
+            return plain(x.detach().requires_grad_(True))
+
     def plain_backward_ms() -> float:
-        out = plain(x.detach().requires_grad_(True))
+        out = plain_forward()
         return _ms(lambda: torch.autograd.backward([out], [torch.ones_like(out)]), sync)
 
     extra: dict[Op, list[float]] = {Op.FORWARD: [], Op.BACKWARD: [], Op.UPDATE: []}
@@ -154,7 +161,7 @@ def measure_overhead(
     for position, action in enumerate(table):
         if action.op is Op.FORWARD:
             spent = _ms(lambda a=action: worker.forward(a, [x]), sync)
-            spent -= _ms(lambda: plain(x.detach().requires_grad_(True)), sync)
+            spent -= _ms(plain_forward, sync)
         elif action.op is Op.BACKWARD:
             spent = _ms(lambda a=action: worker.backward(a, [torch.ones_like(x)]), sync)
             spent -= plain_backward_ms()

@@ -15,6 +15,7 @@ import torch
 
 from pipedream.formats.plan import Plan
 from pipedream.formats.units import format_bytes
+from pipedream.precision import DEFAULT_PRECISION
 from pipedream.runtime.checkpoint import load_full_state_dict
 from pipedream.runtime.metrics import MetricsLogger
 from pipedream.wording import count
@@ -67,6 +68,20 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
 
 
+def _unpredicted_note(plan: Plan, *, recompute: bool, precision: str) -> str:
+    """What the run did that the plan's prediction leaves out: recomputation, or another
+    precision than the profile's."""
+    notes = []
+    if recompute and not plan.recompute:
+        notes.append("made without recomputation: plan --recompute predicts this run")
+    if precision != plan.precision:
+        notes.append(
+            f"made from a profile in {plan.precision}, and the run trained in {precision}: a "
+            f"plan from profile --precision {precision} predicts it"
+        )
+    return "".join(f" ({note})" for note in notes)
+
+
 def report(
     *,
     plan: Plan,
@@ -80,11 +95,12 @@ def report(
     run_dir: Path,
     device: torch.device | None = None,
     recompute: bool = False,
+    precision: str = DEFAULT_PRECISION,
 ) -> dict[str, Any]:
     """Print the summary on stderr and write ``summary.json``; returns the summary. The
     workload's evaluation runs on ``device`` (the reporting rank's; default the CPU);
-    ``recompute``: the run recomputed activations (``--recompute``), which a plan made without
-    it does not predict."""
+    ``recompute``: the run recomputed activations, ``precision``: what its forwards ran in; a
+    plan made otherwise does not predict it, and the time line says so."""
     measured = logger.time_per_step_ms()
     host_cpu = logger.host_cpu_per_step_ms()
     predicted = plan.prediction.time_per_minibatch_ms if plan.prediction else None
@@ -121,8 +137,8 @@ def report(
             else " (hand-written plan: no prediction)"
         )
         + (
-            " (made without recomputation: plan --recompute predicts this run)"
-            if recompute and not plan.recompute and predicted is not None
+            _unpredicted_note(plan, recompute=recompute, precision=precision)
+            if predicted is not None
             else ""
         ),
     ]

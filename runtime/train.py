@@ -27,7 +27,7 @@ from pipedream import wording
 from pipedream.data import MicrobatchStream
 from pipedream.errors import CheckpointError, PipedreamError, RunFailure
 from pipedream.formats.plan import Plan, load_plan
-from pipedream.formats.trace import TracedAction, remove_traces, write_trace
+from pipedream.formats.trace import RunSettings, TracedAction, remove_traces, write_trace
 from pipedream.host_memory import configure_host_memory
 from pipedream.runtime.agreement import agree_on_setup, refuse_together
 from pipedream.runtime.checkpoint import load_manifest, restore_stage, step_dir_name, untaken
@@ -268,6 +268,10 @@ class _RankJob:
     ) -> None:
         self.options = options
         self.plan = plan
+        self.precision = options.precision or plan.precision
+        """What the forwards run in: ``--precision``, else the plan's."""
+        self.recompute = options.recompute or plan.recompute
+        """Whether backwards recompute their stage's forward: ``--recompute`` or the plan's."""
         self.env = env
         self.workload = workload
         self.layout = layout
@@ -311,8 +315,8 @@ class _RankJob:
             num_stages=plan.num_stages,
             microbatches=plan.microbatches,
             device=self.device,
-            recompute=self.options.recompute or plan.recompute,
-            precision=self.options.precision,
+            recompute=self.recompute,
+            precision=self.precision,
             skip_nonfinite=self.options.on_nonfinite == "skip",
         )
         module = self.layout.build(stage)
@@ -368,7 +372,10 @@ class _RankJob:
             todo += f" {start}..{steps - 1} (resumed at step {start})"
         print(
             f"pipedream: {plan.workload} on {self.placement.describe(plan.world_size)}, "
-            f"{wording.count(plan.num_stages, 'stage')}, schedule {plan.schedule}, {todo} "
+            f"{wording.count(plan.num_stages, 'stage')}, schedule {plan.schedule}, "
+            + ("bf16 (autocast), " if self.precision == "bf16" else "")
+            + ("recomputing activations, " if self.recompute else "")
+            + f"{todo} "
             f"of {plan.microbatches} x {plan.microbatch_size} samples; "
             f"{_posting_note(self.posting)}run dir {self.run_dir}",
             file=sys.stderr,
@@ -493,7 +500,8 @@ class _RankJob:
                 checkpoint=self.last_checkpoint,
                 run_dir=self.run_dir,
                 device=self.device,
-                recompute=self.options.recompute,
+                recompute=self.recompute,
+                precision=self.precision,
             )
             logger.close()
         return 0
@@ -552,6 +560,7 @@ class _RankJob:
             stretches=self.stretches,
             plan=self.plan,
             complete=complete,
+            run=RunSettings(self.precision, self.recompute),
         )
 
     def _executor(

@@ -30,7 +30,8 @@ class TrainOptions:
     keep: int = 0
     on_nonfinite: str = "stop"
     trace: bool = False
-    precision: str = "fp32"
+    precision: str | None = None
+    """``fp32`` or ``bf16`` (:mod:`pipedream.precision`); None: the plan's."""
     recompute: bool = False
     device: str = "auto"
     deterministic: bool = False

@@ -18,6 +18,7 @@ from pipedream.errors import ScheduleError
 from pipedream.formats.reader import MappingReader
 from pipedream.formats.topology import Topology
 from pipedream.formats.yamlio import read_yaml_mapping, write_yaml
+from pipedream.precision import DEFAULT_PRECISION, PRECISIONS
 from pipedream.schedules.registry import SCHEDULES
 from pipedream.schedules.schedule import Schedule
 from pipedream.schedules.spec import MAX_MICROBATCHES, PipelineSpec
@@ -175,6 +176,9 @@ class Plan:
     topology: Topology | None = None
     """The cluster the plan was made for (levels, bandwidths, memory); optional.
     ``pipedream simulate`` takes the bandwidths between ranks from it."""
+    precision: str = DEFAULT_PRECISION
+    """What the profile's forwards ran in, so what the run trains in unless ``pipedream train
+    --precision`` says otherwise (:mod:`pipedream.precision`); optional."""
 
     @property
     def num_stages(self) -> int:
@@ -215,6 +219,8 @@ class Plan:
         )
         if self.recompute:
             out["recompute"] = True
+        if self.precision != DEFAULT_PRECISION:
+            out["precision"] = self.precision
         out["stages"] = [stage.to_dict() for stage in self.stages]
         if self.layers is not None:
             out["layers"] = list(self.layers)
@@ -259,6 +265,13 @@ class Plan:
             )
         world_size = reader.int("world_size", minimum=1)
         recompute = reader.bool("recompute", False)
+        precision = reader.str("precision", DEFAULT_PRECISION)
+        if precision not in PRECISIONS:
+            raise reader.error(
+                "precision",
+                f"unknown precision {precision!r}",
+                f"use one of {', '.join(PRECISIONS)}, or leave it out for {DEFAULT_PRECISION}",
+            )
         raw_layers = reader.list("layers", None)
         layers = None
         if raw_layers is not None:
@@ -328,6 +341,7 @@ class Plan:
             prediction=prediction,
             profile=profile,
             topology=topology,
+            precision=precision,
         )
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from pipedream.formats.reader import MappingReader
 from pipedream.formats.yamlio import read_yaml_mapping, write_yaml
+from pipedream.precision import DEFAULT_PRECISION, PRECISIONS
 
 __all__ = [
     "MAX_LAYERS",
@@ -377,6 +378,9 @@ class Profile:
     values: tuple[ProfileValue, ...] | None = None
     """Every tensor that crosses layers (``values``: skip connections, model inputs used
     later); None: a chain, each layer feeding the next."""
+    precision: str = DEFAULT_PRECISION
+    """What the forwards ran in (:mod:`pipedream.precision`): ``fp32``, the model's own dtypes,
+    or ``bf16``, autocast to bfloat16 (``pipedream profile --precision``); optional."""
 
     def __post_init__(self) -> None:
         assert self.cut_bytes is None or len(self.cut_bytes) == len(self.layers) - 1
@@ -412,6 +416,8 @@ class Profile:
                 "dtype": self.dtype,
             }
         )
+        if self.precision != DEFAULT_PRECISION:
+            out["precision"] = self.precision
         if self.concurrent != 1:
             out["concurrent"] = self.concurrent
         out["layers"] = [layer.to_dict() for layer in self.layers]
@@ -440,6 +446,13 @@ class Profile:
         microbatch_size = reader.int("microbatch_size", minimum=1)
         device = reader.str("device")
         dtype = reader.str("dtype")
+        precision = reader.str("precision", DEFAULT_PRECISION)
+        if precision not in PRECISIONS:
+            raise reader.error(
+                "precision",
+                f"unknown precision {precision!r}",
+                f"use one of {', '.join(PRECISIONS)} (what pipedream profile --precision measured)",
+            )
         concurrent = reader.int("concurrent", 1, minimum=1)
         raw_layers = reader.list("layers")
         if len(raw_layers) > MAX_LAYERS:
@@ -507,6 +520,7 @@ class Profile:
             device=device,
             dtype=dtype,
             layers=tuple(layers),
+            precision=precision,
             cut_bytes=cuts,
             workload_args=args,
             overhead=overhead,

@@ -13,8 +13,9 @@ parameters, and ``stretches``, the minibatches of each stretch between checkpoin
 each), so that a reader rebuilds the very tables the run executed. ``plan`` names what the run
 trained (workload, schedule, microbatches, stages), so that a reader can refuse another plan's
 run; ``complete`` is false where the rank stopped before the end of its tables (a failure, an
-interrupt): its events are then the actions that ran. Traces written before these keys lack
-them.
+interrupt): its events are then the actions that ran. ``run`` says how the run trained
+beyond its plan (``precision``, ``recompute``), which ``pipedream simulate --trace`` sets beside
+the simulation's. Traces written before these keys lack them.
 
 :func:`write_trace` writes a rank's file, :func:`load_traces` reads and validates a run's
 (``pipedream trace`` merges them into a Chrome trace; ``pipedream simulate --trace`` sets them
@@ -35,12 +36,14 @@ from typing import Any
 
 from pipedream.errors import FormatError, TraceError
 from pipedream.formats.plan import Plan
+from pipedream.precision import PRECISIONS
 from pipedream.schedules import Op, parse_action
 
 __all__ = [
     "CATEGORIES",
     "TRACE_FORMAT",
     "RankTrace",
+    "RunSettings",
     "TraceEvent",
     "TracedAction",
     "load_traces",
@@ -88,6 +91,36 @@ def plan_identity(plan: Plan) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class RunSettings:
+    """How a run trained beyond what its plan says: ``train --precision`` and ``--recompute``
+    (or the plan's own), which a simulation of the plan must share to predict the run."""
+
+    precision: str
+    """What the forwards ran in (:mod:`pipedream.precision`)."""
+    recompute: bool
+    """Whether backwards recomputed their stage's forward."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"precision": self.precision, "recompute": self.recompute}
+
+    @classmethod
+    def from_payload(cls, source: str, raw: Any) -> RunSettings:
+        if (
+            not isinstance(raw, dict)
+            or raw.get("precision") not in PRECISIONS
+            or not isinstance(raw.get("recompute"), bool)
+        ):
+            raise FormatError(
+                source,
+                "run",
+                f"expected precision ({' or '.join(PRECISIONS)}) and recompute (true or "
+                f"false), got {raw!r:.60}",
+                "the file is damaged; re-run the training with --trace",
+            )
+        return cls(raw["precision"], raw["recompute"])
+
+
 def write_trace(
     run_dir: Path,
     trace: list[TracedAction],
@@ -100,13 +133,14 @@ def write_trace(
     stretches: Sequence[tuple[int, int]] | None = None,
     plan: Plan | None = None,
     complete: bool = True,
+    run: RunSettings | None = None,
 ) -> Path:
     """Every action's start and end, on a clock shared by all ranks.
 
     The executor records ``time.perf_counter()`` (cheap, monotonic); it is converted to Unix
     seconds with one offset per rank so that the ranks' timelines line up when merged.
     ``stretches``: the (first minibatch, minibatches) of each table the events ran, in order;
-    ``complete``: whether the rank ran its tables to the end.
+    ``complete``: whether the rank ran its tables to the end; ``run``: how it trained.
     """
     offset = time.time() - time.perf_counter()
     payload = {
@@ -119,6 +153,7 @@ def write_trace(
         "stretches": None if stretches is None else [list(pair) for pair in stretches],
         "plan": None if plan is None else plan_identity(plan),
         "complete": complete,
+        "run": None if run is None else run.to_dict(),
         "clock": "unix seconds",
         "events": [
             {
@@ -215,6 +250,8 @@ class RankTrace:
     """:func:`plan_identity` of the plan the run trained (None: not recorded)."""
     complete: bool = True
     """False where the rank stopped before the end of its tables (failed, interrupted)."""
+    run: RunSettings | None = None
+    """How the run trained beyond its plan (None: not recorded)."""
 
 
 def _field(source: str, payload: dict[str, Any], key: str, kind: type) -> Any:
@@ -330,8 +367,10 @@ def _read_rank(path: Path) -> RankTrace:
             f"expected true or false, got {complete!r:.40}",
             "the file is damaged; re-run the training with --trace",
         )
+    raw_run = payload.get("run")
+    run = None if raw_run is None else RunSettings.from_payload(source, raw_run)
     return RankTrace(
-        rank, stage, world_size, tuple(events), source, edges, tied, stretches, plan, complete
+        rank, stage, world_size, tuple(events), source, edges, tied, stretches, plan, complete, run
     )
 
 

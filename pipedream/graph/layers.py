@@ -12,7 +12,7 @@ used in stage c is sent from p to c directly, skip connections included.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -329,9 +329,13 @@ class LayerGraph:
             )
         return meta.numel() * meta.element_size()
 
-    def cut_bytes(self) -> list[int]:
+    def cut_bytes(self, measured: Mapping[str, int] | None = None) -> list[int]:
+        """Bytes live across each boundary: the traced sizes, or ``measured`` ones where given
+        (a value's dtype under autocast is not the traced one)."""
+        sizes = measured or {}
         return [
-            sum(self.value_bytes(v) for v in self.crossing(b)) for b in range(len(self.layers) - 1)
+            sum(sizes[v] if v in sizes else self.value_bytes(v) for v in self.crossing(b))
+            for b in range(len(self.layers) - 1)
         ]
 
     def layer_state_names(self, layer: int) -> list[str]:

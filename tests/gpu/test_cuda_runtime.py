@@ -1,7 +1,7 @@
 """The runtime on CUDA: one stage against a plain PyTorch loop on the same GPU, its steady state
 without a host synchronisation (counted by PyTorch's GPU trace), and the schedules' oracles,
 bf16, recomputation, checkpoint and resume with 2-4 ranks sharing one GPU (``--device
-cuda-shared``, messages over gloo through pinned host memory).
+cuda-shared``, messages over gloo through pinned host memory), and a bf16 profile's plan.
 
 Tolerances. With ``--deterministic`` on both sides one stage computes what the plain loop
 computes, kernel for kernel: fp32 weights agree to 1e-5 (relative, per tensor). The schedules
@@ -19,12 +19,13 @@ import pytest
 import torch
 
 from pipedream.data import MicrobatchStream
+from pipedream.formats.profile import load_profile
 from pipedream.runtime.checkpoint import load_full_state_dict
 from pipedream.runtime.train import make_deterministic
 from pipedream.workload import load_workload
 
 from counting_syncs import NONE, count_syncs
-from launching import launch, straight_plan, write_plan
+from launching import launch, run_main, straight_plan, write_plan
 from oracles import stale_oracle
 from plain_loop import plain_loop
 from runs import even_groups, max_rel_diff, train_and_load
@@ -258,3 +259,29 @@ def test_tied_gpt2_on_a_shared_gpu_equals_the_plain_loop(tmp_path: Path) -> None
     make_deterministic()
     want, _ = plain_loop("hf-lm", args, steps=4, microbatches=2, microbatch_size=4, device="cuda")
     assert max_rel_diff(got, want) < 1e-4
+
+
+def test_a_bf16_profile_on_the_gpu_plans_and_trains_a_bf16_run(tmp_path: Path) -> None:
+    """``profile --precision bf16`` on CUDA: the head's logits (a matmul's output) in half the
+    bytes of fp32's, the residual stream in fp32; the plan records bf16, and its run on the GPU
+    trains in it without being told."""
+    args = [arg for key, value in GPT.items() for arg in ("--workload-arg", f"{key}={value}")]
+    profiles = {}
+    for precision in ("fp32", "bf16"):
+        path = tmp_path / f"{precision}.yaml"
+        made = run_main("profile", "gpt", *args, "--precision", precision, "-o", str(path))
+        assert made.returncode == 0, made.stderr
+        profiles[precision] = load_profile(path)
+    assert profiles["bf16"].device == "cuda:0" and profiles["bf16"].precision == "bf16"
+    sizes = {p: [layer.output_bytes for layer in profiles[p].layers] for p in profiles}
+    assert sizes["bf16"][:-1] == sizes["fp32"][:-1] and sizes["bf16"][-1] * 2 == sizes["fp32"][-1]
+    plan = tmp_path / "plan.yaml"
+    planned = run_main("plan", str(tmp_path / "bf16.yaml"), "--workers", "2", "--straight",
+                       "--schedule", "1f1b", "--microbatches", "2", "-o", str(plan))  # fmt: skip
+    assert planned.returncode == 0, planned.stderr
+    result = launch(
+        plan, "--steps", "4", "--run-dir", str(tmp_path / "run"), *SHARED, "--no-progress",
+        "--timeout", "120", timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "bf16 (autocast)" in result.stderr and "made from a profile in" not in result.stderr

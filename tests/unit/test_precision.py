@@ -1,5 +1,6 @@
 """Precisions (``pipedream.precision``): a model in bfloat16 or float64 trains across stages
-as in one process, and under ``--precision bf16`` a stage sends what autocast made."""
+as in one process, under ``--precision bf16`` a stage sends what autocast made, and a profile
+measures (and a plan records) the precision a run trains in."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ import pytest
 import torch
 
 from pipedream.data import MicrobatchStream
+from pipedream.errors import FormatError
+from pipedream.formats.plan import Plan, StagePlan
+from pipedream.formats.profile import LayerProfile, Profile
 from pipedream.precision import autocast, loss_input
+from pipedream.profiler.command import profile_workload
 from pipedream.runtime.stage_layout import build_stage_module
 from pipedream.runtime.stage_worker import StageWorker, WorkerConfig
 from pipedream.schedules import Op, PipelineSpec, build_tables
@@ -77,3 +82,49 @@ def test_the_loss_takes_fp32_where_autocast_lowered_the_output() -> None:
     own = torch.ones(2, dtype=torch.bfloat16)  # a bfloat16 model's output under fp32
     assert loss_input("fp32", own).dtype == torch.bfloat16
     assert loss_input("fp32", own.double()).dtype == torch.float64
+
+
+# -- the profile in a precision ---------------------------------------------------------------
+# dtype_model in float32, microbatches of 4: Linear(8, 16), ReLU, Linear(16, 16), ReLU,
+# Linear(16, 1). Under bf16 a Linear's output is bfloat16 (half the bytes), and it keeps the
+# bfloat16 copies autocast made of its input (where that was float32) and of its weight for
+# its backward: layer 0 keeps 4 x 8 x 2 + 16 x 8 x 2 = 320 bytes, where in fp32 it keeps only
+# its input and weight (counted elsewhere: 0).
+FP32 = {"output": [256, 256, 256, 256, 16], "saved": [0, 256, 0, 256, 0]}
+BF16 = {"output": [128, 128, 128, 128, 8], "saved": [320, 128, 512, 128, 32]}
+
+
+@pytest.mark.parametrize(("precision", "want"), [("fp32", FP32), ("bf16", BF16)])
+@pytest.mark.parametrize("depth", [None, 1], ids=["children", "traced"])
+def test_the_profile_measures_bytes_in_its_precision(
+    precision: str, want: dict[str, list[int]], depth: int | None
+) -> None:
+    profile = profile_workload(
+        "dtype_model:build", {"dtype": "float32"}, warmup=0, repeats=1, precision=precision,
+        depth=depth,
+    )  # fmt: skip
+    assert profile.precision == precision and profile.dtype == "float32"
+    assert [layer.output_bytes for layer in profile.layers] == want["output"]
+    assert [layer.saved_bytes for layer in profile.layers] == want["saved"]
+    if depth is not None:  # traced: what crosses each cut, as the stages send it
+        assert profile.cut_bytes == tuple(want["output"][:-1])
+        assert profile.values is not None
+        assert [(v.made_by, v.bytes) for v in profile.values] == [
+            (None, 128),
+            *(zip("0123", want["output"][:-1])),
+        ]
+
+
+def test_profiles_and_plans_record_their_precision_and_refuse_an_unknown_one() -> None:
+    layer = LayerProfile("0", "Linear", 1.0, 1.0, 8, 8)
+    profile = Profile("toy", 4, "cpu", "float32", (layer,), precision="bf16")
+    assert profile.to_dict()["precision"] == "bf16"
+    assert "precision" not in Profile("toy", 4, "cpu", "float32", (layer,)).to_dict()
+    assert Profile.from_dict(profile.to_dict()) == profile
+    with pytest.raises(FormatError, match=r"precision: unknown precision 'fp16'.*fp32, bf16"):
+        Profile.from_dict({**profile.to_dict(), "precision": "fp16"})
+    plan = Plan("toy", "1f1b", 4, 1, 1, (StagePlan("0", "0", 1, (0,)),), precision="bf16")
+    assert plan.to_dict()["precision"] == "bf16"
+    assert Plan.from_dict(plan.to_dict()) == plan
+    with pytest.raises(FormatError, match=r"precision: unknown precision 'half'"):
+        Plan.from_dict({**plan.to_dict(), "precision": "half"})
