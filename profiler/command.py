@@ -57,6 +57,7 @@ from pipedream.profiler.measure import (
     tied_parameters,
 )
 from pipedream.profiler.overhead import measure_data_reads, measure_loss, measure_overhead
+from pipedream.runtime.out_of_memory import torch_summary
 from pipedream.workload import Workload, load_workload, parse_workload_args, recorded_args
 
 __all__ = [
@@ -243,11 +244,19 @@ def profile_workload(
         tuple(sys.path),
         precision=precision,
     )
-    graph = _layers(workload, device, depth=depth, patterns=patterns)
-    with Corunners(spec, num_corunners=concurrent - 1):
-        measured = _measure(
-            workload, device, graph, warmup=warmup, repeats=repeats, precision=precision
-        )
+    try:
+        graph = _layers(workload, device, depth=depth, patterns=patterns)
+        with Corunners(spec, num_corunners=concurrent - 1):
+            measured = _measure(
+                workload, device, graph, warmup=warmup, repeats=repeats, precision=precision
+            )
+    except torch.OutOfMemoryError as exc:
+        raise ProfilerError(
+            f"the model ran out of memory on {device} ({torch_summary(str(exc))}): the profile "
+            "runs the whole model, its optimizer state and one microbatch's activations on one "
+            "device; profile on one with more memory, or with a smaller --microbatch-size (the "
+            "plan's microbatches are then that size)"
+        ) from None
     param = next(iter(workload.model.parameters()), None)
     dtype = param.dtype if param is not None else torch.get_default_dtype()
     return Profile(

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from pipedream.formats.trace import TracedAction
@@ -23,6 +24,7 @@ from pipedream.graph.layers import StageIO
 from pipedream.runtime.comm import P2P, PeerTimeoutError, channel_kind, stage_lane
 from pipedream.runtime.compute_clock import ComputeClock
 from pipedream.runtime.grad_buckets import GradientBuckets
+from pipedream.runtime.out_of_memory import DeviceOutOfMemory, torch_summary
 from pipedream.runtime.routing import (
     gather_inputs,
     gather_output_grads,
@@ -143,7 +145,15 @@ class Executor:
             start = time.perf_counter()
             if computes:
                 self._clock.start()
-            self._execute(position, action)
+            try:
+                self._execute(position, action)
+            except torch.OutOfMemoryError as exc:  # one line naming the action, not a traceback
+                device = self.stages[action.stage].worker.config.device
+                raise DeviceOutOfMemory(
+                    f"rank {self.rank} ran out of memory on {device} in {_what(action)} "
+                    f"({torch_summary(str(exc))})",
+                    stage=action.stage,
+                ) from None
             if computes:
                 self._clock.stop()
             end = time.perf_counter()

@@ -50,6 +50,7 @@ from pipedream.runtime.gc_freeze import frozen_heap
 from pipedream.runtime.grad_buckets import GradientBuckets
 from pipedream.runtime.loss_log import LossLog
 from pipedream.runtime.metrics import MetricsLogger
+from pipedream.runtime.out_of_memory import DeviceOutOfMemory, how_to_fit
 from pipedream.runtime.rng_state import seed_segment
 from pipedream.runtime.routing import input_needs_grad
 from pipedream.runtime.segments import Segments
@@ -414,6 +415,12 @@ class _RankJob:
             try:
                 executor.run()
                 loss_log.read()  # every loss of the segment checked before its checkpoint
+            except DeviceOutOfMemory as exc:
+                fit = how_to_fit(self.plan, exc.stage, recompute=self.recompute)
+                where = self.last_checkpoint or "none yet"
+                raise DeviceOutOfMemory(
+                    f"{exc}; {fit}; the last good checkpoint: {where}", stage=exc.stage
+                ) from None
             except RunFailure as exc:
                 where = self.last_checkpoint or "none yet"
                 raise type(exc)(f"{exc}; the last good checkpoint: {where}") from None
