@@ -130,6 +130,10 @@ def run(args: argparse.Namespace) -> int:
     topology = topology_from_args(args)
     profile = load_profile(args.profile)
     limit = options.memory if options.memory is not None else topology.memory
+    from_profile = limit is None and profile.device_memory is not None
+    if limit is None and profile.device_memory is not None:  # the GPU it was measured on
+        limit = float(profile.device_memory)
+        options = replace(options, memory=limit)
     result = plan_profile(profile, topology=topology, options=options)
     plan = replace(
         result.plan,
@@ -138,7 +142,15 @@ def run(args: argparse.Namespace) -> int:
         precision=profile.precision,
     )
     save_plan(plan, args.output)
-    print(format_summary(result, profile=profile, topology=topology, memory_limit=limit))
+    print(
+        format_summary(
+            result,
+            profile=profile,
+            topology=topology,
+            memory_limit=limit,
+            limit_from_profile=from_profile,
+        )
+    )
     if result.candidates:
         print()
         print(format_candidates(result, microbatch_size=profile.microbatch_size))

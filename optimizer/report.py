@@ -38,9 +38,16 @@ def table(header: list[str], rows: list[list[str]], *, left: int = 1) -> list[st
 
 
 def format_summary(
-    result: PlanResult, *, profile: Profile, topology: Topology, memory_limit: float | None
+    result: PlanResult,
+    *,
+    profile: Profile,
+    topology: Topology,
+    memory_limit: float | None,
+    limit_from_profile: bool = False,
 ) -> str:
-    """The plan as a table: per stage its layers, replicas, ranks, predicted ms and memory."""
+    """The plan as a table: per stage its layers, replicas, ranks, predicted ms and memory.
+    ``limit_from_profile``: the memory limit is that of the device the profile was measured
+    on (no ``--memory`` or topology ``memory`` was given), which the last line says."""
     plan, prediction = result.plan, result.plan.prediction
     assert prediction is not None
     names = profile.layer_names
@@ -105,9 +112,15 @@ def format_summary(
         )
     if memory_limit is not None:
         lines.append(
-            f"memory limit per worker: {format_bytes(memory_limit)} (checked against the "
-            "estimate weights x versions + gradients + optimizer state + activations x in "
-            "flight)"
+            f"memory limit per worker: {format_bytes(memory_limit)} "
+            + (
+                f"(the memory of {profile.device}, where the profile was measured; --memory "
+                "sets another), "
+                if limit_from_profile
+                else "("
+            )
+            + "checked against the estimate weights x versions + gradients + optimizer state "
+            "+ activations x in flight" + ("" if limit_from_profile else ")")
         )
     return "\n".join(lines)
 

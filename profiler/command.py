@@ -266,6 +266,7 @@ def profile_workload(
         dtype=str(dtype).removeprefix("torch."),
         layers=measured.layers,
         precision=precision,
+        device_memory=_device_memory(device),
         cut_bytes=measured.cut_bytes,
         workload_args=recorded_args(name, workload_args),
         overhead=measured.overhead,
@@ -274,6 +275,14 @@ def profile_workload(
         tied=measured.tied,
         values=measured.values,
     )
+
+
+def _device_memory(device: torch.device) -> int | None:
+    """A GPU's total memory in bytes; None on the CPU (the ranks of a host share its memory,
+    which no limit per worker describes)."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.get_device_properties(device).total_memory)
 
 
 @dataclass(frozen=True)

@@ -381,6 +381,9 @@ class Profile:
     precision: str = DEFAULT_PRECISION
     """What the forwards ran in (:mod:`pipedream.precision`): ``fp32``, the model's own dtypes,
     or ``bf16``, autocast to bfloat16 (``pipedream profile --precision``); optional."""
+    device_memory: int | None = None
+    """Bytes of memory of the device measured on (a GPU's total; None on the CPU, whose memory
+    the ranks of a host share): ``pipedream plan``'s limit per worker unless told another."""
 
     def __post_init__(self) -> None:
         assert self.cut_bytes is None or len(self.cut_bytes) == len(self.layers) - 1
@@ -418,6 +421,8 @@ class Profile:
         )
         if self.precision != DEFAULT_PRECISION:
             out["precision"] = self.precision
+        if self.device_memory is not None:
+            out["device_memory"] = self.device_memory
         if self.concurrent != 1:
             out["concurrent"] = self.concurrent
         out["layers"] = [layer.to_dict() for layer in self.layers]
@@ -453,6 +458,7 @@ class Profile:
                 f"unknown precision {precision!r}",
                 f"use one of {', '.join(PRECISIONS)} (what pipedream profile --precision measured)",
             )
+        device_memory = reader.int("device_memory", None, minimum=1)
         concurrent = reader.int("concurrent", 1, minimum=1)
         raw_layers = reader.list("layers")
         if len(raw_layers) > MAX_LAYERS:
@@ -521,6 +527,7 @@ class Profile:
             dtype=dtype,
             layers=tuple(layers),
             precision=precision,
+            device_memory=device_memory,
             cut_bytes=cuts,
             workload_args=args,
             overhead=overhead,

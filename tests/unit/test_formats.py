@@ -506,7 +506,7 @@ CASES: list[tuple[str, str, Edit, str, str, str]] = [
     ("profile-unknown-layer-key", "profile", _set("layers", 0, "saved_byte", value=5),
      "layers[0].saved_byte", "unknown key", "did you mean 'saved_bytes'?"),
     ("profile-unrelated-key", "profile", _set("colour", value="red"), "colour",
-     "unknown key", "remove it or use one of: concurrent, cut_bytes, device, dtype, format"),
+     "unknown key", "remove it or use one of: concurrent, cut_bytes, device, device_memory, dtype"),
     ("profile-int-is-string", "profile", _set("microbatch_size", value="four"),
      "microbatch_size", "expected an integer, got str 'four'", "write a whole number"),
     ("profile-int-is-bool", "profile", _set("microbatch_size", value=True),

@@ -20,6 +20,7 @@ from pipedream.formats import (
     StagePlan,
     Topology,
     load_plan,
+    load_profile,
     save_plan,
     save_profile,
     save_topology,
@@ -512,3 +513,28 @@ def test_plan_keys_profile_and_topology_round_trip_and_are_validated() -> None:
     assert Plan.from_dict({k: v for k, v in data.items() if k not in ("profile", "topology")}) == (
         Plan("toy", "pipedream", 8, 1, 2, plan.stages)
     )
+
+
+def test_a_profile_measured_on_a_gpu_limits_each_worker_to_its_memory(tmp_path, capsys) -> None:
+    """Without --memory (or a topology's memory), a plan fits the GPU the profile ran on: one
+    worker would need 15.3 MiB of a 11.4 MiB GPU."""
+    path = tmp_path / "gpu-profile.yaml"
+    save_profile(replace(PROFILE, device="cuda:0", device_memory=12_000_000), path)
+    assert load_profile(path).device_memory == 12_000_000
+    plan = str(tmp_path / "plan.yaml")
+    code, out, err = run_cli(["plan", str(path), "--workers", "1", "-o", plan], capsys)
+    assert (code, out) == (2, "")
+    assert err.startswith(
+        "pipedream plan: error: no partition of 6 layers over 1 workers fits in 11.4 MiB per "
+        "worker (schedule pipedream, estimated memory); raise --memory or add workers"
+    )
+    code, out, _ = run_cli(["plan", str(path), "--workers", "4", "-o", plan], capsys)
+    assert code == 0
+    assert (
+        "memory limit per worker: 11.4 MiB (the memory of cuda:0, where the profile was "
+        "measured; --memory sets another), checked against the estimate"
+    ) in out
+    code, out, _ = run_cli(
+        ["plan", str(path), "--workers", "1", "--memory", "1 GiB", "-o", plan], capsys
+    )
+    assert code == 0 and "memory limit per worker: 1.0 GiB (checked against" in out
