@@ -39,6 +39,7 @@ from pipedream.formats.profile import (
     TiedParameter,
     save_profile,
 )
+from pipedream.formats.units import format_bytes
 from pipedream.graph import LayerGraph
 from pipedream.host_memory import configure_host_memory
 from pipedream.model_io import batch_size, call_model, map_tensors
@@ -475,9 +476,12 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
             if others
             else ""
         )
+        memory = (
+            f" ({format_bytes(profile.device_memory)})" if profile.device_memory is not None else ""
+        )
         how = (
-            f"measured on {profile.device}{autocast_note}{threads}{beside}, median of {repeats} "
-            f"runs after {warmup} warm-up"
+            f"measured on {profile.device}{memory}{autocast_note}{threads}{beside}, median of "
+            f"{repeats} runs after {warmup} warm-up"
         )
     save_profile(profile, args.output)
     if getattr(args, "plot", None):
