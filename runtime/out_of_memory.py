@@ -8,11 +8,16 @@ and the ways to fit: a plan for the device's memory, recomputation, smaller micr
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
 from pipedream.errors import RunFailure
 from pipedream.formats.plan import Plan
 from pipedream.formats.units import format_bytes
 
-__all__ = ["DeviceOutOfMemory", "how_to_fit", "torch_summary"]
+__all__ = ["DeviceOutOfMemory", "how_to_fit", "said_in_one_line", "torch_summary"]
 
 
 class DeviceOutOfMemory(RunFailure):
@@ -45,3 +50,17 @@ def how_to_fit(plan: Plan, stage: int, *, recompute: bool) -> str:
         fixes.append("recompute activations (--recompute, or plan --recompute)")
     fixes.append("use smaller or fewer microbatches in flight")
     return estimate + ", ".join(fixes[:-1]) + " or " + fixes[-1]
+
+
+@contextlib.contextmanager
+def said_in_one_line(what: str, *, plan: Plan, stage: int, recompute: bool) -> Iterator[None]:
+    """Turn PyTorch's out-of-memory error in the block into a :class:`DeviceOutOfMemory` that
+    says ``what`` ran out (``rank 1 ran out of memory on cuda:1 placing stage 1``), PyTorch's
+    first sentences and :func:`how_to_fit`."""
+    try:
+        yield
+    except torch.OutOfMemoryError as exc:
+        raise DeviceOutOfMemory(
+            f"{what} ({torch_summary(str(exc))}); {how_to_fit(plan, stage, recompute=recompute)}",
+            stage=stage,
+        ) from None

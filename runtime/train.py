@@ -9,6 +9,7 @@ uninterrupted one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import faulthandler
 import gc
@@ -50,7 +51,7 @@ from pipedream.runtime.gc_freeze import frozen_heap
 from pipedream.runtime.grad_buckets import GradientBuckets
 from pipedream.runtime.loss_log import LossLog
 from pipedream.runtime.metrics import MetricsLogger
-from pipedream.runtime.out_of_memory import DeviceOutOfMemory, how_to_fit
+from pipedream.runtime.out_of_memory import DeviceOutOfMemory, how_to_fit, said_in_one_line
 from pipedream.runtime.rng_state import seed_segment
 from pipedream.runtime.routing import input_needs_grad
 from pipedream.runtime.segments import Segments
@@ -448,18 +449,33 @@ class _RankJob:
             self.last_checkpoint = directory
         return compute_s, elapsed_s
 
+    def _fitting(self, stage: int, doing: str) -> contextlib.AbstractContextManager[None]:
+        """Out of device memory while ``doing`` something for ``stage``: one line."""
+        return said_in_one_line(
+            f"rank {self.rank} ran out of memory on {self.device} {doing}",
+            plan=self.plan,
+            stage=stage,
+            recompute=self.recompute,
+        )
+
     def run(self, todo: Segments, resume_from: Path | None) -> int:
         first, count = todo[0]
         table = self._table(first, count)
-        workers = {stage: self._worker(stage, table, first) for stage in self.stage_indices}
+        workers = {}
+        for stage in self.stage_indices:  # a stage too big for its device: one line
+            with self._fitting(stage, f"placing stage {stage} (its weights and buffers)"):
+                workers[stage] = self._worker(stage, table, first)
+        own = self.stage_indices[0]
         if resume_from is not None:
-            self._restore(workers, resume_from)
+            with self._fitting(own, f"restoring {resume_from}"):
+                self._restore(workers, resume_from)
             self.last_checkpoint = resume_from
-        self.buckets = {
-            stage: self._buckets(stage, worker)
-            for stage, worker in workers.items()
-            if stage in self.groups
-        }
+        with self._fitting(own, "allocating the buckets of the replicas' allreduce"):
+            self.buckets = {
+                stage: self._buckets(stage, worker)
+                for stage, worker in workers.items()
+                if stage in self.groups
+            }
         logger = self._logger(first)
         trace: list[TracedAction] | None = [] if self.options.trace else None
         peaks = {"max_versions": 0, "max_copies": 0, "max_in_flight": 0}

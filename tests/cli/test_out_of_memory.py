@@ -58,3 +58,22 @@ def test_a_model_that_does_not_fit_for_profiling_is_said_in_one_line(tmp_path: P
         "--microbatch-size (the plan's microbatches are then that size)"
     )
     assert not (tmp_path / "p.yaml").exists()
+
+
+def test_a_stage_too_big_to_place_on_its_device_ends_in_one_line(tmp_path: Path) -> None:
+    plan = Plan(
+        "oom_model:build", "1f1b", 4, 1, 1, (StagePlan("0", "1", 1, (0,)),),
+        workload_args={"placing": "true"},
+    )  # fmt: skip
+    save_plan(plan, tmp_path / "plan.yaml")
+    result = run_main("train", str(tmp_path / "plan.yaml"), "--steps", "2", "--no-progress",
+                      "--run-dir", str(tmp_path / "run"))  # fmt: skip
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        "pipedream train: failed: rank 0 ran out of memory on cpu placing stage 0 (its weights "
+        "and buffers) (CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+        "capacity of 79.10 GiB of which 1.02 GiB is free); plan for the device's memory "
+        "(pipedream plan ... --memory SIZE), recompute activations (--recompute, or plan "
+        "--recompute) or use smaller or fewer microbatches in flight"
+    )
+    assert "Traceback" not in result.stderr

@@ -1,6 +1,7 @@
-"""A workload whose model runs out of device memory in its ``fail_at``-th forward call
-(``oom_model:build``), as a stage too big for its GPU does: PyTorch raises
-``torch.OutOfMemoryError`` with the allocator's message."""
+"""A workload whose model runs out of device memory (``oom_model:build``) in its
+``fail_at``-th forward call, or (``placing=true``) where the runtime moves it to its device, as
+a stage too big for its GPU does: PyTorch raises ``torch.OutOfMemoryError`` with the
+allocator's message."""
 
 from __future__ import annotations
 
@@ -24,11 +25,17 @@ MESSAGE = (
 class Exhausting(nn.Module):
     """A Linear that raises PyTorch's out-of-memory error on its ``fail_at``-th call."""
 
-    def __init__(self, fail_at: int) -> None:
+    def __init__(self, fail_at: int, placing: bool) -> None:
         super().__init__()
         self.linear = nn.Linear(4, 1)
         self.calls = 0
         self.fail_at = fail_at
+        self.placing = placing
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        if self.placing:  # .to(device), as every stage is placed
+            raise torch.OutOfMemoryError(MESSAGE)
+        return super()._apply(fn, recurse)
 
     def forward(self, x: Tensor) -> Tensor:
         self.calls += 1
@@ -37,11 +44,11 @@ class Exhausting(nn.Module):
         return self.linear(x)
 
 
-def build(fail_at: int = 3, microbatch_size: int = 4) -> Workload:
+def build(fail_at: int = 3, placing: bool = False, microbatch_size: int = 4) -> Workload:
     torch.manual_seed(0)
     inputs = torch.randn(32, 4)
     return Workload(
-        model=nn.Sequential(nn.Linear(4, 4), Exhausting(fail_at)),
+        model=nn.Sequential(nn.Linear(4, 4), Exhausting(fail_at, placing)),
         example_input=inputs[:microbatch_size],
         loss_fn=nn.functional.mse_loss,
         dataset=TensorDataset(inputs, inputs.sum(1, keepdim=True)),
