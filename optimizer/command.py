@@ -134,13 +134,16 @@ def run(args: argparse.Namespace) -> int:
     if limit is None and profile.device_memory is not None:  # the GPU it was measured on
         limit = float(profile.device_memory)
         options = replace(options, memory=limit)
-    result = plan_profile(profile, topology=topology, options=options)
-    plan = replace(
-        result.plan,
-        profile=_relative(args.profile, args.output),
-        topology=topology,
-        precision=profile.precision,
-    )
+    try:
+        result = plan_profile(profile, topology=topology, options=options)
+    except PlanningError as exc:
+        if from_profile and "--memory" in str(exc):  # a limit the user did not give
+            raise PlanningError(
+                f"{exc} (the limit per worker is the memory of {profile.device}, where the "
+                "profile was measured)"
+            ) from None
+        raise
+    plan = replace(result.plan, profile=_relative(args.profile, args.output), topology=topology)
     save_plan(plan, args.output)
     print(
         format_summary(

@@ -259,6 +259,7 @@ def _layout(
         workload_args=dict(profile.workload_args),
         layers=tuple(names),
         recompute=recompute,
+        precision=profile.precision,
     )
     if too_big_to_simulate(plan):
         return None

@@ -601,6 +601,7 @@ def build_plan(
         workload_args=dict(profile.workload_args),
         layers=tuple(names),
         recompute=recompute,
+        precision=profile.precision,
     )
     if len(leaves) == 1:  # exact: what the simulation charges, and so the data parallel line
         time_ms = one_stage_ms(plan, profile, cluster_network(cluster))

@@ -40,9 +40,9 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
 
 
 def loss_input(precision: str, output: torch.Tensor) -> torch.Tensor:
-    """A model output as the loss takes it: under ``bf16`` a bfloat16 output in fp32 (autocast
-    made it, the model did not), otherwise as it is (a model in bfloat16 or float64 keeps its
-    dtype)."""
+    """A model output as the loss takes it: under ``bf16`` a bfloat16 output in fp32 (as a
+    plain autocast loop computes its loss; a model in bfloat16 too), otherwise as it is (a
+    model in bfloat16 or float64 keeps its dtype)."""
     import torch
 
     if precision == "bf16" and output.dtype == torch.bfloat16:

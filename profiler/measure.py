@@ -124,8 +124,11 @@ def layer_inputs(model: nn.Sequential, example_input: Any, precision: str = "fp3
     return inputs
 
 
-def _device_of(module: nn.Module) -> torch.device:
-    """Where ``module``'s parameters are (the CPU for a module without any)."""
+def _device_of(module: nn.Module, inputs: Any = None) -> torch.device:
+    """Where ``module`` computes: the device of its first input tensor, else of its parameters
+    (the CPU for neither). A layer without parameters (a softmax) computes on its input's."""
+    for tensor in tensors_in(inputs):
+        return tensor.device
     param = next(iter(module.parameters()), None)
     return param.device if param is not None else torch.device("cpu")
 
@@ -143,7 +146,7 @@ def _saved_bytes(layer: nn.Module, x: Any, precision: str) -> int:
         return tensor
 
     hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
-    with hooks, autocast(precision, _device_of(layer)):
+    with hooks, autocast(precision, _device_of(layer, x)):
         output = layer(fresh)  # kept alive while counting, so storage addresses stay unique
     del output
     return sum(seen.values())
@@ -263,7 +266,7 @@ def describe_layer(
     """
     check_repetitions(warmup, repeats)
     with torch.enable_grad():
-        with autocast(precision, _device_of(layer)):
+        with autocast(precision, _device_of(layer, x)):
             output = tensors_in(layer(_fresh_input(x)))
         saved = _saved_bytes(layer, x, precision)
     skip = set() if counted is None else set(counted)

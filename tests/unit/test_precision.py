@@ -11,6 +11,8 @@ from pipedream.data import MicrobatchStream
 from pipedream.errors import FormatError
 from pipedream.formats.plan import Plan, StagePlan
 from pipedream.formats.profile import LayerProfile, Profile
+from pipedream.formats.topology import Topology
+from pipedream.optimizer.planner import PlanOptions, make_plan
 from pipedream.precision import autocast, loss_input
 from pipedream.profiler.command import profile_workload
 from pipedream.runtime.stage_layout import build_stage_module
@@ -41,7 +43,9 @@ def test_a_model_in_its_own_dtype_trains_across_stages_as_in_one_process(dtype: 
 
 def test_an_fp32_model_under_bf16_trains_across_stages_as_the_plain_autocast_loop() -> None:
     """The weights stay fp32, and two stages end on the weights of a plain loop that runs the
-    same microbatches under autocast."""
+    same microbatches under autocast. (Casting the bfloat16 messages to fp32, as stages did,
+    gives the same numbers here: bfloat16 -> fp32 -> bfloat16 is exact; the test below checks
+    what is sent.)"""
     args = {"dtype": "float32"}
     got = reference_layout_weights(
         "dtype_model:build", args, STAGES, schedule="1f1b", microbatches=2, steps=3,
@@ -123,8 +127,21 @@ def test_profiles_and_plans_record_their_precision_and_refuse_an_unknown_one() -
     assert Profile.from_dict(profile.to_dict()) == profile
     with pytest.raises(FormatError, match=r"precision: unknown precision 'fp16'.*fp32, bf16"):
         Profile.from_dict({**profile.to_dict(), "precision": "fp16"})
+    made = make_plan(profile, topology=Topology.single_level(1), options=PlanOptions())
+    assert made.precision == "bf16"
     plan = Plan("toy", "1f1b", 4, 1, 1, (StagePlan("0", "0", 1, (0,)),), precision="bf16")
     assert plan.to_dict()["precision"] == "bf16"
     assert Plan.from_dict(plan.to_dict()) == plan
     with pytest.raises(FormatError, match=r"precision: unknown precision 'half'"):
         Plan.from_dict({**plan.to_dict(), "precision": "half"})
+
+
+def test_a_layer_without_parameters_is_measured_on_its_inputs_device() -> None:
+    """A softmax's autocast follows its input's device (a CUDA input under CUDA's autocast);
+    the profiler took the device of the layer's parameters, the CPU for one without any."""
+    from pipedream.profiler.measure import _device_of
+
+    on_meta = torch.ones(2, 3, device="meta")
+    assert _device_of(torch.nn.Softmax(-1), on_meta) == torch.device("meta")
+    assert _device_of(torch.nn.Softmax(-1)) == torch.device("cpu")
+    assert _device_of(torch.nn.Linear(2, 2, device="meta"), (torch.ones(1),)).type == "cpu"
