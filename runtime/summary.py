@@ -82,6 +82,15 @@ def _unpredicted_note(plan: Plan, *, recompute: bool, precision: str) -> str:
     return "".join(f" ({note})" for note in notes)
 
 
+def _planned_memory(plan: Plan, stages: tuple[int, ...]) -> int | None:
+    """The plan's estimate of a worker's memory running ``stages`` (None: no prediction). The
+    summary sets it beside a GPU's peak allocated memory, which holds the same tensors (a CPU's
+    resident set holds the libraries too)."""
+    if plan.prediction is None:
+        return None
+    return int(sum(plan.prediction.memory_bytes[stage] for stage in stages))
+
+
 def report(
     *,
     plan: Plan,
@@ -116,7 +125,11 @@ def report(
         "first_loss": first,
         "final_loss": final,
         "ranks": [
-            {**asdict(r), "busy_fraction": round(r.busy_fraction, 4)}
+            {
+                **asdict(r),
+                "busy_fraction": round(r.busy_fraction, 4),
+                "planned_memory_bytes": _planned_memory(plan, r.all_stages),
+            }
             for r in sorted(ranks, key=lambda r: r.rank)
         ],
         "checkpoint": str(checkpoint),
@@ -142,10 +155,14 @@ def report(
             else ""
         ),
     ]
+    on_gpu = device is not None and device.type == "cuda"
     for r in sorted(ranks, key=lambda r: r.rank):
+        planned = _planned_memory(plan, r.all_stages) if on_gpu else None  # the same tensors
         lines.append(
             f"  rank {r.rank} {_stages_text(r.all_stages)}: busy {r.busy_fraction:.0%} (bubble "
-            f"{1 - r.busy_fraction:.0%}), peak memory {format_bytes(r.peak_memory_bytes)}, "
+            f"{1 - r.busy_fraction:.0%}), peak memory {format_bytes(r.peak_memory_bytes)}"
+            + (f" (planned {format_bytes(planned)})" if planned is not None else "")
+            + ", "
             f"up to {count(r.max_in_flight, 'microbatch')} in flight, "
             f"{count(r.max_versions, 'weight version')} "
             f"held ({count(r.max_copies, 'copy')} x {format_bytes(r.copy_bytes)})"

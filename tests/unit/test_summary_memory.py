@@ -1,0 +1,57 @@
+"""The end-of-run summary sets each rank's peak memory beside the plan's estimate for its
+stages, on a GPU (whose peak allocated memory holds the tensors the estimate counts)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipedream.formats.plan import Plan, Prediction, StagePlan
+from pipedream.runtime.metrics import MetricsLogger
+from pipedream.runtime.summary import RankStats, report
+from pipedream.workload import load_workload
+
+GiB = 2**30
+PLAN = Plan(
+    "mlp",
+    "1f1b",
+    4,
+    2,
+    2,
+    (StagePlan("0", "4", 1, (0,)), StagePlan("5", "8", 1, (1,))),
+    prediction=Prediction(10.0, 800.0, 0, (10.0, 9.0), (3 * GiB, 1.5 * GiB), 12.0),
+)
+
+
+def _rank(rank: int, peak: int) -> RankStats:
+    return RankStats(rank, rank, 2, 1, 0, 1024, 1.0, 2.0, peak, 0)
+
+
+@pytest.mark.parametrize(("device", "said"), [("cuda", True), ("cpu", False)])  # RSS: libraries
+def test_the_peak_memory_is_set_beside_the_plans_estimate_on_a_gpu(
+    tmp_path: Path, device: str, said: bool
+) -> None:
+    workload = load_workload("mlp", {}, microbatch_size=4)
+    workload.evaluate = None  # nothing to move to a device this machine may lack
+    logger = MetricsLogger(tmp_path / "metrics.jsonl", total_steps=2, samples_per_step=8,
+                           progress=False, stream=io.StringIO())  # fmt: skip
+    logger.log(1, 2.0)
+    logger.log(2, 1.0)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        report(
+            plan=PLAN, steps=2, workload=workload, logger=logger, elapsed=1.0,
+            ranks=[_rank(0, int(3.5 * GiB)), _rank(1, GiB)], checkpoint=tmp_path / "ckpt",
+            run_dir=tmp_path, device=torch.device(device),
+        )  # fmt: skip
+    lines = err.getvalue().splitlines()
+    rank0 = next(line for line in lines if line.startswith("  rank 0"))
+    want = "peak memory 3.5 GiB (planned 3.0 GiB), " if said else "peak memory 3.5 GiB, "
+    assert want in rank0, rank0
+    ranks = json.loads((tmp_path / "summary.json").read_text())["ranks"]
+    assert [r["planned_memory_bytes"] for r in ranks] == [3 * GiB, int(1.5 * GiB)]
