@@ -158,6 +158,14 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(format_candidates(result, microbatch_size=profile.microbatch_size))
     _note_fewer(result, profile, topology, options)
+    default_bandwidth = args.topology is None and args.bandwidth is None
+    if default_bandwidth and profile.device.startswith("cuda") and topology.num_workers > 1:
+        assumed = f"{DEFAULT_BANDWIDTH / 1e9:g} GB/s"
+        print(
+            f"note: no --bandwidth given, so the plan assumes {assumed} between workers, while "
+            f"the profile was measured on {profile.device}: GPUs of one node exchange at tens to "
+            "hundreds of GB/s (NVLink, PCIe); give --bandwidth, or --topology for several nodes"
+        )
     if args.compare:
         costs = LayerCosts.from_profile(profile, recompute=options.recompute)
         request = Request(costs, topology, options.cost_model)

@@ -517,7 +517,8 @@ def test_plan_keys_profile_and_topology_round_trip_and_are_validated() -> None:
 
 def test_a_profile_measured_on_a_gpu_limits_each_worker_to_its_memory(tmp_path, capsys) -> None:
     """Without --memory (or a topology's memory), a plan fits the GPU the profile ran on: one
-    worker would need 15.3 MiB of a 11.4 MiB GPU."""
+    worker would need 15.3 MiB of a 11.4 MiB GPU. Without --bandwidth, a note says that the
+    default 1 GB/s is not a GPU's."""
     path = tmp_path / "gpu-profile.yaml"
     save_profile(replace(PROFILE, device="cuda:0", device_memory=12_000_000), path)
     assert load_profile(path).device_memory == 12_000_000
@@ -532,6 +533,14 @@ def test_a_profile_measured_on_a_gpu_limits_each_worker_to_its_memory(tmp_path, 
     )
     code, out, _ = run_cli(["plan", str(path), "--workers", "4", "-o", plan], capsys)
     assert code == 0
+    assert (
+        "note: no --bandwidth given, so the plan assumes 1 GB/s between workers, while the "
+        "profile was measured on cuda:0: GPUs of one node exchange at tens to hundreds of GB/s "
+        "(NVLink, PCIe); give --bandwidth, or --topology for several nodes\n"
+    ) in out
+    argv = ["plan", str(path), "--workers", "4", "--bandwidth", "100 GB/s", "-o", plan]
+    code, out, _ = run_cli(argv, capsys)
+    assert code == 0 and "note: no --bandwidth" not in out
     assert (
         "memory limit per worker: 11.4 MiB (the memory of cuda:0, where the profile was "
         "measured; --memory sets another), checked against the estimate"
