@@ -4,6 +4,7 @@ fractions, peak memory, weight versions held, and the workload's evaluation."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import sys
@@ -15,6 +16,7 @@ import torch
 
 from pipedream.formats.plan import Plan
 from pipedream.formats.units import format_bytes
+from pipedream.formats.yamlio import atomic_write_text
 from pipedream.precision import DEFAULT_PRECISION
 from pipedream.runtime.checkpoint import load_full_state_dict
 from pipedream.runtime.metrics import MetricsLogger
@@ -80,6 +82,19 @@ def _unpredicted_note(plan: Plan, *, recompute: bool, precision: str) -> str:
             f"plan from profile --precision {precision} predicts it"
         )
     return "".join(f" ({note})" for note in notes)
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every NaN or infinite float as None (``null``): JSON has no NaN, and
+    strict readers (``jq``, JavaScript) refuse Python's ``NaN`` (a run that logged no loss, an
+    evaluation of a diverged model)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
 
 
 def _planned_memory(plan: Plan, stages: tuple[int, ...]) -> int | None:
@@ -187,7 +202,8 @@ def report(
         summary["evaluation"] = metrics
         lines.append("evaluation: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     lines.append(f"checkpoint: {checkpoint}")
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    text = json.dumps(_finite(summary), indent=2, allow_nan=False)  # strict JSON readers
+    atomic_write_text(run_dir / "summary.json", text + "\n")
     print("\n".join(lines), file=sys.stderr, flush=True)
     return summary
 

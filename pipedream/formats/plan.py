@@ -265,13 +265,7 @@ class Plan:
             )
         world_size = reader.int("world_size", minimum=1)
         recompute = reader.bool("recompute", False)
-        precision = reader.str("precision", DEFAULT_PRECISION)
-        if precision not in PRECISIONS:
-            raise reader.error(
-                "precision",
-                f"unknown precision {precision!r}",
-                f"use one of {', '.join(PRECISIONS)}, or leave it out for {DEFAULT_PRECISION}",
-            )
+        precision = reader.choice("precision", PRECISIONS, DEFAULT_PRECISION)
         raw_layers = reader.list("layers", None)
         layers = None
         if raw_layers is not None:

@@ -451,13 +451,7 @@ class Profile:
         microbatch_size = reader.int("microbatch_size", minimum=1)
         device = reader.str("device")
         dtype = reader.str("dtype")
-        precision = reader.str("precision", DEFAULT_PRECISION)
-        if precision not in PRECISIONS:
-            raise reader.error(
-                "precision",
-                f"unknown precision {precision!r}",
-                f"use one of {', '.join(PRECISIONS)} (what pipedream profile --precision measured)",
-            )
+        precision = reader.choice("precision", PRECISIONS, DEFAULT_PRECISION)
         device_memory = reader.int("device_memory", None, minimum=1)
         concurrent = reader.int("concurrent", 1, minimum=1)
         raw_layers = reader.list("layers")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import builtins
 import difflib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from pipedream.errors import FormatError
@@ -146,6 +146,17 @@ class MappingReader:
         if not isinstance(value, bool):
             raise self.error(
                 key, f"expected {_TYPE_NAMES[bool]}, got {_describe(value)}", _FIX[bool]
+            )
+        return value
+
+    def choice(self, key: builtins.str, choices: Sequence[builtins.str], default: Any) -> Any:
+        """A string that must be one of ``choices`` (``default`` where the key is absent)."""
+        value = self.str(key, default)
+        if value not in choices:
+            raise self.error(
+                key,
+                f"unknown {key} {value!r}",
+                f"use one of {', '.join(choices)}, or leave it out for {default}",
             )
         return value
 

@@ -1,5 +1,6 @@
-"""The end-of-run summary sets each rank's peak memory beside the plan's estimate for its
-stages, on a GPU (whose peak allocated memory holds the tensors the estimate counts)."""
+"""The end-of-run summary: each rank's peak memory beside the plan's estimate for its stages,
+on a GPU (whose peak allocated memory holds the tensors the estimate counts), and a
+``summary.json`` that strict JSON readers take."""
 
 from __future__ import annotations
 
@@ -55,3 +56,28 @@ def test_the_peak_memory_is_set_beside_the_plans_estimate_on_a_gpu(
     assert want in rank0, rank0
     ranks = json.loads((tmp_path / "summary.json").read_text())["ranks"]
     assert [r["planned_memory_bytes"] for r in ranks] == [3 * GiB, int(1.5 * GiB)]
+
+
+def test_the_summary_is_strict_json_without_a_loss(tmp_path: Path) -> None:
+    """A run that logged no loss wrote ``NaN`` (first and final loss), which JSON has not:
+    ``jq`` and JavaScript refused the file. Non-finite numbers are now ``null``."""
+    workload = load_workload("mlp", {}, microbatch_size=4)
+    workload.evaluate = lambda model: {"test_loss": float("inf")}  # a diverged model
+    logger = MetricsLogger(tmp_path / "metrics.jsonl", total_steps=2, samples_per_step=8,
+                           progress=False, stream=io.StringIO())  # fmt: skip
+    with contextlib.redirect_stderr(io.StringIO()):
+        with pytest.MonkeyPatch.context() as patch:  # no checkpoint to evaluate: the model as is
+            patch.setattr("pipedream.runtime.summary.load_full_state_dict", lambda path: {})
+            patch.setattr(type(workload.model), "load_state_dict", lambda self, state: None)
+            report(
+                plan=PLAN, steps=0, workload=workload, logger=logger, elapsed=1.0,
+                ranks=[_rank(0, GiB), _rank(1, GiB)], checkpoint=tmp_path / "ckpt",
+                run_dir=tmp_path,
+            )  # fmt: skip
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"not JSON: {constant}")
+
+    summary = json.loads((tmp_path / "summary.json").read_text(), parse_constant=refuse)
+    assert (summary["first_loss"], summary["final_loss"]) == (None, None)
+    assert summary["evaluation"] == {"test_loss": None}
