@@ -63,6 +63,11 @@ class Workload:
     """Builds the optimizer for a set of parameters (one stage's, or the whole model's)."""
     evaluate: Callable[[nn.Module], dict[str, float]] | None = None
     """Optional: metrics of a full trained model on held-out data (e.g. test accuracy)."""
+    lr_schedule: Callable[[int], float] | None = None
+    """Optional: minibatch index ``t`` (from 0, over the whole run) -> factor of every
+    parameter group's learning rate at the update that applies minibatch ``t``, as a plain
+    loop's ``LambdaLR(optimizer, lr_schedule)`` stepped once per minibatch
+    (:mod:`pipedream.runtime.lr_schedule`; warm-up and decay: ``workloads.common.warmup_decay``)."""
     description: str = ""
     """One line for humans."""
 

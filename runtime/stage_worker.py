@@ -30,6 +30,7 @@ from pipedream.model_io import ModelIO, to_device
 from pipedream.precision import autocast, loss_input
 from pipedream.runtime.backward_split import BackwardSplit, Deferred, weight_gradients
 from pipedream.runtime.forward_buffers import ForwardBuffers
+from pipedream.runtime.lr_schedule import LrSchedule, scheduled_lr
 from pipedream.runtime.parameter_swap import ParameterSwap
 from pipedream.runtime.rng_state import RngState, capture, replayed
 from pipedream.runtime.weight_versions import WeightVersions, accumulate_grads
@@ -60,6 +61,9 @@ class WorkerConfig:
     """``fp32`` or ``bf16`` (autocast; the weights keep their dtype): :mod:`pipedream.precision`."""
     skip_nonfinite: bool = False
     """On a NaN/inf loss, give the microbatch a zero gradient and count it instead of stopping."""
+    replicas: int = 1
+    """Replicas of the stage: an update applies that many minibatches (the learning-rate
+    schedule's minibatch index is the first of them, :mod:`pipedream.runtime.lr_schedule`)."""
 
     @property
     def is_first(self) -> bool:
@@ -134,8 +138,11 @@ class StageWorker:
         model_io: ModelIO | None = None,
         tied: TiedLinks | None = None,
         input_grads: Sequence[bool] | None = None,
+        lr_schedule: LrSchedule | None = None,
     ) -> None:
         self.config = config
+        self.lr_schedule = lr_schedule
+        """The workload's learning-rate factor per minibatch (None: the optimizer's own)."""
         self.tied = tied or TiedLinks()
         self.module = place_module(_own_copies(module, self.tied.copy_names), config.device)
         self.loss_fn = loss_fn
@@ -512,7 +519,10 @@ class StageWorker:
         """Optimizer step on the live weights, then they become the next version."""
         self.versions.release_before(position)
         if self.optimizer is not None:
-            self.optimizer.step()
+            # the update applies minibatch (version x replicas) on, as versions count updates
+            first = self.versions.live_version * self.config.replicas
+            with scheduled_lr(self.optimizer, self.lr_schedule, first):
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.versions.updated()
 

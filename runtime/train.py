@@ -320,6 +320,7 @@ class _RankJob:
             recompute=self.recompute,
             precision=self.precision,
             skip_nonfinite=self.options.on_nonfinite == "skip",
+            replicas=plan.stages[stage].replicas,
         )
         module = self.layout.build(stage)
         # before the worker moves the module: which tensors other stages store, by identity
@@ -335,6 +336,7 @@ class _RankJob:
             model_io=self.layout.model_io,
             tied=self.layout.tied_links(stage, module),
             input_grads=input_needs_grad(self.layout.ios[stage]),
+            lr_schedule=self.workload.lr_schedule,
         )
 
     def _buckets(self, stage: int, worker: StageWorker) -> GradientBuckets:

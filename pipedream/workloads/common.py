@@ -10,7 +10,7 @@ from torch import nn
 
 from pipedream.errors import WorkloadError
 
-__all__ = ["OPTIMIZERS", "check_sizes", "optimizer_factory"]
+__all__ = ["OPTIMIZERS", "check_sizes", "optimizer_factory", "warmup_decay"]
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 
@@ -43,3 +43,29 @@ def optimizer_factory(
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay or 0.01)
 
     return build
+
+
+DECAY_FLOOR = 0.1
+"""Where :func:`warmup_decay`'s cosine ends: a tenth of the learning rate."""
+
+
+def warmup_decay(workload: str, warmup: int = 0, decay: int = 0) -> Callable[[int], float] | None:
+    """The learning-rate factor of minibatch ``t`` (``Workload.lr_schedule``): a linear warm-up
+    over the first ``warmup`` minibatches (``(t + 1) / warmup``), then a cosine from 1 down to
+    :data:`DECAY_FLOOR` over ``decay`` minibatches, which stays; None for neither (the
+    optimizer's learning rate throughout)."""
+    for name, value in (("warmup", warmup), ("decay", decay)):
+        if value < 0:
+            raise WorkloadError(f"{workload}: {name} must be >= 0 minibatches, got {value}")
+    if not warmup and not decay:
+        return None
+
+    def factor(t: int) -> float:
+        if t < warmup:
+            return (t + 1) / warmup
+        if not decay:
+            return 1.0
+        progress = min(1.0, (t - warmup) / decay)
+        return DECAY_FLOOR + (1 - DECAY_FLOOR) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor

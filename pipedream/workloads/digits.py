@@ -25,7 +25,7 @@ from torch.utils.data import TensorDataset
 from pipedream.data import torch_seed
 from pipedream.errors import WorkloadError
 from pipedream.workload import Workload
-from pipedream.workloads.common import check_sizes, optimizer_factory
+from pipedream.workloads.common import check_sizes, optimizer_factory, warmup_decay
 
 __all__ = ["NUM_CLASSES", "NUM_FEATURES", "DigitsSplit", "accuracy", "build", "load_split"]
 
@@ -118,13 +118,16 @@ def build(
     lr: float = 1e-3,
     momentum: float = 0.0,
     optimizer: str = "adam",
+    warmup: int = 0,
+    decay: int = 0,
     seed: int = 0,
     data_seed: int = 0,
     microbatch_size: int = 32,
 ) -> Workload:
     """Build the digits workload; same arguments -> identical weights, split and data.
 
-    ``seed`` fixes the initial weights, ``data_seed`` the train/test split.
+    ``seed`` fixes the initial weights, ``data_seed`` the train/test split; ``warmup`` and
+    ``decay`` schedule the learning rate (:func:`~pipedream.workloads.common.warmup_decay`).
     """
     check_sizes("digits", layers=layers, width=width, microbatch_size=microbatch_size)
     make_optimizer = optimizer_factory(optimizer, lr=lr, momentum=momentum)
@@ -155,6 +158,7 @@ def build(
         dataset=TensorDataset(split.train_inputs, split.train_targets),
         optimizer=make_optimizer,
         evaluate=evaluate,
+        lr_schedule=warmup_decay("digits", warmup, decay),
         description=(
             f"MLP {layers}x{width} on scikit-learn 8x8 digits "
             f"({len(split.train_targets)} train / {len(split.test_targets)} test)"

@@ -39,7 +39,7 @@ from torch.utils.data import TensorDataset
 from pipedream.data import torch_seed
 from pipedream.errors import WorkloadError
 from pipedream.workload import Workload
-from pipedream.workloads.common import check_sizes, optimizer_factory
+from pipedream.workloads.common import check_sizes, optimizer_factory, warmup_decay
 
 __all__ = [
     "Block",
@@ -263,18 +263,22 @@ def build(
     seed: int = 0,
     data_seed: int = 0,
     tie: bool = False,
+    warmup: int = 0,
+    decay: int = 0,
     microbatch_size: int = 16,
 ) -> Workload:
     """Build the GPT workload; every call with the same arguments gives identical weights/data.
 
     ``seed`` fixes the initial weights, ``data_seed`` the Markov chain and the sequences;
-    ``tie`` makes the output head reuse the token embedding's matrix.
+    ``tie`` makes the output head reuse the token embedding's matrix; ``warmup`` and ``decay``
+    schedule the learning rate (:func:`~pipedream.workloads.common.warmup_decay`).
     """
     config = GPTConfig(vocab=vocab, seq=seq, dim=dim, layers=layers, heads=heads, tie=tie)
     check_sizes("gpt", samples=samples, test_samples=test_samples, microbatch_size=microbatch_size)
     if lr is None:
         lr = default_learning_rate(dim)
     make_optimizer = optimizer_factory(optimizer, lr=lr, momentum=momentum)
+    schedule = warmup_decay("gpt", warmup, decay)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(torch_seed(seed))
         model = build_model(config)
@@ -308,6 +312,7 @@ def build(
         dataset=TensorDataset(train[:, :-1].clone(), train[:, 1:].clone()),
         optimizer=make_optimizer,
         evaluate=evaluate,
+        lr_schedule=schedule,
         description=(
             f"GPT {layers}x{dim} ({heads} heads{', tied head' if tie else ''}), vocab {vocab}, "
             f"seq {seq}, on a sparse Markov "

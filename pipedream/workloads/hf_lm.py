@@ -47,7 +47,7 @@ from torch.utils.data import Dataset, TensorDataset
 from pipedream.data import torch_seed
 from pipedream.errors import WorkloadError
 from pipedream.workload import Workload
-from pipedream.workloads.common import optimizer_factory
+from pipedream.workloads.common import optimizer_factory, warmup_decay
 from pipedream.workloads.gpt import entropy_rate, markov_chain, sample_sequences
 
 __all__ = [
@@ -346,6 +346,8 @@ def build(
     branching: int = 4,
     lr: float = 1e-3,
     optimizer: str = "adamw",
+    warmup: int = 0,
+    decay: int = 0,
     seed: int = 0,
     data_seed: int = 0,
     microbatch_size: int = 8,
@@ -379,6 +381,8 @@ def build(
         branching=branching,
         lr=lr,
         optimizer=optimizer,
+        warmup=warmup,
+        decay=decay,
         data_seed=data_seed,
         microbatch_size=microbatch_size,
     )
@@ -403,11 +407,15 @@ def wrap(
     branching: int = 4,
     lr: float = 1e-3,
     optimizer: str = "adamw",
+    warmup: int = 0,
+    decay: int = 0,
     data_seed: int = 0,
     microbatch_size: int = 8,
 ) -> Workload:
     """A workload that trains ``model``, a ``transformers`` causal LM, on the token stream, in
-    windows of ``seq`` tokens (default: 64, or the model's context where it is shorter)."""
+    windows of ``seq`` tokens (default: 64, or the model's context where it is shorter), with
+    ``optimizer`` at ``lr``, warmed up and decayed over ``warmup`` and ``decay`` minibatches
+    (:func:`~pipedream.workloads.common.warmup_decay`)."""
     config = getattr(model, "config", None)
     vocab = getattr(config, "vocab_size", None)
     if not isinstance(vocab, int):
@@ -459,6 +467,7 @@ def wrap(
         dataset=dataset,
         optimizer=optimizer_factory(optimizer, lr=lr),
         evaluate=evaluate,
+        lr_schedule=warmup_decay("hf-lm", warmup, decay),
         description=(
             f"{len(dataset)} sequences of {seq} tokens from {source}{padded}"
             + (f" (best loss {best:.2f}, init ~{math.log(vocab):.2f})" if best is not None else "")

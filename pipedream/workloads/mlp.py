@@ -13,7 +13,7 @@ from torch.utils.data import TensorDataset
 
 from pipedream.data import torch_seed
 from pipedream.workload import Workload
-from pipedream.workloads.common import check_sizes, optimizer_factory
+from pipedream.workloads.common import check_sizes, optimizer_factory, warmup_decay
 
 __all__ = ["build"]
 
@@ -31,10 +31,14 @@ def build(
     lr: float = 0.05,
     momentum: float = 0.0,
     optimizer: str = "sgd",
+    warmup: int = 0,
+    decay: int = 0,
     seed: int = 0,
     microbatch_size: int = 32,
 ) -> Workload:
-    """Build the MLP workload; every call with the same arguments gives identical weights."""
+    """Build the MLP workload; every call with the same arguments gives identical weights.
+    ``warmup`` and ``decay`` schedule the learning rate (:func:`~pipedream.workloads.common.
+    warmup_decay`)."""
     check_sizes(
         "mlp",
         layers=layers,
@@ -60,5 +64,6 @@ def build(
         loss_fn=nn.functional.mse_loss,
         dataset=TensorDataset(inputs, targets),
         optimizer=optimizer_factory(optimizer, lr=lr, momentum=momentum),
+        lr_schedule=warmup_decay("mlp", warmup, decay),
         description=f"MLP {layers}x{width} on synthetic regression ({samples} samples)",
     )

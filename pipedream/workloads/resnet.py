@@ -19,7 +19,7 @@ from torch.utils.data import TensorDataset
 from pipedream.data import torch_seed
 from pipedream.errors import WorkloadError
 from pipedream.workload import Workload
-from pipedream.workloads.common import check_sizes, optimizer_factory
+from pipedream.workloads.common import check_sizes, optimizer_factory, warmup_decay
 
 __all__ = ["BasicBlock", "ResNet", "build"]
 
@@ -100,11 +100,14 @@ def build(
     optimizer: str = "sgd",
     lr: float = 0.05,
     momentum: float = 0.0,
+    warmup: int = 0,
+    decay: int = 0,
     seed: int = 0,
     data_seed: int = 1,
     microbatch_size: int = 16,
 ) -> Workload:
-    """Build the ResNet workload; the same arguments give identical weights."""
+    """Build the ResNet workload; the same arguments give identical weights. ``warmup`` and
+    ``decay`` schedule the learning rate (:func:`~pipedream.workloads.common.warmup_decay`)."""
     check_sizes(
         "resnet",
         width=width,
@@ -128,5 +131,6 @@ def build(
         loss_fn=nn.functional.cross_entropy,
         dataset=TensorDataset(images, labels),
         optimizer=optimizer_factory(optimizer, lr=lr, momentum=momentum),
+        lr_schedule=warmup_decay("resnet", warmup, decay),
         description=f"ResNet ({stages} stages x {blocks} blocks, width {width}) on {size}x{size}",
     )

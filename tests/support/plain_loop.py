@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.optim.lr_scheduler import LambdaLR
 
 from pipedream.data import MicrobatchStream
 from pipedream.model_io import call_model, map_tensors
@@ -51,6 +52,8 @@ def _train(
     model = built.model.to(device)
     data = MicrobatchStream(built.dataset, microbatch_size, seed)
     optimizer = built.optimizer(model.parameters())
+    # the workload's schedule as a plain loop applies it: stepped once per minibatch
+    schedule = LambdaLR(optimizer, built.lr_schedule) if built.lr_schedule else None
     losses = []
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
@@ -68,5 +71,7 @@ def _train(
             (loss / microbatches).backward()
             total += float(loss.detach()) / microbatches
         optimizer.step()
+        if schedule is not None:
+            schedule.step()
         losses.append(total)
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}, losses

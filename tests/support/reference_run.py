@@ -116,7 +116,12 @@ def reference_layout_weights(
             built = load_workload(workload, workload_args, microbatch_size=microbatch_size)
             workers.setdefault(rank, {})[stage] = StageWorker(
                 WorkerConfig(
-                    stage, len(plan_stages), microbatches, recompute=recompute, precision=precision
+                    stage,
+                    len(plan_stages),
+                    microbatches,
+                    recompute=recompute,
+                    precision=precision,
+                    replicas=entry.replicas,
                 ),
                 module,
                 tables[rank],
@@ -126,6 +131,7 @@ def reference_layout_weights(
                 model_io=layout.model_io,
                 tied=layout.tied_links(stage, module),
                 input_grads=input_needs_grad(layout.ios[stage]),
+                lr_schedule=built.lr_schedule,
             )
     run_reference(tables, workers, first.ios)
     merged: dict[str, torch.Tensor] = {}
