@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from collections.abc import Callable, Iterator
 
 import torch
@@ -38,7 +39,7 @@ def scheduled_lr(
         yield
         return
     factor = schedule(minibatch)
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+    if isinstance(factor, bool) or not isinstance(factor, numbers.Real):  # numpy's too
         raise WorkloadError(
             f"the workload's lr_schedule({minibatch}) returned {factor!r}, not a number; it "
             "must return the factor of the learning rate at that minibatch"
@@ -50,7 +51,7 @@ def scheduled_lr(
         )
     saved = [group["lr"] for group in optimizer.param_groups]
     for group, lr in zip(optimizer.param_groups, saved):
-        group["lr"] = lr * factor
+        group["lr"] = lr * float(factor)
     try:
         yield
     finally:

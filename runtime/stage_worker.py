@@ -64,6 +64,10 @@ class WorkerConfig:
     replicas: int = 1
     """Replicas of the stage: an update applies that many minibatches (the learning-rate
     schedule's minibatch index is the first of them, :mod:`pipedream.runtime.lr_schedule`)."""
+    replica_phase: int = 0
+    """The run's first minibatch modulo ``replicas``: not 0 where a run resumes another plan's
+    checkpoint at a step that is not a multiple of them (every stretch between checkpoints is a
+    multiple, so the updates' first minibatches are ``version x replicas + phase``)."""
 
     @property
     def is_first(self) -> bool:
@@ -519,8 +523,8 @@ class StageWorker:
         """Optimizer step on the live weights, then they become the next version."""
         self.versions.release_before(position)
         if self.optimizer is not None:
-            # the update applies minibatch (version x replicas) on, as versions count updates
-            first = self.versions.live_version * self.config.replicas
+            # the first minibatch the update applies: versions count updates
+            first = self.versions.live_version * self.config.replicas + self.config.replica_phase
             with scheduled_lr(self.optimizer, self.lr_schedule, first):
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)

@@ -321,6 +321,7 @@ class _RankJob:
             precision=self.precision,
             skip_nonfinite=self.options.on_nonfinite == "skip",
             replicas=plan.stages[stage].replicas,
+            replica_phase=first % plan.stages[stage].replicas,
         )
         module = self.layout.build(stage)
         # before the worker moves the module: which tensors other stages store, by identity

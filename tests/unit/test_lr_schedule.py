@@ -9,6 +9,7 @@ import itertools
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -18,6 +19,9 @@ from pipedream.errors import WorkloadError
 from pipedream.formats.plan import Plan, StagePlan, save_plan
 from pipedream.runtime.checkpoint import load_full_state_dict
 from pipedream.runtime.lr_schedule import scheduled_lr
+from pipedream.runtime.stage_layout import build_stage_module
+from pipedream.runtime.stage_worker import StageWorker, WorkerConfig
+from pipedream.schedules import Op, PipelineSpec, build_tables
 from pipedream.workload import load_workload
 from pipedream.workloads.common import warmup_decay
 
@@ -58,6 +62,8 @@ def test_the_factor_holds_for_the_step_only_and_a_bad_one_is_refused() -> None:
         optimizer.step()
     assert optimizer.param_groups[0]["lr"] == 0.5  # a checkpoint saves the workload's lr
     assert float(param.detach()) == pytest.approx(1 - 0.15)
+    with scheduled_lr(optimizer, lambda t: np.float32(0.25), 0):  # as LambdaLR takes it
+        assert optimizer.param_groups[0]["lr"] == 0.125
     for bad, said in (
         (float("nan"), "returned nan"),
         (-1.0, "returned -1.0"),
@@ -167,3 +173,25 @@ def test_a_resumed_run_goes_on_with_the_schedule(tmp_path: Path) -> None:
     want = load_full_state_dict(tmp_path / "whole" / final)
     got = load_full_state_dict(tmp_path / "halves" / final)
     assert all(torch.equal(want[name], got[name]) for name in want)
+
+
+def test_a_resume_at_a_step_not_a_multiple_of_the_replicas_keeps_the_schedules_index() -> None:
+    """A checkpoint of another plan at step 3, resumed with 2 replicas: the updates apply
+    minibatches 3-4 and 5-6, at schedule(3) and schedule(5) (the index was 2 and 4: version x
+    replicas, one behind)."""
+    called: list[int] = []
+    workload = load_workload("mlp", {"layers": "1", "width": "4"}, microbatch_size=B)
+    table = build_tables(PipelineSpec("1f1b", ((0, 1),), 1, 4), only_ranks={0})[0]
+    worker = StageWorker(
+        WorkerConfig(0, 1, 1, replicas=2, replica_phase=3 % 2),
+        build_stage_module(workload.model, ["0", "1"]),
+        table,
+        optimizer_factory=workload.optimizer,
+        loss_fn=workload.loss_fn,
+        data=MicrobatchStream(workload.dataset, B, 0),
+        initial_version=3 // 2,
+        lr_schedule=lambda t: called.append(t) or 1.0,
+    )
+    for position in (i for i, action in enumerate(table) if action.op is Op.UPDATE):
+        worker.update(position)
+    assert called == [3, 5]
