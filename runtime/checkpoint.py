@@ -34,7 +34,7 @@ import yaml
 from torch import nn
 
 from pipedream.errors import CheckpointError
-from pipedream.formats.yamlio import atomic_write_text
+from pipedream.formats.yamlio import atomic_write_text, new_file_mode
 from pipedream.ties import expand_aliases
 
 __all__ = [
@@ -128,6 +128,7 @@ def save_stage_file(directory: Path, stage: int, payload: dict[str, Any]) -> tup
     directory.mkdir(parents=True, exist_ok=True)
     name = f"stage-{stage:02d}.pt"
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    os.fchmod(fd, new_file_mode())
     try:
         with os.fdopen(fd, "wb") as handle:
             torch.save(payload, handle)

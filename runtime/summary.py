@@ -98,12 +98,13 @@ def _finite(value: Any) -> Any:
 
 
 def _planned_memory(plan: Plan, stages: tuple[int, ...]) -> int | None:
-    """The plan's estimate of a worker's memory running ``stages`` (None: no prediction). The
-    summary sets it beside a GPU's peak allocated memory, which holds the same tensors (a CPU's
-    resident set holds the libraries too)."""
+    """The plan's estimate of the memory of a worker running ``stages`` (None: no prediction):
+    a stage's ``memory_bytes`` is its workers' (under interleaved-1f1b and zbv already the whole
+    rank's, all of its stages). The summary sets it beside a GPU's peak allocated memory, which
+    holds the same tensors (a CPU's resident set holds the libraries too)."""
     if plan.prediction is None:
         return None
-    return int(sum(plan.prediction.memory_bytes[stage] for stage in stages))
+    return int(max(plan.prediction.memory_bytes[stage] for stage in stages))
 
 
 def report(

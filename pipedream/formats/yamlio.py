@@ -12,7 +12,7 @@ import yaml
 from pipedream.errors import FormatError
 from pipedream.outputs import OutputError
 
-__all__ = ["atomic_write_text", "read_yaml_mapping", "write_yaml"]
+__all__ = ["atomic_write_text", "new_file_mode", "read_yaml_mapping", "write_yaml"]
 
 
 def read_yaml_mapping(path: str | os.PathLike[str], *, what: str) -> dict[str, Any]:
@@ -59,6 +59,15 @@ def read_yaml_mapping(path: str | os.PathLike[str], *, what: str) -> dict[str, A
     return data
 
 
+def new_file_mode() -> int:
+    """The permissions a file opened for writing gets (``0o666`` less the umask): what a file
+    written in place would have; a temporary file of ``tempfile.mkstemp`` has ``0o600``, which
+    a rename would otherwise keep (a plan or checkpoint only its writer could read)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     """Write ``text`` to ``path`` atomically: a temporary file in the same folder, fsync, rename."""
     target = Path(path)
@@ -66,6 +75,7 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
         raise OutputError(f"{target}: exists and is not a regular file; write to a file path")
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.fchmod(fd, new_file_mode())
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)

@@ -81,3 +81,35 @@ def test_the_summary_is_strict_json_without_a_loss(tmp_path: Path) -> None:
     summary = json.loads((tmp_path / "summary.json").read_text(), parse_constant=refuse)
     assert (summary["first_loss"], summary["final_loss"]) == (None, None)
     assert summary["evaluation"] == {"test_loss": None}
+
+
+def test_files_written_atomically_get_the_umasks_permissions(tmp_path: Path) -> None:
+    """A temporary file of ``mkstemp`` is private (0600), and a rename kept that: plans,
+    profiles, summaries and checkpoints only their writer could read."""
+    import os
+    import stat
+
+    from pipedream.formats.yamlio import atomic_write_text
+    from pipedream.runtime.checkpoint import save_stage_file
+
+    old = os.umask(0o022)
+    try:
+        atomic_write_text(tmp_path / "plan.yaml", "a: 1\n")
+        name, _ = save_stage_file(tmp_path / "ckpt", 0, {"model": {}})
+    finally:
+        os.umask(old)
+    for path in (tmp_path / "plan.yaml", tmp_path / "ckpt" / name):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
+
+
+def test_a_rank_running_several_stages_is_planned_once_not_per_stage() -> None:
+    """Under zbv a stage's memory_bytes is its rank's, all of its stages: summed over the
+    rank's two stages it was doubled."""
+    from pipedream.runtime.summary import _planned_memory
+
+    plan = Plan(
+        "mlp", "zbv", 4, 2, 2,
+        tuple(StagePlan(str(i), str(i), 1, (rank,)) for i, rank in enumerate((0, 1, 1, 0))),
+        prediction=Prediction(1.0, 1.0, 0, (1.0,) * 4, (100.0, 300.0, 300.0, 100.0), 1.0),
+    )  # fmt: skip
+    assert [_planned_memory(plan, stages) for stages in ((0, 3), (1, 2))] == [100, 300]
