@@ -572,7 +572,7 @@ def test_launch_sh_checks_the_workload_before_torchrun(tmp_path: Path) -> None:
     assert line == (
         f"launch.sh: error: {path}: workload_args.widht: workload 'mlp' has no option 'widht'; "
         "its options are: layers, width, in_features, out_features, samples, lr, momentum, "
-        "optimizer, seed"
+        "optimizer, warmup, decay, seed"
     )
     assert result.stdout == ""  # torchrun never started
 
