@@ -145,3 +145,21 @@ def test_a_layer_without_parameters_is_measured_on_its_inputs_device() -> None:
     assert _device_of(torch.nn.Softmax(-1), on_meta) == torch.device("meta")
     assert _device_of(torch.nn.Softmax(-1)) == torch.device("cpu")
     assert _device_of(torch.nn.Linear(2, 2, device="meta"), (torch.ones(1),)).type == "cpu"
+
+
+def test_a_tied_gpt2_in_bf16_trains_across_stages_as_the_plain_autocast_loop() -> None:
+    """Tied embedding and head in different stages, split backwards (zb-h1), recomputation and
+    a learning-rate warm-up, all under bf16: the plain autocast loop's weights."""
+    pytest.importorskip("transformers")
+    args = {"config": "gpt2", "layers": "2", "dim": "32", "heads": "4", "vocab": "64",
+            "seq": "16", "samples": "64", "warmup": "2", "decay": "4"}  # fmt: skip
+    layers = ["transformer.wte", "transformer.wpe", "transformer.drop", "transformer.h.0",
+              "transformer.h.1", "transformer.ln_f", "lm_head"]  # fmt: skip
+    got = reference_layout_weights(
+        "hf-lm", args, [layers[:4], layers[4:]], schedule="zb-h1", microbatches=2, steps=4,
+        microbatch_size=4, layers=layers, recompute=True, precision="bf16",
+    )  # fmt: skip
+    want, _ = plain_loop(
+        "hf-lm", args, steps=4, microbatches=2, microbatch_size=4, precision="bf16"
+    )
+    assert max_rel_diff(got, want) < 1e-6
