@@ -48,6 +48,7 @@ from collections.abc import Sequence
 
 from pipedream.formats.plan import Plan
 from pipedream.optimizer.simulator import (
+    NORM_BYTES,
     Network,
     StageWork,
     message_bytes,
@@ -182,14 +183,16 @@ class _ChainRun:
             now = max(now, arrival)
         elif op.is_send:
             self.arrival[message_of(rank, action)] = now + self._message_ms(rank, action)
-        elif op is Op.ALLREDUCE:
-            arrived = self.allreduce.setdefault((stage, action.index), {})
+        elif op in (Op.ALLREDUCE, Op.CLIP):  # a clip: every rank adds one number
+            among = stage if op is Op.ALLREDUCE else -1
+            arrived = self.allreduce.setdefault((among, action.index), {})
             arrived[rank] = now
-            members = self.spec.stage_ranks[stage]
+            members = self.spec.stage_ranks[stage] if op is Op.ALLREDUCE else sorted(self.tables)
             if len(arrived) < len(members):
                 return False  # the last replica to arrive runs it for all
             end = max(arrived.values())
-            end += self.network.allreduce_ms(self.work[stage].parameter_bytes, members)
+            size = self.work[stage].parameter_bytes if op is Op.ALLREDUCE else NORM_BYTES
+            end += self.network.allreduce_ms(size, members)
             for member in members:
                 self.clock[member] = end
                 self.position[member] += 1

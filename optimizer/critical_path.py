@@ -195,6 +195,7 @@ def _action_segments(
         category = {
             Op.UPDATE: "update",
             Op.ALLREDUCE: "allreduce",
+            Op.CLIP: "allreduce",
         }.get(event.op, "send" if event.op.is_comm and not event.op.is_receive else "receive")
         return [Segment(rank, begin * 1000, end * 1000, category, name)]
     ideal = None if ideal_ms is None else ideal_ms.get((event.stage, event.op))

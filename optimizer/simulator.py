@@ -104,6 +104,7 @@ from pipedream.schedules import (
 from pipedream.schedules.validate import Message, message_of
 
 __all__ = [
+    "NORM_BYTES",
     "Event",
     "Network",
     "StageWork",
@@ -118,6 +119,9 @@ __all__ = [
     "tied_bytes",
     "tied_pairs",
 ]
+
+NORM_BYTES = 4.0
+"""What a gradient clip's allreduce moves: one float32, a rank's squared gradient norm."""
 
 
 @dataclass(frozen=True)
@@ -862,15 +866,17 @@ class _Run:
             if posting > 0:
                 self.events.append(Event(rank, stage, "S", action.index, now, now + posting))
                 now += posting
-        elif op is Op.ALLREDUCE:
-            group = self.spec.stage_ranks[stage]
-            arrivals = self.arrived.setdefault((stage, action.index), {})
+        elif op in (Op.ALLREDUCE, Op.CLIP):  # a clip: every rank adds one number
+            clip = op is Op.CLIP
+            group = sorted(self.tables) if clip else self.spec.stage_ranks[stage]
+            arrivals = self.arrived.setdefault((-1 if clip else stage, action.index), {})
             arrivals[rank] = now
             if len(arrivals) < len(group):
                 self.waiting.add(rank)
                 return
             start = max(arrivals.values())
-            end = start + self.network.allreduce_ms(self.work[stage].parameter_bytes, group)
+            size = NORM_BYTES if clip else self.work[stage].parameter_bytes
+            end = start + self.network.allreduce_ms(size, group)
             for member in group:
                 self.events.append(Event(member, stage, "A", action.index, start, end))
                 self.clock[member] = self._reach(member, end)

@@ -268,6 +268,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--recompute", action="store_true", help="recompute activations in backward")
     train.add_argument(
+        "--clip-grad-norm",
+        type=float,
+        default=None,
+        metavar="C",
+        help="clip every update's gradient to global norm C over the whole model, as "
+        "clip_grad_norm_ in a plain loop (schedules that flush; e.g. 1.0)",
+    )
+    train.add_argument(
         "--device",
         default="auto",
         choices=["auto", "cpu", "cuda", "cuda-shared"],

@@ -17,7 +17,12 @@ from pathlib import Path
 
 from pipedream.errors import LaunchError, PipedreamError
 from pipedream.formats.plan import Plan, load_plan
-from pipedream.runtime.train_options import check_options, check_segments, train_options
+from pipedream.runtime.train_options import (
+    check_clipping,
+    check_options,
+    check_segments,
+    train_options,
+)
 from pipedream.schedules import validate_plan_schedule, validation_bound
 from pipedream.torch_support import check_installed_torch
 from pipedream.workload_options import check_workload
@@ -88,6 +93,7 @@ def check_train_options(
 
     options = train_options(build_parser().parse_args(["train", plan_path, *train_args]))
     check_options(options)
+    check_clipping(options, plan)
     if options.device.startswith("cuda"):  # only then is torch imported, to count the GPUs
         import torch
 

@@ -40,6 +40,8 @@ class _Update:
     issued: float
     cpu: float
     """The issuing thread's CPU time at the update (``time.thread_time()``)."""
+    grad_norm: Tensor | None = None
+    """The whole model's gradient norm before clipping (``--clip-grad-norm``)."""
 
 
 class LossLog:
@@ -53,14 +55,16 @@ class LossLog:
         self.read_every = 1 if device.type == "cpu" else GPU_READ_EVERY
         self._pending: list[_Update] = []
 
-    def add(self, step: int, losses: Sequence[tuple[int, Tensor]]) -> None:
-        """An update was issued: its microbatches' losses, ``(microbatch, device tensor)``."""
+    def add(
+        self, step: int, losses: Sequence[tuple[int, Tensor]], *, grad_norm: Tensor | None = None
+    ) -> None:
+        """An update was issued: its microbatches' losses, ``(microbatch, device tensor)``, and
+        with clipping the gradient norm it clipped (a device tensor)."""
         if losses:
             microbatches = [microbatch for microbatch, _ in losses]
             tensors = [loss for _, loss in losses]
-            self._pending.append(
-                _Update(step, microbatches, tensors, time.perf_counter(), time.thread_time())
-            )
+            issued, cpu = time.perf_counter(), time.thread_time()
+            self._pending.append(_Update(step, microbatches, tensors, issued, cpu, grad_norm))
         if len(self._pending) >= self.read_every:
             self.read()
 
@@ -69,7 +73,11 @@ class LossLog:
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        flat = torch.stack([loss.float() for u in pending for loss in u.losses]).tolist()
+        norms = [u.grad_norm.float() for u in pending if u.grad_norm is not None]
+        flat = torch.stack(
+            [loss.float() for u in pending for loss in u.losses] + norms
+        ).tolist()  # one transfer
+        read_norms = iter(flat[len(flat) - len(norms) :])
         position = 0
         for update in pending:
             values = flat[position : position + len(update.losses)]
@@ -80,7 +88,12 @@ class LossLog:
                         f"non-finite loss ({value}) at microbatch {microbatch} "
                         f"(minibatch {microbatch // self.microbatches})"
                     )
+            norm = next(read_norms) if update.grad_norm is not None else None
             if self.logger is not None:
                 self.logger.log(
-                    update.step, sum(values) / len(values), at=update.issued, cpu_at=update.cpu
+                    update.step,
+                    sum(values) / len(values),
+                    None if norm is None else {"grad_norm": norm if math.isfinite(norm) else None},
+                    at=update.issued,
+                    cpu_at=update.cpu,
                 )

@@ -1,8 +1,9 @@
 """The single-process reference executor: all ranks' tables in one process.
 
 It interprets exactly the same action tables with the same :class:`StageWorker` and the same
-routing as the distributed runtime, but "sends" are entries in a dictionary and an allreduce
-averages the replicas' gradients in place. Tests compare the distributed runtime with it, and it
+routing as the distributed runtime, but "sends" are entries in a dictionary, an allreduce
+averages the replicas' gradients in place and a clip scales every stage's by the whole model's
+norm. Tests compare the distributed runtime with it, and it
 is the easiest place to debug a schedule.
 """
 
@@ -14,6 +15,7 @@ import torch
 from torch import Tensor
 
 from pipedream.graph.layers import StageIO
+from pipedream.runtime.grad_clip import clip_factor, sum_of_squares
 from pipedream.runtime.routing import (
     gather_inputs,
     gather_output_grads,
@@ -31,10 +33,13 @@ def run_reference(
     tables: Mapping[int, Sequence[Action]],
     workers: Mapping[int, StageWorker | Mapping[int, StageWorker]],
     ios: Sequence[StageIO],
+    *,
+    clip: float | None = None,
 ) -> None:
     """Run every rank's table to completion (round-robin, each rank until it must wait).
 
-    ``workers``: each rank's worker, or its workers by stage where it runs several stages.
+    ``workers``: each rank's worker, or its workers by stage where it runs several stages;
+    ``clip``: the global gradient norm the tables' ``C`` actions clip to.
     """
     local = {
         rank: {w.config.stage: w} if isinstance(w, StageWorker) else dict(w)
@@ -108,6 +113,15 @@ def run_reference(
                     if (stage, action.index) not in averaged:
                         averaged.add((stage, action.index))
                         _average([local[r][stage] for r in sorted(group)])
+                elif op is Op.CLIP:
+                    group = arrived.setdefault((-1, action.index), set())
+                    group.add(rank)
+                    if group != set(tables):
+                        break
+                    if (-1, action.index) not in averaged:
+                        averaged.add((-1, action.index))
+                        assert clip is not None, "a clip in tables run without a norm"
+                        _clip(local, stage_ranks, clip)
                 elif op is Op.UPDATE:
                     worker.update(pos)
                 position[rank] = pos + 1
@@ -123,3 +137,22 @@ def _average(workers: Sequence[StageWorker]) -> None:
         mean = torch.stack(list(parts)).sum(0) / len(parts)
         for part in parts:
             part.copy_(mean)
+
+
+@torch.no_grad()
+def _clip(
+    local: Mapping[int, Mapping[int, StageWorker]],
+    stage_ranks: Mapping[int, set[int]],
+    max_norm: float,
+) -> None:
+    """Scale every worker's gradients by the factor of the whole model's norm, where each
+    stage counts once (its replicas hold the same average)."""
+    workers = [w for stages in local.values() for w in stages.values()]
+    counted = [local[min(ranks)][stage] for stage, ranks in stage_ranks.items()]
+    device = workers[0].config.device
+    grads = [g for worker in counted for g in worker.present_gradients()]
+    _, factor = clip_factor(sum_of_squares(grads, device), max_norm)
+    for worker in workers:
+        present = worker.present_gradients()
+        if present:
+            torch._foreach_mul_(present, factor)

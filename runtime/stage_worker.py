@@ -519,6 +519,15 @@ class StageWorker:
             out.append(param.grad)
         return out
 
+    def present_gradients(self) -> list[Tensor]:
+        """The live trained parameters' gradients that exist (a parameter no microbatch
+        reached has none), for clipping; no tied copies (their gradients went to the owner)."""
+        return [
+            param.grad
+            for param in self.versions.params.values()
+            if param.requires_grad and param.grad is not None
+        ]
+
     def update(self, position: int) -> None:
         """Optimizer step on the live weights, then they become the next version."""
         self.versions.release_before(position)

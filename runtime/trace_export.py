@@ -58,7 +58,7 @@ def chrome_trace(traces: Sequence[RankTrace]) -> dict[str, Any]:
             }
         )
         for event in trace.events:
-            unit = "minibatch" if event.op in (Op.UPDATE, Op.ALLREDUCE) else "microbatch"
+            unit = "minibatch" if event.op in (Op.UPDATE, Op.ALLREDUCE, Op.CLIP) else "microbatch"
             args: dict[str, Any] = {"stage": event.stage, unit: event.index}
             if event.posting is not None and event.reclaiming is not None:  # right before it
                 args["posting receives ms"] = round(event.posting * 1e3, 4)

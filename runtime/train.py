@@ -49,6 +49,7 @@ from pipedream.runtime.environment import (
 from pipedream.runtime.executor import Executor, LocalStage, wait_collective
 from pipedream.runtime.gc_freeze import frozen_heap
 from pipedream.runtime.grad_buckets import GradientBuckets
+from pipedream.runtime.grad_clip import ClipPart, GradientClipper
 from pipedream.runtime.loss_log import LossLog
 from pipedream.runtime.metrics import MetricsLogger
 from pipedream.runtime.out_of_memory import DeviceOutOfMemory, how_to_fit, said_in_one_line
@@ -58,7 +59,13 @@ from pipedream.runtime.segments import Segments
 from pipedream.runtime.stage_layout import StageLayout, stage_layout
 from pipedream.runtime.stage_worker import StageWorker, WorkerConfig
 from pipedream.runtime.summary import RankStats, peak_memory_bytes, report
-from pipedream.runtime.train_options import TrainOptions, check_options, check_segments, segments
+from pipedream.runtime.train_options import (
+    TrainOptions,
+    check_clipping,
+    check_options,
+    check_segments,
+    segments,
+)
 from pipedream.schedules import (
     Action,
     Posting,
@@ -119,6 +126,7 @@ def train(options: TrainOptions) -> int:
         make_deterministic()
     plan = load_plan(options.plan_path)
     check_options(options)
+    check_clipping(options, plan)
     if options.resume is None:  # from step 0 (a resumed run's start is known further down)
         check_segments(options, plan)
     env = read_launch_env(plan, source=options.plan_path)
@@ -285,8 +293,14 @@ class _RankJob:
         """Per replicated stage of this rank: its allreduce in buckets (set up by run)."""
         self.in_order = _in_order(self.backend)
         """Messages follow NCCL's discipline (on gloo too where IN_ORDER_ENV asks for it)."""
-        self.groups, self.header_group, self.payload_groups = _new_groups(
-            plan, layout, in_order=self.in_order, timeout=timedelta(seconds=options.timeout)
+        self.clip = options.clip_grad_norm
+        """The global gradient norm the updates clip to (None: no clipping)."""
+        self.groups, self.header_group, self.payload_groups, self.clip_group = _new_groups(
+            plan,
+            layout,
+            in_order=self.in_order,
+            clip=self.clip is not None,
+            timeout=timedelta(seconds=options.timeout),
         )
         self.posting = posting
         """How far ahead receives are posted and how many sends stay in flight."""
@@ -304,7 +318,14 @@ class _RankJob:
         the tables the trace's actions ran."""
 
     def _table(self, first: int, count: int) -> list[Action]:
-        spec = spec_from_plan(self.plan, first, count, self.layout.edges, self.layout.tied_pairs)
+        spec = spec_from_plan(
+            self.plan,
+            first,
+            count,
+            self.layout.edges,
+            self.layout.tied_pairs,
+            clip=self.clip is not None,
+        )
         return build_tables(spec, only_ranks=(self.rank,))[self.rank]
 
     def _worker(self, stage: int, table: list[Action], first: int) -> StageWorker:
@@ -380,6 +401,7 @@ class _RankJob:
             f"{wording.count(plan.num_stages, 'stage')}, schedule {plan.schedule}, "
             + ("bf16 (autocast), " if self.precision == "bf16" else "")
             + ("recomputing activations, " if self.recompute else "")
+            + (f"clipping gradients to norm {self.clip:g}, " if self.clip is not None else "")
             + f"{todo} "
             f"of {plan.microbatches} x {plan.microbatch_size} samples; "
             f"{_posting_note(self.posting)}run dir {self.run_dir}",
@@ -596,12 +618,14 @@ class _RankJob:
         trace: list[TracedAction] | None,
     ) -> Executor:
         last = workers.get(self.last_stage)
+        clipper = self._clipper(workers)
 
         def on_update(action: Action, microbatches: list[int]) -> None:
             if last is None or action.stage != self.last_stage:
                 return
             losses = [(mb, last.losses.pop(mb)) for mb in microbatches if mb in last.losses]
-            loss_log.add(action.index, losses)
+            norm = clipper.norm_of(action.index) if clipper is not None else None
+            loss_log.add(action.index, losses, grad_norm=norm)
 
         stages = {
             stage: LocalStage(
@@ -638,15 +662,35 @@ class _RankJob:
             timeout=self.options.timeout,
             on_update=on_update,
             trace=trace,
+            clipper=clipper,
+        )
+
+    def _clipper(self, workers: dict[int, StageWorker]) -> GradientClipper | None:
+        """This rank's share of ``--clip-grad-norm`` (None: the run does not clip); a stage's
+        first replica counts its gradient in the norm."""
+        if self.clip is None:
+            return None
+
+        def wait(work: Any, what: str) -> None:
+            nccl, timeout = self.backend == "nccl", self.options.timeout
+            wait_collective(work, what, rank=self.rank, nccl=nccl, timeout=timeout)
+
+        parts = [
+            ClipPart(worker, counted=self.plan.stages[stage].ranks[0] == self.rank)
+            for stage, worker in workers.items()
+        ]
+        return GradientClipper(
+            self.clip, parts, device=self.device, wait=wait, group=self.clip_group
         )
 
 
 def _new_groups(
-    plan: Plan, layout: StageLayout, *, in_order: bool, timeout: timedelta
-) -> tuple[dict[int, Any], Any, dict[tuple[int, int], Any]]:
-    """The process groups besides the default one: each replicated stage's (its allreduce), and
-    under NCCL's discipline the headers' (gloo, so reading one never waits for the GPU) and one
-    per direction between two ranks (a communicator and a stream of its own). Every rank
+    plan: Plan, layout: StageLayout, *, in_order: bool, clip: bool, timeout: timedelta
+) -> tuple[dict[int, Any], Any, dict[tuple[int, int], Any], Any]:
+    """The process groups besides the default one: each replicated stage's (its allreduce),
+    with ``clip`` one of all ranks (the gradient norm's allreduce, apart from the messages),
+    and under NCCL's discipline the headers' (gloo, so reading one never waits for the GPU) and
+    one per direction between two ranks (a communicator and a stream of its own). Every rank
     creates every group, in the same order. Each waits ``timeout`` (``--timeout``) for a peer,
     as the default group does: ``new_group``'s own default is 30 minutes on gloo and 10 on
     NCCL, and on NCCL the groups' timeout is what ends a transfer that never completes."""
@@ -655,12 +699,13 @@ def _new_groups(
         for index, stage in enumerate(plan.stages)
         if stage.replicas > 1
     }
+    norm = dist.new_group(timeout=timeout) if clip else None
     if not in_order:
-        return replicas, None, {}
+        return replicas, None, {}, norm
     header = dist.new_group(backend="gloo", timeout=timeout)
     routes = message_routes(plan, edges=layout.edges, tied=layout.tied_pairs)
     payloads = {route: dist.new_group(sorted(route), timeout=timeout) for route in routes}
-    return replicas, header, payloads
+    return replicas, header, payloads, norm
 
 
 def _in_order(backend: str) -> bool:

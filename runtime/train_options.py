@@ -5,15 +5,24 @@ with one line rather than one per rank and torchrun's failure report."""
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipedream.errors import LaunchError
 from pipedream.formats.plan import Plan
 from pipedream.runtime.segments import Segments
-from pipedream.schedules import MAX_TABLE_ACTIONS, actions_per_minibatch
+from pipedream.schedules import MAX_TABLE_ACTIONS, actions_per_minibatch, spec_from_plan
+from pipedream.schedules.clipping import clipping_problem
 
-__all__ = ["TrainOptions", "check_options", "check_segments", "segments", "train_options"]
+__all__ = [
+    "TrainOptions",
+    "check_clipping",
+    "check_options",
+    "check_segments",
+    "segments",
+    "train_options",
+]
 
 
 @dataclass(frozen=True)
@@ -33,6 +42,9 @@ class TrainOptions:
     precision: str | None = None
     """``fp32`` or ``bf16`` (:mod:`pipedream.precision`); None: the plan's."""
     recompute: bool = False
+    clip_grad_norm: float | None = None
+    """Clip every update's gradient to this global norm (:mod:`pipedream.runtime.grad_clip`);
+    None: no clipping."""
     device: str = "auto"
     deterministic: bool = False
     timeout: float = 300.0
@@ -75,6 +87,26 @@ def check_options(options: TrainOptions) -> None:
         )
     if options.run_dir is not None:
         check_run_dir_path(options.run_dir)
+    check_max_norm(options.clip_grad_norm)
+
+
+def check_max_norm(max_norm: float | None) -> None:
+    """``--clip-grad-norm`` must be a finite positive number."""
+    if max_norm is not None and not (math.isfinite(max_norm) and max_norm > 0):
+        raise LaunchError(
+            f"--clip-grad-norm must be a positive number, got {max_norm:g}; e.g. "
+            "--clip-grad-norm 1.0 (leave it out not to clip)"
+        )
+
+
+def check_clipping(options: TrainOptions, plan: Plan) -> None:
+    """``--clip-grad-norm`` needs a schedule that flushes and equal replicas at every stage
+    (:func:`pipedream.schedules.clipping.clipping_problem`)."""
+    if options.clip_grad_norm is None:
+        return
+    problem = clipping_problem(spec_from_plan(plan, 0, plan.steps_multiple, clip=True))
+    if problem:
+        raise LaunchError(f"--clip-grad-norm {options.clip_grad_norm:g}: {problem}")
 
 
 _RUN_DIR_ENTRIES = {
@@ -172,6 +204,7 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
         trace=args.trace,
         precision=args.precision,
         recompute=args.recompute,
+        clip_grad_norm=args.clip_grad_norm,
         device=args.device,
         deterministic=args.deterministic,
         timeout=args.timeout,

@@ -59,6 +59,7 @@ CATEGORIES: dict[Op, str] = {
     Op.BACKWARD_WEIGHT: "backward-weight",
     Op.UPDATE: "update",
     Op.ALLREDUCE: "allreduce",
+    Op.CLIP: "allreduce",
     Op.SEND_ACT: "send",
     Op.SEND_GRAD: "send",
     Op.RECV_ACT: "receive-wait",

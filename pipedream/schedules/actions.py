@@ -15,6 +15,7 @@ Compact string form (used in tests and printed grids)::
     "1A0"      stage 1 averages its gradients of minibatch 0 with its replicas (allreduce)
     "1I3"      stage 1, input-gradient half of the backward of microbatch 3 (zero-bubble "B")
     "1W3"      stage 1, weight-gradient half of the backward of microbatch 3 (zero-bubble "W")
+    "0C2"      the rank of stage 0 clips update 2's gradients to a global norm (every rank)
 
 A backward is either one ``B`` or an ``I`` and a later ``W``: ``I`` computes the gradients of
 the stage's inputs (what the previous stage waits for, sent right after it), ``W`` those of the
@@ -33,6 +34,11 @@ receives every new version of the owner's tensor::
     "0RG0"     stage 0 (the owner) receives it and adds it to its own, before update 0
     "0SW1"     stage 0 sends version 1 of the tied tensors (made by update 0) to the copies
     "3RW1"     stage 3 receives version 1, right before its first forward that uses it
+
+A run that clips gradients to a global norm (``--clip-grad-norm``) has one ``C`` per rank and
+update, named after the rank's first stage: every rank adds its stages' squared gradient norms
+in one allreduce over all ranks, after every gradient of the update is complete on the rank and
+before its first ``U`` (:mod:`pipedream.schedules.clipping`).
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ class Op(enum.Enum):
     BACKWARD_WEIGHT = "W"
     UPDATE = "U"
     ALLREDUCE = "A"
+    CLIP = "C"
     RECV_ACT = "RF"
     SEND_ACT = "SF"
     RECV_GRAD = "RB"
@@ -103,6 +110,7 @@ _LONG_NAMES = {
     Op.BACKWARD_WEIGHT: "weight-gradient backward of microbatch",
     Op.UPDATE: "optimizer update of minibatch",
     Op.ALLREDUCE: "gradient allreduce of minibatch",
+    Op.CLIP: "gradient clipping (the global norm over all ranks) of update",
     Op.RECV_ACT: "receive of the activations of microbatch",
     Op.SEND_ACT: "send of the activations of microbatch",
     Op.RECV_GRAD: "receive of the gradient of microbatch",
@@ -126,8 +134,8 @@ class Action:
     """Stage the action belongs to."""
     index: int
     """Microbatch index (F, B, sends and receives of activations and gradients), update index
-    (U, A: the stage's update number; SG, RG: the update they feed), or weight version (SW,
-    RW)."""
+    (U, A, C: the stage's update number), minibatch (SG, RG: the minibatch whose tied gradient
+    they move, which update ``minibatch // replicas`` applies), or weight version (SW, RW)."""
     peer: int | None = None
     """Global rank on the other end (sends and receives only)."""
     version: int | None = None
@@ -169,7 +177,7 @@ MESSAGE_KIND = {
 }
 """The kind of message each send and receive moves (its channel and tags)."""
 
-_PATTERN = re.compile(r"^(\d+)(RF|SF|RB|SB|SG|RG|SW|RW|F|B|I|W|U|A)(\d+)$")
+_PATTERN = re.compile(r"^(\d+)(RF|SF|RB|SB|SG|RG|SW|RW|F|B|I|W|U|A|C)(\d+)$")
 
 
 def parse_action(text: str) -> Action:

@@ -151,10 +151,11 @@ class _Run:
                     self.read[route] = max(self.read[route], upto)
                 if self.sent_on[route] <= self.number[message]:  # not sent yet
                     return False
-        elif action.op is Op.ALLREDUCE:
-            group = self.arrived.setdefault((action.stage, action.index), set())
+        elif action.op in (Op.ALLREDUCE, Op.CLIP):  # a clip's group: every rank
+            among = action.stage if action.op is Op.ALLREDUCE else -1
+            group = self.arrived.setdefault((among, action.index), set())
             group.add(rank)
-            if group != self.replicas[action.stage]:
+            if group != self.replicas.get(among, set(self.tables)):
                 return False
         self.position[rank] = position + 1
         return True

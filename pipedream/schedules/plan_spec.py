@@ -56,11 +56,14 @@ def spec_from_plan(
     count: int,
     edges: tuple[tuple[int, int], ...] | None = None,
     tied: tuple[tuple[int, int], ...] = (),
+    *,
+    clip: bool = False,
 ) -> PipelineSpec:
     """The schedule generator's view of ``count`` minibatches of ``plan`` from ``first`` on.
 
     ``edges`` are the stage pairs that exchange tensors (None: a plain chain); ``tied`` the
-    (owner, copy) stage pairs of tied parameters.
+    (owner, copy) stage pairs of tied parameters; ``clip``: the run clips gradients to a
+    global norm.
     """
     return PipelineSpec(
         schedule=plan.schedule,
@@ -70,6 +73,7 @@ def spec_from_plan(
         first_minibatch=first,
         edges=edges,
         tied=tied,
+        clip=clip,
     )
 
 

@@ -38,6 +38,9 @@ class PipelineSpec:
     tied: tuple[tuple[int, int], ...] = ()
     """(owner stage, copy stage) pairs: the copy stage holds copies of tied parameters that
     the owner stage (the first stage using them) owns (see the module docstring)."""
+    clip: bool = False
+    """The run clips gradients to a global norm: every rank takes part in a ``C`` per update
+    (:mod:`pipedream.schedules.clipping`)."""
 
     def tie_owners(self, stage: int) -> list[int]:
         """The stages that own the tied tensors ``stage`` holds copies of."""
@@ -87,6 +90,7 @@ class PipelineSpec:
             self.num_minibatches // len(self.stage_ranks[0]),
             edges=self.edges,
             tied=self.tied,
+            clip=self.clip,
         )
         return view, global_of
 
@@ -158,6 +162,12 @@ class PipelineSpec:
                 raise ScheduleError(
                     f"tied pair ({owner}, {copy}) must name an owner stage before a copy stage"
                 )
+        if self.clip:
+            from pipedream.schedules.clipping import clipping_problem
+
+            problem = clipping_problem(self)
+            if problem:
+                raise ScheduleError(problem)
 
     def _check_copies(self, views: list[tuple[PipelineSpec, list[int]]]) -> None:
         """The copies of a whole-pipeline-replicated spec: disjoint, together ranks 0..W-1."""

@@ -34,6 +34,7 @@ from collections.abc import Collection, Sequence
 from itertools import groupby
 
 from pipedream.schedules.actions import Action, Op
+from pipedream.schedules.clipping import with_clipping
 from pipedream.schedules.registry import lookup
 from pipedream.schedules.schedule import CLOSE, RankEntry, replica_minibatches
 from pipedream.schedules.spec import PipelineSpec
@@ -97,12 +98,12 @@ def build_tables(
         for rank in range(spec.world_size):
             if only_ranks is None or rank in only_ranks:
                 tables[rank] = _rank_table(spec, rank)
-        return tables
-    for stage, ranks in enumerate(spec.stage_ranks):
-        for replica, rank in enumerate(ranks):
-            if only_ranks is None or rank in only_ranks:
-                tables[rank] = _table(spec, stage, replica)
-    return tables
+    else:
+        for stage, ranks in enumerate(spec.stage_ranks):
+            for replica, rank in enumerate(ranks):
+                if only_ranks is None or rank in only_ranks:
+                    tables[rank] = _table(spec, stage, replica)
+    return with_clipping(spec, tables) if spec.clip else tables
 
 
 def _table(spec: PipelineSpec, stage: int, replica: int) -> list[Action]:

@@ -4,10 +4,11 @@ The checks: every stage replica runs F and the backward of each of its microbatc
 once, the backward as one B or as an I and a later W (and each microbatch runs at exactly one
 replica of every stage), a rank runs only its own stages, every send has its receive on the
 peer (and the other way round; a message is known by its kind, microbatch and the ranks and
-stages at both ends), allreduces of a stage's replicas line up, and a dependency simulation
-(sends never block; a receive waits for its send; an allreduce waits for all replicas) runs
-every action, so the real run cannot deadlock. A failure raises :class:`ScheduleError` whose message
-holds the grid with the failing step marked.
+stages at both ends), allreduces of a stage's replicas line up, a clipped run's ``C`` of each
+update comes once per rank, after the rank's gradient work of the update and before its updates,
+and a dependency simulation (sends never block; a receive waits for its send; an allreduce waits
+for all replicas, a ``C`` for all ranks) runs every action, so the real run cannot deadlock. A
+failure raises :class:`ScheduleError` whose message holds the grid with the failing step marked.
 """
 
 from __future__ import annotations
@@ -74,9 +75,9 @@ def simulate_dependencies(tables: Mapping[int, Sequence[Action]]) -> None:
     """Run the tables symbolically; raise ScheduleError if some rank can never proceed."""
     position = {rank: 0 for rank in tables}
     sent: set[Message] = set()
-    # allreduce rendezvous: (stage, index) -> ranks that reached it
+    # allreduce rendezvous: (stage, index) -> ranks that reached it (stage -1: a clip's)
     arrived: dict[tuple[int, int], set[int]] = {}
-    replicas_of: dict[int, set[int]] = {}
+    replicas_of: dict[int, set[int]] = {-1: set(tables)}
     for rank, table in tables.items():
         for action in table:
             replicas_of.setdefault(action.stage, set()).add(rank)
@@ -93,10 +94,11 @@ def simulate_dependencies(tables: Mapping[int, Sequence[Action]]) -> None:
                     if key not in sent:
                         break
                     sent.discard(key)
-                elif action.op is Op.ALLREDUCE:
-                    group = arrived.setdefault((action.stage, action.index), set())
+                elif action.op in (Op.ALLREDUCE, Op.CLIP):
+                    among = action.stage if action.op is Op.ALLREDUCE else -1
+                    group = arrived.setdefault((among, action.index), set())
                     group.add(rank)
-                    if group != replicas_of[action.stage]:
+                    if group != replicas_of[among]:
                         break
                 position[rank] += 1
                 progress = True
@@ -135,6 +137,35 @@ def _out_of_order(action: Action, done: Mapping[Op, set[int]]) -> str:
         if index in done[Op.BACKWARD_WEIGHT]:
             return f"second weight gradient of microbatch {index}"
     return ""
+
+
+def _check_clips(spec: PipelineSpec, tables: Mapping[int, Sequence[Action]]) -> None:
+    """A clipped spec: one ``C`` per rank and update, after the rank's gradient work of the
+    update and before its updates; an unclipped one: none."""
+    from pipedream.schedules.clipping import update_of
+
+    for rank, table in tables.items():
+        clipped: dict[int, int] = {}
+        for pos, action in enumerate(table):
+            if action.op is Op.CLIP:
+                if not spec.clip:
+                    _fail(tables, rank, pos, "a gradient clip in a run that does not clip")
+                if action.index in clipped:
+                    _fail(tables, rank, pos, f"a second clip of update {action.index}")
+                clipped[action.index] = pos
+        if not spec.clip:
+            continue
+        for pos, action in enumerate(table):
+            update = update_of(spec, action)
+            if update is None or action.op is Op.CLIP:
+                continue
+            at = clipped.get(update)
+            if at is None:
+                _fail(tables, rank, pos, f"rank {rank} never clips update {update}")
+            elif action.op in (Op.UPDATE, Op.SEND_WEIGHTS) and pos < at:
+                _fail(tables, rank, pos, f"{action} before the clip of update {update}")
+            elif action.op not in (Op.UPDATE, Op.SEND_WEIGHTS) and pos > at:
+                _fail(tables, rank, pos, f"{action}, work of update {update}, after its clip")
 
 
 def validate_tables(spec: PipelineSpec, tables: Mapping[int, Sequence[Action]]) -> None:
@@ -188,6 +219,7 @@ def validate_tables(spec: PipelineSpec, tables: Mapping[int, Sequence[Action]]) 
                     f"stage {stage} does not run the {name} of each microbatch exactly once "
                     f"(microbatches {wrong})\n" + format_grid(tables)
                 )
+    _check_clips(spec, tables)
     if sends != recvs:
         unmatched = sorted(((sends - recvs) + (recvs - sends)).keys(), key=str)[:4]
         raise ScheduleError(

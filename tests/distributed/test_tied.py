@@ -5,6 +5,7 @@ under another plan keep the tie."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,28 @@ def test_several_stages_per_rank_equal_tied_training(
     assert got["head.weight"] is got["embed.tok.weight"]
     want = plain_tied_training(steps=steps, microbatches=m)
     assert _diff(got, {k: v for k, v in want.items() if k != "head.weight"}) < 1e-5
+
+
+def test_clipping_to_a_global_norm_equals_a_plain_loop_with_clip_grad_norm(tmp_path: Path) -> None:
+    """``--clip-grad-norm`` on 4 ranks, two copies of a two-stage pipeline: the norm over all
+    ranks counts each stage once (at its first replica) and the tied tensor at its owner; the
+    metrics give the norm of each update before clipping, as ``clip_grad_norm_`` returns it."""
+    m, steps = 2, 4
+    got = train_and_load(
+        tmp_path,
+        TWO,
+        steps=steps,
+        workload="gpt",
+        workload_args=ARGS,
+        schedule="1f1b",
+        microbatch_size=B,
+        microbatches=m,
+        replicas=[2, 2],
+        extra=("--clip-grad-norm", "0.3"),
+    )
+    norms: list[float] = []
+    want = plain_tied_training(steps=steps, microbatches=m, copies=2, clip=0.3, norms=norms)
+    assert _diff(got, {k: v for k, v in want.items() if k != "head.weight"}) < 1e-5
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    logged = [json.loads(line)["grad_norm"] for line in lines]
+    assert logged == pytest.approx(norms, rel=1e-5) and min(norms) > 0.3

@@ -81,14 +81,21 @@ def plain_training(
     batch: Callable[[int], Batch],
     loss_fn: Callable[[Tensor, Tensor], Tensor],
     optimizer: OptimizerFactory,
+    clip: float | None = None,
+    norms: list[float] | None = None,
 ) -> dict[str, Tensor]:
-    """Ordinary single-process training: forward the whole batch, backward, step."""
+    """Ordinary single-process training: forward the whole batch, backward, step; with
+    ``clip``, ``clip_grad_norm_`` before each step (the norms it returns go to ``norms``)."""
     opt = optimizer(model.parameters())
     for k in range(num_updates):
         inputs, targets = batch(k)
         loss = loss_fn(model(inputs), targets)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            if norms is not None:
+                norms.append(float(norm))
         opt.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 

@@ -70,13 +70,15 @@ def reference_layout_weights(
     seed: int = 0,
     placement: list[int] | None = None,
     precision: str = "fp32",
+    clip: float | None = None,
 ) -> dict[str, torch.Tensor]:
     """The model's state dict (every name of a tied tensor included) after the reference
     executor ran ``steps`` minibatches of the plan, its stages cut as ``pipedream train`` cuts
     them (:func:`~pipedream.runtime.stage_layout.stage_layout`: traced models, tied parameters).
     ``placement``: the rank of every stage, where ranks run several stages (one model per rank,
     as one process has); with ``replicas`` (the same for every stage) copy ``j`` of the
-    pipeline runs on ranks ``j P .. j P + P - 1``; ``precision`` as ``train --precision``."""
+    pipeline runs on ranks ``j P .. j P + P - 1``; ``precision`` as ``train --precision``,
+    ``clip`` as ``train --clip-grad-norm``."""
     replicas = replicas or [1] * len(stages)
     plan_stages, rank = [], 0
     copy_ranks = len(set(placement)) if placement else 0  # a pipeline copy's ranks
@@ -105,7 +107,7 @@ def reference_layout_weights(
         return stage_layout(built, plan, source="plan")
 
     first = layout_of()
-    spec = spec_from_plan(plan, 0, steps, first.edges, first.tied_pairs)
+    spec = spec_from_plan(plan, 0, steps, first.edges, first.tied_pairs, clip=clip is not None)
     tables = build_tables(spec)
     workers: dict[int, dict[int, StageWorker]] = {}
     layouts: dict[int, StageLayout] = {}
@@ -133,7 +135,7 @@ def reference_layout_weights(
                 input_grads=input_needs_grad(layout.ios[stage]),
                 lr_schedule=built.lr_schedule,
             )
-    run_reference(tables, workers, first.ios)
+    run_reference(tables, workers, first.ios, clip=clip)
     merged: dict[str, torch.Tensor] = {}
     for stage, entry in enumerate(plan_stages):
         rank = entry.ranks[0]

@@ -32,12 +32,19 @@ MICROBATCH = 4
 
 
 def plain_tied_training(
-    *, steps: int, microbatches: int, copies: int = 1, untie: bool = False
+    *,
+    steps: int,
+    microbatches: int,
+    copies: int = 1,
+    untie: bool = False,
+    clip: float | None = None,
+    norms: list[float] | None = None,
 ) -> dict[str, Tensor]:
     """Single-process training of the tied model, as a pipeline of ``copies`` copies runs
     ``steps`` minibatches of ``microbatches`` microbatches: ``steps / copies`` updates, each
     on ``copies`` consecutive minibatches at once. ``untie``: the head trains a tensor of its
-    own (what the runtime did before ties were handled)."""
+    own (what the runtime did before ties were handled); ``clip``: ``clip_grad_norm_`` to it
+    before every step, whose norms go to ``norms``."""
     workload = load_workload("gpt", ARGS)
     data = MicrobatchStream(workload.dataset, MICROBATCH, 0)
     model = workload.model
@@ -56,4 +63,6 @@ def plain_tied_training(
         batch=batch,
         loss_fn=workload.loss_fn,
         optimizer=workload.optimizer,
+        clip=clip,
+        norms=norms,
     )

@@ -111,11 +111,17 @@ def test_every_group_waits_the_runs_timeout(monkeypatch: pytest.MonkeyPatch) -> 
     )
     layout: Any = SimpleNamespace(edges=None, tied_pairs=())
     seven = timedelta(seconds=7)
-    replicas, header, payloads = train._new_groups(plan, layout, in_order=True, timeout=seven)
-    assert replicas == {1: 1} and header == 2
+    groups = train._new_groups(plan, layout, in_order=True, clip=False, timeout=seven)
+    replicas, header, payloads, norm = groups
+    assert replicas == {1: 1} and header == 2 and norm is None
     assert sorted(payloads) == [(0, 1), (0, 2), (1, 0), (1, 3), (2, 0), (2, 3), (3, 1), (3, 2)]
     assert made[:2] == [([1, 2], {"timeout": seven}), (None, {"backend": "gloo", "timeout": seven})]
     assert all(kwargs == {"timeout": seven} for _, kwargs in made[2:]) and len(made) == 10
     made.clear()
-    assert train._new_groups(plan, layout, in_order=False, timeout=seven) == ({1: 1}, None, {})
+    groups = train._new_groups(plan, layout, in_order=False, clip=False, timeout=seven)
+    assert groups == ({1: 1}, None, {}, None)
     assert made == [([1, 2], {"timeout": seven})]
+    made.clear()  # the clip's group of all ranks waits as long
+    groups = train._new_groups(plan, layout, in_order=False, clip=True, timeout=seven)
+    assert groups == ({1: 1}, None, {}, 2)
+    assert made == [([1, 2], {"timeout": seven}), (None, {"timeout": seven})]

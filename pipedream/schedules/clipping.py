@@ -1,0 +1,102 @@
+"""Gradient clipping to a global norm, as tables: where each rank takes part in the norm.
+
+A plain loop's ``clip_grad_norm_(model.parameters(), c)`` scales the minibatch's gradient by
+``min(1, c / (||g|| + 1e-6))``, where ``||g||`` is the norm of the *whole model's* gradient.
+Split over ranks, that norm needs every stage's gradient of the update: each rank adds its
+stages' squared norms in one allreduce over all ranks (a ``C`` action), then scales its own
+gradients and runs its updates. So ``C`` of update ``k`` must come after every gradient of
+``k`` on its rank (backwards, the tied copies' gradients received, the replicas' allreduce) and
+before the rank's first ``U`` of ``k``.
+
+That is a rule only the flush schedules can keep: under ``pipedream``, ``pipedream-vs`` and
+``2bw`` a stage updates while earlier stages still run the minibatch's backwards, so a whole
+model's gradient of one minibatch never exists at one time. It also needs one update count
+for all stages, hence every stage with the same number of replicas (then update ``k`` of every
+stage applies the same minibatches). :func:`clipping_problem` says why a spec cannot clip.
+
+Pure code, no torch: :func:`with_clipping` rewrites tables that :func:`build_tables` made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from pipedream.schedules.actions import Action, Op
+from pipedream.schedules.registry import SCHEDULES, lookup
+from pipedream.schedules.spec import PipelineSpec
+
+__all__ = ["clipping_problem", "update_of", "with_clipping"]
+
+_AFTER_CLIP = (Op.UPDATE, Op.SEND_WEIGHTS)
+"""What must wait for the norm: the updates, and the new versions they make."""
+
+
+def clipping_problem(spec: PipelineSpec) -> str:
+    """Why ``spec`` cannot clip gradients to a global norm ("" where it can)."""
+    schedule = lookup(spec.schedule)
+    if schedule.asynchronous:
+        flushing = sorted(name for name, s in SCHEDULES.items() if not s.asynchronous)
+        return (
+            f"schedule {spec.schedule!r} updates each stage while earlier stages still run the "
+            "minibatch's backwards, so there is no whole-model gradient to take the norm of; "
+            f"clip gradients under a schedule that flushes ({', '.join(flushing)})"
+        )
+    counts = sorted({spec.replicas(stage) for stage in range(spec.num_stages)})
+    if len(counts) > 1:
+        return (
+            "clipping to a global norm needs every stage to update on the same minibatches, "
+            f"so the same number of replicas at every stage; this plan has {counts}: plan it "
+            "with replicas equal across stages, or without clipping"
+        )
+    return ""
+
+
+def update_of(spec: PipelineSpec, action: Action) -> int | None:
+    """The update an action of a clipped spec belongs to (None: a version receive, which
+    belongs to the forward after it). Every stage has ``r`` replicas, so minibatch ``t`` is
+    closed by update ``t // r`` of every stage."""
+    r = spec.replicas(action.stage)
+    op = action.op
+    if op in (Op.UPDATE, Op.ALLREDUCE, Op.CLIP):
+        return action.index
+    if op in (Op.SEND_TIED_GRAD, Op.RECV_TIED_GRAD):  # they name the minibatch
+        return action.index // r
+    if op is Op.SEND_WEIGHTS:  # the version the update makes
+        return action.index - 1
+    if op is Op.RECV_WEIGHTS:
+        return None
+    return action.index // spec.microbatches // r  # a microbatch
+
+
+def with_clipping(
+    spec: PipelineSpec, tables: Mapping[int, Sequence[Action]]
+) -> dict[int, list[Action]]:
+    """Each rank's table with a ``C`` per update: right after the rank's last action of the
+    update that is not an ``U`` or ``SW`` (its last gradient work), and those ``U`` and ``SW``
+    that came earlier moved after it, in their order. The rest keeps its order."""
+    return {rank: _clipped(spec, rank, table) for rank, table in tables.items()}
+
+
+def _clipped(spec: PipelineSpec, rank: int, table: Sequence[Action]) -> list[Action]:
+    last_work: dict[int, int] = {}
+    for position, action in enumerate(table):
+        update = update_of(spec, action)
+        if update is not None and action.op not in _AFTER_CLIP:
+            last_work[update] = position
+    first_stage = min(spec.stages_of_rank(rank))
+    held: dict[int, list[Action]] = {}
+    out: list[Action] = []
+    for position, action in enumerate(table):
+        update = update_of(spec, action)
+        if action.op in _AFTER_CLIP and update is not None and position < last_work[update]:
+            held.setdefault(update, []).append(action)
+            continue
+        if held and update is not None and update > min(held):
+            # internal: a later update's work would overtake an update held for the norm
+            raise AssertionError(f"rank {rank}: {action} before the norm of update {min(held)}")
+        out.append(action)
+        if update is not None and last_work.get(update) == position:
+            out.append(Action(Op.CLIP, first_stage, update))
+            out += held.pop(update, [])
+    assert not held, (rank, held)
+    return out

@@ -1,0 +1,105 @@
+"""Gradient clipping to a global norm across the ranks of a pipeline (``--clip-grad-norm``).
+
+What ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` does in a plain loop,
+on a model split over ranks: each rank adds the squares of its stages' gradient norms, one
+allreduce of that single number over all ranks gives the whole model's squared norm, and every
+rank scales its gradients by ``min(1, max_norm / (norm + 1e-6))`` before its updates. Each
+stage's gradient counts once: a replicated stage's replicas hold the same averaged gradient
+after their allreduce, so only its first replica adds it; a tied parameter's gradient counts
+at its owner, which holds the sum of all its uses. The tables say when (a ``C`` per rank and
+update, :mod:`pipedream.schedules.clipping`).
+
+Nothing waits on the host: the norm, the factor and the scaling stay on the device (on NCCL
+the allreduce is queued on the GPU), and the last stage logs the norm in ``metrics.jsonl``
+(``grad_norm``), read with the losses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from pipedream.runtime.stage_worker import StageWorker
+
+__all__ = [
+    "CLIP_EPS",
+    "ClipPart",
+    "GradientClipper",
+    "clip_factor",
+    "sum_of_squares",
+]
+
+CLIP_EPS = 1e-6
+"""Added to the norm before dividing, as ``clip_grad_norm_`` does."""
+
+
+@dataclass(frozen=True)
+class ClipPart:
+    """One stage of this rank, as the norm sees it."""
+
+    worker: StageWorker
+    counted: bool
+    """Whether its gradient adds to the norm (the stage's first replica does)."""
+
+
+def sum_of_squares(grads: Sequence[Tensor], device: torch.device) -> Tensor:
+    """The sum of the gradients' squared entries, in float32 on ``device`` (0 for none)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm(list(grads), 2, dtype=torch.float32)
+    return torch.stack([n.to(device) for n in norms]).square().sum()
+
+
+def clip_factor(total_sq: Tensor, max_norm: float) -> tuple[Tensor, Tensor]:
+    """The norm from the summed squares, and the factor ``min(1, max_norm / (norm + eps))``."""
+    norm = total_sq.sqrt()
+    return norm, torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0)
+
+
+class GradientClipper:
+    """This rank's share of clipping: its stages' gradients, the allreduce over all ranks."""
+
+    def __init__(
+        self,
+        max_norm: float,
+        parts: Sequence[ClipPart],
+        *,
+        device: torch.device,
+        wait: Callable[[Any, str], None],
+        group: Any = None,
+    ) -> None:
+        self.max_norm = max_norm
+        self.parts = list(parts)
+        self.device = device
+        self.wait = wait
+        """``wait(work, what)`` waits for the allreduce: on gloo with a timeout naming the
+        action, on NCCL as a stream wait."""
+        self.group = group
+        """The process group of all ranks (None: the default one)."""
+        self._last: tuple[int, Tensor] | None = None
+        """The latest update clipped and the whole model's gradient norm before clipping."""
+
+    def clip(self, update: int, what: str) -> None:
+        """Clip this rank's gradients of ``update`` (``what``: the action, for a timeout)."""
+        parts = self.parts
+        counted = [g for part in parts if part.counted for g in part.worker.present_gradients()]
+        total = sum_of_squares(counted, self.device).reshape(1)
+        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            self.wait(dist.all_reduce(total, group=self.group, async_op=True), what)
+        norm, factor = clip_factor(total[0], self.max_norm)
+        grads = [g for part in parts for g in part.worker.present_gradients()]
+        if grads:
+            torch._foreach_mul_(grads, factor)
+        self._last = (update, norm)
+
+    def norm_of(self, update: int) -> Tensor | None:
+        """The whole model's gradient norm of ``update`` before clipping (a device tensor; no
+        host wait), while it is the latest clipped (None otherwise)."""
+        if self._last is None or self._last[0] != update:
+            return None
+        return self._last[1]
