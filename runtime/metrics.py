@@ -24,16 +24,19 @@ class MetricsLogger:
         progress: bool,
         stream: TextIO | None = None,
         first_step: int = 0,
+        minibatches_per_update: int = 1,
     ) -> None:
-        """``total_steps``: this rank's updates by the end of the run; ``first_step``: those a
-        resumed run had made before (its progress counts on from there); ``stream``: where
-        progress goes (default: ``sys.stderr`` as it is when the logger is made, so that a
-        redirected or captured stderr gets it)."""
+        """``total_steps``: the run's minibatches by its end (``--steps``); ``first_step``:
+        those a resumed run had trained before (its progress counts on from there);
+        ``minibatches_per_update``: the minibatches each logged update applies (the last
+        stage's replicas); ``stream``: where progress goes (default: ``sys.stderr`` as it is
+        when the logger is made, so that a redirected or captured stderr gets it)."""
         stream = sys.stderr if stream is None else stream
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = path.open("a", encoding="utf-8")
         self.total_steps = total_steps
         self.first_step = first_step
+        self.per_update = minibatches_per_update
         self.samples_per_step = samples_per_step
         self.stream = stream
         self.start = time.perf_counter()
@@ -43,7 +46,7 @@ class MetricsLogger:
         """The CPU time of the thread that issues the updates, at each update (``thread_time``)."""
         self.losses: list[float] = []
         self._bar: Any = None
-        self._every = max(1, (total_steps - first_step) // 10)
+        self._every = max(1, (total_steps - first_step) // minibatches_per_update // 10)
         if progress and stream.isatty():
             from tqdm import tqdm
 
@@ -86,11 +89,8 @@ class MetricsLogger:
         self._file.flush()
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:.0f}")
-            self._bar.update(1)
-        elif (
-            len(self.losses) % self._every == 0
-            or self.first_step + len(self.losses) == self.total_steps
-        ):
+            self._bar.update(self.per_update)
+        elif len(self.losses) % self._every == 0 or self._trained >= self.total_steps:
             recent = self.losses[-self._every :]
             since = (
                 self.step_times[-len(recent) - 1]
@@ -99,12 +99,17 @@ class MetricsLogger:
             )
             rate = len(recent) * self.samples_per_step / max(now - since, 1e-9)
             print(
-                f"step {self.first_step + len(self.losses):>6}/{self.total_steps}  "
+                f"step {self._trained:>6}/{self.total_steps}  "
                 f"loss {sum(recent) / len(recent):.4f} (mean of last {len(recent)})  "
                 f"{rate:,.0f} samples/s",
                 file=self.stream,
                 flush=True,
             )
+
+    @property
+    def _trained(self) -> int:
+        """Minibatches trained by the latest logged update."""
+        return self.first_step + len(self.losses) * self.per_update
 
     def time_per_step_ms(self) -> float | None:
         """Steady-state time per minibatch: median gap between updates in the second half."""

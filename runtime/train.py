@@ -410,8 +410,9 @@ class _RankJob:
         )
         return MetricsLogger(
             self.run_dir / "metrics.jsonl",
-            total_steps=self.options.steps // last.replicas,
-            first_step=start // last.replicas,
+            total_steps=self.options.steps,
+            first_step=start,
+            minibatches_per_update=last.replicas,
             samples_per_step=plan.microbatch_size * plan.microbatches * last.replicas,
             progress=self.options.progress,
         )

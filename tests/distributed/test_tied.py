@@ -150,8 +150,11 @@ def test_several_stages_per_rank_equal_tied_training(
 def test_clipping_to_a_global_norm_equals_a_plain_loop_with_clip_grad_norm(tmp_path: Path) -> None:
     """``--clip-grad-norm`` on 4 ranks, two copies of a two-stage pipeline: the norm over all
     ranks counts each stage once (at its first replica) and the tied tensor at its owner; the
-    metrics give the norm of each update before clipping, as ``clip_grad_norm_`` returns it."""
+    metrics give the norm of each update before clipping, as ``clip_grad_norm_`` returns it.
+    The progress counts minibatches, as ``--steps`` does: it said "step 1/2" and "2/2" for the
+    replicated last stage's two updates of 4 minibatches."""
     m, steps = 2, 4
+    said: list[str] = []
     got = train_and_load(
         tmp_path,
         TWO,
@@ -163,7 +166,13 @@ def test_clipping_to_a_global_norm_equals_a_plain_loop_with_clip_grad_norm(tmp_p
         microbatches=m,
         replicas=[2, 2],
         extra=("--clip-grad-norm", "0.3"),
+        said=said,
     )
+    assert [line.split()[:2] for line in said if line.startswith("step ")] == [
+        ["step", "2/4"],
+        ["step", "4/4"],
+    ]
+    assert any("clipping gradients to norm 0.3, " in line for line in said)
     norms: list[float] = []
     want = plain_tied_training(steps=steps, microbatches=m, copies=2, clip=0.3, norms=norms)
     assert _diff(got, {k: v for k, v in want.items() if k != "head.weight"}) < 1e-5

@@ -43,9 +43,11 @@ def train_and_load(
     name: str = "run",
     placement: tuple[int, ...] | None = None,
     env: dict[str, str] | None = None,
+    said: list[str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Launch the plan for ``steps`` minibatches; return the merged final weights.
-    ``placement``: the rank of every stage, where ranks run several stages (interleaved, V)."""
+    ``placement``: the rank of every stage, where ranks run several stages (interleaved, V);
+    ``said``: gets the lines the run wrote to stderr."""
     plan = straight_plan(
         workload,
         stages,
@@ -74,4 +76,6 @@ def train_and_load(
         env=env,
     )
     assert result.returncode == 0, result.stderr[-4000:]
+    if said is not None:
+        said += result.stderr.splitlines()
     return load_full_state_dict(run_dir / "checkpoints" / f"step-{steps:06d}")

@@ -67,3 +67,24 @@ def test_progress_goes_to_stderr_as_it_is_when_the_logger_is_made(
     logger.log(0, 1.0)
     logger.close()
     assert capsys.readouterr().err.split()[:2] == ["step", "1/1"]
+
+
+def test_progress_counts_minibatches_where_an_update_applies_several(tmp_path: Path) -> None:
+    """A last stage of 2 replicas logs one update per 2 minibatches: resumed at minibatch 3 of
+    7, its updates end at 5 and 7 (it said "2/3" and "3/3", in updates)."""
+    import io
+
+    stream = io.StringIO()
+    logger = MetricsLogger(
+        tmp_path / "m.jsonl",
+        total_steps=7,
+        samples_per_step=8,
+        progress=False,
+        stream=stream,
+        first_step=3,
+        minibatches_per_update=2,
+    )
+    for step in (1, 2):
+        logger.log(step, 1.0)
+    logger.close()
+    assert [line.split()[1] for line in stream.getvalue().splitlines()] == ["5/7", "7/7"]
