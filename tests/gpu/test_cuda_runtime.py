@@ -96,20 +96,24 @@ def test_one_stage_follows_the_plain_loop_in_bf16(tmp_path: Path) -> None:
     assert losses[-1] < losses[0]
 
 
-def test_one_stage_never_waits_for_the_gpu_between_updates(tmp_path: Path) -> None:
+@pytest.mark.parametrize("clip", [(), ("--clip-grad-norm", "0.5")], ids=["", "clipped"])
+def test_one_stage_never_waits_for_the_gpu_between_updates(
+    tmp_path: Path, clip: tuple[str, ...]
+) -> None:
     """No host synchronisation with the GPU in the steady state, so the host queues minibatches
     ahead of the GPU as a plain loop does: between two updates of a lone stage (bf16, two
     microbatches a minibatch) PyTorch's GPU trace reports no device, stream or event
-    synchronisation. A stream synchronisation is also what every blocking copy between host
-    and GPU does (``.item()``, ``.tolist()``, a ``.to()`` without ``non_blocking``). The end of
-    the run synchronises (its one read of the losses, the checkpoint), which shows the counting
-    works."""
+    synchronisation, also where it clips its gradients (the norm and the factor stay on the
+    GPU, the norms are read with the losses). A stream synchronisation is also what every
+    blocking copy between host and GPU does (``.item()``, ``.tolist()``, a ``.to()`` without
+    ``non_blocking``). The end of the run synchronises (its one read of the losses, the
+    checkpoint), which shows the counting works."""
     steps = 12  # fewer than GPU_READ_EVERY: the losses are read once, at the end
     result, (rank,) = count_syncs(
         tmp_path,
         _one_stage_plan(tmp_path),
         *("--steps", str(steps), "--run-dir", str(tmp_path / "run"), "--device", "cuda"),
-        *("--precision", "bf16", "--no-progress", "--timeout", "60"),
+        *("--precision", "bf16", "--no-progress", "--timeout", "60", *clip),
         nproc=1,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -208,8 +212,13 @@ def test_recompute_bf16_replicas_and_resume_on_a_shared_gpu(tmp_path: Path) -> N
     assert all(torch.isfinite(v).all() for v in bf16.values())
 
 
-def test_tied_gpt2_on_a_shared_gpu_equals_the_plain_loop(tmp_path: Path) -> None:
-    """A Hugging Face GPT-2 whose head reuses its embedding, in 2 stages on one GPU."""
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["", "clipped"])
+def test_tied_gpt2_on_a_shared_gpu_equals_the_plain_loop(
+    tmp_path: Path, clip: float | None
+) -> None:
+    """A Hugging Face GPT-2 whose head reuses its embedding, in 2 stages on one GPU; clipped,
+    the gradient norm's allreduce (of a CUDA tensor, on gloo) and the tied gradient's share in
+    it."""
     pytest.importorskip("transformers")
     args = {
         "config": "gpt2",
@@ -251,13 +260,16 @@ def test_tied_gpt2_on_a_shared_gpu_equals_the_plain_loop(tmp_path: Path) -> None
         "--no-progress",
         "--timeout",
         "120",
+        *(("--clip-grad-norm", str(clip)) if clip is not None else ()),
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "sharing 1 GPU (messages through host memory)" in result.stderr
     got = load_full_state_dict(run / "checkpoints" / "step-000004")
     make_deterministic()
-    want, _ = plain_loop("hf-lm", args, steps=4, microbatches=2, microbatch_size=4, device="cuda")
+    want, _ = plain_loop(
+        "hf-lm", args, steps=4, microbatches=2, microbatch_size=4, device="cuda", clip=clip
+    )
     assert max_rel_diff(got, want) < 1e-4
 
 

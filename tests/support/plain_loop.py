@@ -23,16 +23,26 @@ def plain_loop(
     device: str = "cpu",
     precision: str = "fp32",
     seed: int = 0,
+    clip: float | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """``steps`` optimizer steps over the runtime's microbatches (same seed, same order), each
-    the mean of ``microbatches`` microbatches' losses: the weights (on the CPU) and each
-    step's mean loss. On the CPU it computes with one thread, as every rank the tests launch
-    does (another thread count sums in another order: Adam turns that into 1e-4 differences)."""
+    the mean of ``microbatches`` microbatches' losses (with ``clip``, ``clip_grad_norm_``
+    before each step): the weights (on the CPU) and each step's mean loss. On the CPU it
+    computes with one thread, as every rank the tests launch does (another thread count sums
+    in another order: Adam turns that into 1e-4 differences)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         return _train(
-            workload, workload_args, steps, microbatches, microbatch_size, device, precision, seed
+            workload,
+            workload_args,
+            steps,
+            microbatches,
+            microbatch_size,
+            device,
+            precision,
+            seed,
+            clip,
         )
     finally:
         torch.set_num_threads(threads)
@@ -47,6 +57,7 @@ def _train(
     device: str,
     precision: str,
     seed: int,
+    clip: float | None,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     built = load_workload(workload, workload_args, microbatch_size=microbatch_size)
     model = built.model.to(device)
@@ -70,6 +81,8 @@ def _train(
             loss = built.loss_fn(output, targets)
             (loss / microbatches).backward()
             total += float(loss.detach()) / microbatches
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         if schedule is not None:
             schedule.step()
