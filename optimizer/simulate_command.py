@@ -57,6 +57,7 @@ from pipedream.optimizer.simulator import (
 )
 from pipedream.optimizer.timeline import draw_timeline, format_timeline
 from pipedream.optimizer.verify import INTERFACE
+from pipedream.schedules import Op
 from pipedream.wording import count
 
 __all__ = [
@@ -155,12 +156,18 @@ def precision_note(profile: Profile, source: str, plan: Plan, plan_source: str) 
 def run_settings_notes(
     traces: Sequence[RankTrace], profile: Profile, plan: Plan, run_dir: str
 ) -> list[str]:
-    """Notes where the traced run trained otherwise than the simulation assumes: in another
-    precision than the profile's, or recomputing where the plan does not (or the reverse)."""
+    """Notes where the traced run trained otherwise than the simulation assumes: clipping its
+    gradients, in another precision than the profile's, or recomputing where the plan does not
+    (or the reverse)."""
+    notes = []
+    if any(event.op is Op.CLIP for trace in traces for event in trace.events):
+        notes.append(
+            f"note: the run in {run_dir} clipped its gradients (--clip-grad-norm): the "
+            "simulation leaves out the norm's allreduce over all ranks, one number per update"
+        )
     run = traces[0].run if traces else None
     if run is None:  # a trace written before runs recorded it
-        return []
-    notes = []
+        return notes
     if run.precision != profile.precision:
         notes.append(
             f"note: the run in {run_dir} trained in {run.precision}, and the profile was "

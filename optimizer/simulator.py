@@ -878,7 +878,8 @@ class _Run:
             size = NORM_BYTES if clip else self.work[stage].parameter_bytes
             end = start + self.network.allreduce_ms(size, group)
             for member in group:
-                self.events.append(Event(member, stage, "A", action.index, start, end))
+                own = min(self.spec.stages_of_rank(member)) if clip else stage  # its C's stage
+                self.events.append(Event(member, own, "A", action.index, start, end))
                 self.clock[member] = self._reach(member, end)
                 self.waiting.discard(member)
                 self._wake(member)

@@ -48,11 +48,22 @@ class ClipPart:
 
 
 def sum_of_squares(grads: Sequence[Tensor], device: torch.device) -> Tensor:
-    """The sum of the gradients' squared entries, in float32 on ``device`` (0 for none)."""
-    if not grads:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch._foreach_norm(list(grads), 2, dtype=torch.float32)
-    return torch.stack([n.to(device) for n in norms]).square().sum()
+    """The sum of the gradients' squared entries on ``device``, in float32, or in float64
+    where a gradient is (0 for none). Half-precision gradients are summed in float32, where
+    ``clip_grad_norm_`` sums them in their own dtype: the norm is the more accurate, and a
+    model whose weights are bfloat16 clips a little differently from a plain loop."""
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for grad in grads:
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    dtype = torch.float64 if torch.float64 in by_dtype else torch.float32
+    norms = [
+        norm.to(device=device, dtype=dtype)
+        for group_dtype, group in by_dtype.items()
+        for norm in torch._foreach_norm(group, 2, dtype=torch.promote_types(group_dtype, dtype))
+    ]
+    if not norms:
+        return torch.zeros((), dtype=dtype, device=device)
+    return torch.stack(norms).square().sum()
 
 
 def clip_factor(total_sq: Tensor, max_norm: float) -> tuple[Tensor, Tensor]:
@@ -72,6 +83,7 @@ class GradientClipper:
         device: torch.device,
         wait: Callable[[Any, str], None],
         group: Any = None,
+        float64: bool = False,
     ) -> None:
         self.max_norm = max_norm
         self.parts = list(parts)
@@ -81,6 +93,8 @@ class GradientClipper:
         action, on NCCL as a stream wait."""
         self.group = group
         """The process group of all ranks (None: the default one)."""
+        self.dtype = torch.float64 if float64 else torch.float32
+        """What the norm is summed in (float64 where the model has float64 weights)."""
         self._last: tuple[int, Tensor] | None = None
         """The latest update clipped and the whole model's gradient norm before clipping."""
 
@@ -88,7 +102,8 @@ class GradientClipper:
         """Clip this rank's gradients of ``update`` (``what``: the action, for a timeout)."""
         parts = self.parts
         counted = [g for part in parts if part.counted for g in part.worker.present_gradients()]
-        total = sum_of_squares(counted, self.device).reshape(1)
+        # every rank sums in float64 where any does: the allreduce needs one dtype everywhere
+        total = sum_of_squares(counted, self.device).to(self.dtype).reshape(1)
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
             self.wait(dist.all_reduce(total, group=self.group, async_op=True), what)
         norm, factor = clip_factor(total[0], self.max_norm)

@@ -247,6 +247,7 @@ def _set_up(options: TrainOptions, plan: Plan, env: LaunchEnv) -> _Setup:
         edges=layout.edges,
         tied=layout.tied_pairs,
         in_order=_in_order(placement.backend),
+        clip=options.clip_grad_norm is not None,
     )
     return _Setup(options, workload, layout, resume_from, todo, placement, posting, note)
 
@@ -680,8 +681,10 @@ class _RankJob:
             ClipPart(worker, counted=self.plan.stages[stage].ranks[0] == self.rank)
             for stage, worker in workers.items()
         ]
+        # float64 on every rank where any stage has float64 weights: one dtype to allreduce
+        float64 = any(p.dtype == torch.float64 for p in self.workload.model.parameters())
         return GradientClipper(
-            self.clip, parts, device=self.device, wait=wait, group=self.clip_group
+            self.clip, parts, device=self.device, wait=wait, group=self.clip_group, float64=float64
         )
 
 

@@ -10,7 +10,8 @@ before the rank's first ``U`` of ``k``.
 
 That is a rule only the flush schedules can keep: under ``pipedream``, ``pipedream-vs`` and
 ``2bw`` a stage updates while earlier stages still run the minibatch's backwards, so a whole
-model's gradient of one minibatch never exists at one time. It also needs one update count
+model's gradient of one minibatch never exists at one time (but for a plan of one stage,
+whose gradient is the model's under any schedule). It also needs one update count
 for all stages, hence every stage with the same number of replicas (then update ``k`` of every
 stage applies the same minibatches). :func:`clipping_problem` says why a spec cannot clip.
 
@@ -34,12 +35,15 @@ _AFTER_CLIP = (Op.UPDATE, Op.SEND_WEIGHTS)
 def clipping_problem(spec: PipelineSpec) -> str:
     """Why ``spec`` cannot clip gradients to a global norm ("" where it can)."""
     schedule = lookup(spec.schedule)
+    if spec.num_stages == 1:  # the stage's gradient is the model's, under any schedule
+        return ""
     if schedule.asynchronous:
         flushing = sorted(name for name, s in SCHEDULES.items() if not s.asynchronous)
         return (
             f"schedule {spec.schedule!r} updates each stage while earlier stages still run the "
             "minibatch's backwards, so there is no whole-model gradient to take the norm of; "
-            f"clip gradients under a schedule that flushes ({', '.join(flushing)})"
+            f"clip gradients under a schedule that flushes ({', '.join(flushing)}): plan with "
+            "--schedule 1f1b, or set schedule: 1f1b in the plan"
         )
     counts = sorted({spec.replicas(stage) for stage in range(spec.num_stages)})
     if len(counts) > 1:

@@ -106,10 +106,11 @@ def validate_plan_schedule(
     edges: tuple[tuple[int, int], ...] | None = None,
     tied: tuple[tuple[int, int], ...] = (),
     in_order: bool = False,
+    clip: bool = False,
 ) -> Posting:
     """Validate every rank's action table for segments of each of ``counts`` minibatches, and
     return the posting the runtime runs them with (as :func:`plan_posting`, from the same
-    tables; ``in_order``: NCCL's discipline).
+    tables; ``in_order``: NCCL's discipline; ``clip``: the tables of a clipped run).
 
     Tables are shift-invariant in the minibatch index and periodic after the warm-up, so a
     segment longer than :func:`validation_bound` is validated at that bound: the check covers the
@@ -125,7 +126,7 @@ def validate_plan_schedule(
     bound = validation_bound(plan)
     posting = Posting()
     for count in sorted(set(counts)):
-        spec = spec_from_plan(plan, 0, min(count, bound), edges, tied)
+        spec = spec_from_plan(plan, 0, min(count, bound), edges, tied, clip=clip)
         try:
             tables = build_tables(spec)
             validate_tables(spec, tables)

@@ -6,16 +6,27 @@ included."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
 from pipedream.errors import ScheduleError
 from pipedream.runtime.grad_clip import clip_factor, sum_of_squares
-from pipedream.schedules import SCHEDULES, Action, Op, PipelineSpec, build_tables, validate_tables
+from pipedream.schedules import (
+    SCHEDULES,
+    Action,
+    Op,
+    PipelineSpec,
+    build_tables,
+    parse_action,
+    validate_tables,
+)
 from pipedream.schedules.clipping import clipping_problem
 
 from launching import run_main, straight_plan, write_plan
+from plain_loop import plain_loop
 from reference_run import reference_layout_weights
 from runs import max_rel_diff
 from tied_gpt import ARGS, LAYERS, MICROBATCH, plain_tied_training
@@ -158,4 +169,59 @@ def test_train_refuses_a_bad_norm_and_a_plan_that_cannot_clip(tmp_path: Path) ->
     assert line.startswith(
         "pipedream train: error: --clip-grad-norm 1: schedule 'pipedream' updates each stage while"
     )
-    assert line.endswith("(1f1b, gpipe, interleaved-1f1b, zb-h1, zbv)")
+    assert line.endswith(
+        "(1f1b, gpipe, interleaved-1f1b, zb-h1, zbv): plan with --schedule 1f1b, or set "
+        "schedule: 1f1b in the plan"
+    )
+
+
+def test_a_float64_model_clips_in_float64() -> None:
+    """The norm was summed with ``_foreach_norm(..., dtype=float32)``, which refuses to narrow
+    float64: every rank of a float64 model failed at its first clip."""
+    args = {"dtype": "float64"}
+    stages = [["0", "1"], ["2", "3", "4"]]
+    got = reference_layout_weights(
+        "dtype_model:build", args, stages, schedule="1f1b", microbatches=2, steps=3,
+        microbatch_size=4, clip=0.1,
+    )  # fmt: skip
+    want, _ = plain_loop(
+        "dtype_model:build", args, steps=3, microbatches=2, microbatch_size=4, clip=0.1
+    )
+    assert {tensor.dtype for tensor in got.values()} == {torch.float64}
+    assert max_rel_diff(got, want) < 1e-12
+    total = sum_of_squares([torch.full((2,), 3.0, dtype=torch.float64)], torch.device("cpu"))
+    assert total.dtype == torch.float64 and float(total) == pytest.approx(18.0, rel=1e-15)
+
+
+def test_one_stage_clips_under_any_schedule() -> None:
+    """Plain data parallelism (one stage, two replicas) is what ``plan`` gives one worker or
+    a few by default, under ``pipedream``: it was refused for "earlier stages" it has none of."""
+    for schedule in ("pipedream", "2bw"):
+        assert clipping_problem(PipelineSpec(schedule, ((0, 1),), 2, 2, clip=True)) == ""
+    got = reference_layout_weights(
+        "gpt", ARGS, [LAYERS], schedule="pipedream", microbatches=1, steps=4,
+        microbatch_size=MICROBATCH, replicas=[2], clip=MAX_NORM,
+    )  # fmt: skip
+    want = plain_tied_training(steps=4, microbatches=1, copies=2, clip=MAX_NORM)
+    want["head.weight"] = want["embed.tok.weight"]
+    assert max_rel_diff(got, want) < 1e-5
+
+
+def test_simulating_a_clipped_runs_traces_notes_what_the_simulation_leaves_out() -> None:
+    from pipedream.formats.trace import RankTrace, TraceEvent
+    from pipedream.optimizer.simulate_command import run_settings_notes
+
+    def trace(*actions: str) -> RankTrace:
+        events = []
+        for action in actions:
+            parsed = parse_action(action)
+            events.append(TraceEvent(action, parsed.op, parsed.stage, parsed.index, 0.0, 1.0))
+        return RankTrace(0, 0, 1, tuple(events), "t.json")
+
+    plan: Any = SimpleNamespace(recompute=False)
+    profile: Any = SimpleNamespace(precision="fp32")
+    assert run_settings_notes([trace("0F0", "0B0", "0U0")], profile, plan, "runs/a") == []
+    assert run_settings_notes([trace("0F0", "0B0", "0C0", "0U0")], profile, plan, "runs/a") == [
+        "note: the run in runs/a clipped its gradients (--clip-grad-norm): the simulation "
+        "leaves out the norm's allreduce over all ranks, one number per update"
+    ]

@@ -91,3 +91,35 @@ def test_losses_are_read_in_batches_on_a_gpu(tmp_path) -> None:
     with counting_reads() as reads:
         cpu.add(0, [(0, torch.tensor(1.0)), (1, torch.tensor(2.0))])
     assert reads == ["tolist"]  # on the CPU every update is read at once
+
+
+def test_the_clipper_reads_nothing_on_the_host() -> None:
+    """``--clip-grad-norm``: the norm, the factor and the scaling stay tensors (on a GPU,
+    queued kernels); only the stage's first replica counts, every stage scales; a float64
+    model sums in float64 (one process: no allreduce)."""
+    from types import SimpleNamespace
+    from typing import Any
+
+    from pipedream.runtime.grad_clip import ClipPart, GradientClipper
+
+    def worker(*values: float, dtype: torch.dtype = torch.float32) -> Any:
+        grads = [torch.tensor([v], dtype=dtype) for v in values]
+        return SimpleNamespace(present_gradients=lambda: grads)
+
+    counted, other = worker(3.0, 4.0, dtype=torch.float64), worker(100.0)
+    clipper = GradientClipper(
+        1.0,
+        [ClipPart(counted, counted=True), ClipPart(other, counted=False)],  # type: ignore[arg-type]
+        device=torch.device("cpu"),
+        wait=lambda work, what: None,
+        float64=True,
+    )
+    with counting_reads() as reads:
+        clipper.clip(7, "the clip")
+        norm = clipper.norm_of(7)
+    assert reads == []
+    assert norm is not None and norm.dtype == torch.float64 and float(norm) == 5.0
+    assert clipper.norm_of(6) is None
+    scale = 1 / (5 + 1e-6)
+    assert [float(g) for g in counted.present_gradients()] == pytest.approx([3 * scale, 4 * scale])
+    assert float(other.present_gradients()[0]) == pytest.approx(100 * scale)
