@@ -293,9 +293,9 @@ def tables_of_run(traces: Sequence[RankTrace], plan: Plan) -> dict[int, list[Act
             return None
         stretches = ((min(forwards) // m, len(forwards) // m),)
     tables: dict[int, list[Action]] = {trace.rank: [] for trace in traces}
-    clip = any(event.op is Op.CLIP for event in traces[0].events)  # --clip-grad-norm
+    clip = any(event.op is Op.CLIP for event in traces[0].events)  # a global norm (C)
     for first, count in stretches:
-        spec = spec_from_plan(plan, first, count, traces[0].edges, traces[0].tied, clip=clip)
+        spec = spec_from_plan(plan, first, count, traces[0].edges, traces[0].tied, global_norm=clip)
         try:
             built = build_tables(spec)
         except ScheduleError:  # e.g. a run that stopped early: not a whole number of rounds

@@ -7,7 +7,7 @@ rank scales its gradients by ``min(1, max_norm / (norm + 1e-6))`` before its upd
 stage's gradient counts once: a replicated stage's replicas hold the same averaged gradient
 after their allreduce, so only its first replica adds it; a tied parameter's gradient counts
 at its owner, which holds the sum of all its uses. The tables say when (a ``C`` per rank and
-update, :mod:`pipedream.schedules.clipping`).
+update, :mod:`pipedream.schedules.global_norm`).
 
 Nothing waits on the host: the norm, the factor and the scaling stay on the device (on NCCL
 the allreduce is queued on the GPU), and the last stage logs the norm in ``metrics.jsonl``

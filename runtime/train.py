@@ -247,7 +247,7 @@ def _set_up(options: TrainOptions, plan: Plan, env: LaunchEnv) -> _Setup:
         edges=layout.edges,
         tied=layout.tied_pairs,
         in_order=_in_order(placement.backend),
-        clip=options.clip_grad_norm is not None,
+        global_norm=options.clip_grad_norm is not None,
     )
     return _Setup(options, workload, layout, resume_from, todo, placement, posting, note)
 
@@ -325,7 +325,7 @@ class _RankJob:
             count,
             self.layout.edges,
             self.layout.tied_pairs,
-            clip=self.clip is not None,
+            global_norm=self.clip is not None,
         )
         return build_tables(spec, only_ranks=(self.rank,))[self.rank]
 

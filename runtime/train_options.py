@@ -13,7 +13,7 @@ from pipedream.errors import LaunchError
 from pipedream.formats.plan import Plan
 from pipedream.runtime.segments import Segments
 from pipedream.schedules import MAX_TABLE_ACTIONS, actions_per_minibatch, spec_from_plan
-from pipedream.schedules.clipping import clipping_problem
+from pipedream.schedules.global_norm import global_norm_problem
 
 __all__ = [
     "TrainOptions",
@@ -101,10 +101,10 @@ def check_max_norm(max_norm: float | None) -> None:
 
 def check_clipping(options: TrainOptions, plan: Plan) -> None:
     """``--clip-grad-norm`` needs a schedule that flushes and equal replicas at every stage
-    (:func:`pipedream.schedules.clipping.clipping_problem`)."""
+    (:func:`pipedream.schedules.global_norm.global_norm_problem`)."""
     if options.clip_grad_norm is None:
         return
-    problem = clipping_problem(spec_from_plan(plan, 0, plan.steps_multiple, clip=True))
+    problem = global_norm_problem(spec_from_plan(plan, 0, plan.steps_multiple, global_norm=True))
     if problem:
         raise LaunchError(f"--clip-grad-norm {options.clip_grad_norm:g}: {problem}")
 

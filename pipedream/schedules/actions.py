@@ -38,7 +38,7 @@ receives every new version of the owner's tensor::
 A run that clips gradients to a global norm (``--clip-grad-norm``) has one ``C`` per rank and
 update, named after the rank's first stage: every rank adds its stages' squared gradient norms
 in one allreduce over all ranks, after every gradient of the update is complete on the rank and
-before its first ``U`` (:mod:`pipedream.schedules.clipping`).
+before its first ``U`` (:mod:`pipedream.schedules.global_norm`).
 """
 
 from __future__ import annotations

@@ -57,13 +57,13 @@ def spec_from_plan(
     edges: tuple[tuple[int, int], ...] | None = None,
     tied: tuple[tuple[int, int], ...] = (),
     *,
-    clip: bool = False,
+    global_norm: bool = False,
 ) -> PipelineSpec:
     """The schedule generator's view of ``count`` minibatches of ``plan`` from ``first`` on.
 
     ``edges`` are the stage pairs that exchange tensors (None: a plain chain); ``tied`` the
-    (owner, copy) stage pairs of tied parameters; ``clip``: the run clips gradients to a
-    global norm.
+    (owner, copy) stage pairs of tied parameters; ``global_norm``: every update waits for
+    the whole model's gradient norm (clipping, fp16).
     """
     return PipelineSpec(
         schedule=plan.schedule,
@@ -73,7 +73,7 @@ def spec_from_plan(
         first_minibatch=first,
         edges=edges,
         tied=tied,
-        clip=clip,
+        global_norm=global_norm,
     )
 
 
@@ -106,11 +106,12 @@ def validate_plan_schedule(
     edges: tuple[tuple[int, int], ...] | None = None,
     tied: tuple[tuple[int, int], ...] = (),
     in_order: bool = False,
-    clip: bool = False,
+    global_norm: bool = False,
 ) -> Posting:
     """Validate every rank's action table for segments of each of ``counts`` minibatches, and
     return the posting the runtime runs them with (as :func:`plan_posting`, from the same
-    tables; ``in_order``: NCCL's discipline; ``clip``: the tables of a clipped run).
+    tables; ``in_order``: NCCL's discipline; ``global_norm``: the tables of a run whose updates
+    wait for the whole model's gradient norm).
 
     Tables are shift-invariant in the minibatch index and periodic after the warm-up, so a
     segment longer than :func:`validation_bound` is validated at that bound: the check covers the
@@ -126,7 +127,7 @@ def validate_plan_schedule(
     bound = validation_bound(plan)
     posting = Posting()
     for count in sorted(set(counts)):
-        spec = spec_from_plan(plan, 0, min(count, bound), edges, tied, clip=clip)
+        spec = spec_from_plan(plan, 0, min(count, bound), edges, tied, global_norm=global_norm)
         try:
             tables = build_tables(spec)
             validate_tables(spec, tables)

@@ -38,9 +38,10 @@ class PipelineSpec:
     tied: tuple[tuple[int, int], ...] = ()
     """(owner stage, copy stage) pairs: the copy stage holds copies of tied parameters that
     the owner stage (the first stage using them) owns (see the module docstring)."""
-    clip: bool = False
-    """The run clips gradients to a global norm: every rank takes part in a ``C`` per update
-    (:mod:`pipedream.schedules.clipping`)."""
+    global_norm: bool = False
+    """Every update waits for the whole model's gradient norm, a ``C`` per rank and update
+    that all ranks take part in: to clip gradients, or for fp16's overflow check
+    (:mod:`pipedream.schedules.global_norm`)."""
 
     def tie_owners(self, stage: int) -> list[int]:
         """The stages that own the tied tensors ``stage`` holds copies of."""
@@ -90,7 +91,7 @@ class PipelineSpec:
             self.num_minibatches // len(self.stage_ranks[0]),
             edges=self.edges,
             tied=self.tied,
-            clip=self.clip,
+            global_norm=self.global_norm,
         )
         return view, global_of
 
@@ -162,10 +163,10 @@ class PipelineSpec:
                 raise ScheduleError(
                     f"tied pair ({owner}, {copy}) must name an owner stage before a copy stage"
                 )
-        if self.clip:
-            from pipedream.schedules.clipping import clipping_problem
+        if self.global_norm:
+            from pipedream.schedules.global_norm import global_norm_problem
 
-            problem = clipping_problem(self)
+            problem = global_norm_problem(self)
             if problem:
                 raise ScheduleError(problem)
 

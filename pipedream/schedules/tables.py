@@ -34,7 +34,7 @@ from collections.abc import Collection, Sequence
 from itertools import groupby
 
 from pipedream.schedules.actions import Action, Op
-from pipedream.schedules.clipping import with_clipping
+from pipedream.schedules.global_norm import with_global_norm
 from pipedream.schedules.registry import lookup
 from pipedream.schedules.schedule import CLOSE, RankEntry, replica_minibatches
 from pipedream.schedules.spec import PipelineSpec
@@ -103,7 +103,7 @@ def build_tables(
             for replica, rank in enumerate(ranks):
                 if only_ranks is None or rank in only_ranks:
                     tables[rank] = _table(spec, stage, replica)
-    return with_clipping(spec, tables) if spec.clip else tables
+    return with_global_norm(spec, tables) if spec.global_norm else tables
 
 
 def _table(spec: PipelineSpec, stage: int, replica: int) -> list[Action]:

@@ -142,18 +142,18 @@ def _out_of_order(action: Action, done: Mapping[Op, set[int]]) -> str:
 def _check_clips(spec: PipelineSpec, tables: Mapping[int, Sequence[Action]]) -> None:
     """A clipped spec: one ``C`` per rank and update, after the rank's gradient work of the
     update and before its updates; an unclipped one: none."""
-    from pipedream.schedules.clipping import update_of
+    from pipedream.schedules.global_norm import update_of
 
     for rank, table in tables.items():
         clipped: dict[int, int] = {}
         for pos, action in enumerate(table):
             if action.op is Op.CLIP:
-                if not spec.clip:
+                if not spec.global_norm:
                     _fail(tables, rank, pos, "a gradient clip in a run that does not clip")
                 if action.index in clipped:
                     _fail(tables, rank, pos, f"a second clip of update {action.index}")
                 clipped[action.index] = pos
-        if not spec.clip:
+        if not spec.global_norm:
             continue
         for pos, action in enumerate(table):
             update = update_of(spec, action)

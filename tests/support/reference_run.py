@@ -107,7 +107,9 @@ def reference_layout_weights(
         return stage_layout(built, plan, source="plan")
 
     first = layout_of()
-    spec = spec_from_plan(plan, 0, steps, first.edges, first.tied_pairs, clip=clip is not None)
+    spec = spec_from_plan(
+        plan, 0, steps, first.edges, first.tied_pairs, global_norm=clip is not None
+    )
     tables = build_tables(spec)
     workers: dict[int, dict[int, StageWorker]] = {}
     layouts: dict[int, StageLayout] = {}

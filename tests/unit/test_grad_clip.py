@@ -23,7 +23,7 @@ from pipedream.schedules import (
     parse_action,
     validate_tables,
 )
-from pipedream.schedules.clipping import clipping_problem
+from pipedream.schedules.global_norm import global_norm_problem
 
 from launching import run_main, straight_plan, write_plan
 from plain_loop import plain_loop
@@ -41,7 +41,7 @@ def _tables(spec: PipelineSpec) -> dict[int, str]:
 
 
 def test_each_rank_clips_after_its_gradients_and_before_its_updates() -> None:
-    spec = PipelineSpec("1f1b", ((0,), (1,)), 2, 2, clip=True)
+    spec = PipelineSpec("1f1b", ((0,), (1,)), 2, 2, global_norm=True)
     assert _tables(spec) == {
         0: "0F0 0SF0 0F1 0SF1 0RB0 0B0 0RB1 0B1 0C0 0U0 "
         "0F2 0SF2 0F3 0SF3 0RB2 0B2 0RB3 0B3 0C1 0U1",
@@ -56,14 +56,14 @@ def test_an_update_that_came_before_a_tied_gradient_waits_for_the_norm() -> None
     spec = PipelineSpec("zbv", ((0,), (1,), (1,), (0,)), 4, 1, tied=((0, 3),))
     assert "3SG0 3U0 0RG0 0U0 0SW1" in _tables(spec)[0]
     clipped = _tables(
-        PipelineSpec("zbv", ((0,), (1,), (1,), (0,)), 4, 1, tied=((0, 3),), clip=True)
+        PipelineSpec("zbv", ((0,), (1,), (1,), (0,)), 4, 1, tied=((0, 3),), global_norm=True)
     )
     assert "3SG0 0RG0 0C0 3U0 0U0 0SW1" in clipped[0]
     assert clipped[1].endswith("1W3 1C0 2U0 1U0")
 
 
 def test_replicas_average_before_the_norm() -> None:
-    spec = PipelineSpec("1f1b", ((0, 1), (2, 3)), 1, 2, clip=True)
+    spec = PipelineSpec("1f1b", ((0, 1), (2, 3)), 1, 2, global_norm=True)
     assert _tables(spec)[3] == "1RF1 1F1 1B1 1SB1 1A0 1C0 1U0"
 
 
@@ -79,7 +79,9 @@ def test_every_flush_schedule_clips_in_valid_tables(schedule: str) -> None:
                     tuple(where[s] + ranks * j for j in range(copies)) for s in range(stages)
                 )
                 tied = ((0, stages - 1),) if stages > 1 else ()
-                spec = PipelineSpec(schedule, stage_ranks, m, 2 * copies, tied=tied, clip=True)
+                spec = PipelineSpec(
+                    schedule, stage_ranks, m, 2 * copies, tied=tied, global_norm=True
+                )
                 tables = build_tables(spec)
                 validate_tables(spec, tables)
                 for rank, table in tables.items():
@@ -91,16 +93,17 @@ def test_plans_that_cannot_clip_say_why() -> None:
     for schedule in ("pipedream", "pipedream-vs", "2bw"):
         with pytest.raises(ScheduleError, match="no whole-model gradient to take the norm of"):
             PipelineSpec(
-                schedule, ((0,), (1,)), 2 if schedule == "2bw" else 1, 2, clip=True
+                schedule, ((0,), (1,)), 2 if schedule == "2bw" else 1, 2, global_norm=True
             ).validate()
-    spec = PipelineSpec("1f1b", ((0, 1), (2,)), 2, 2, clip=True)
-    assert "the same number of replicas at every stage; this plan has [1, 2]" in clipping_problem(
-        spec
+    spec = PipelineSpec("1f1b", ((0, 1), (2,)), 2, 2, global_norm=True)
+    assert (
+        "the same number of replicas at every stage; this plan has [1, 2]"
+        in global_norm_problem(spec)
     )
 
 
 def test_the_checks_catch_an_update_before_its_norm_and_a_norm_nobody_asked_for() -> None:
-    spec = PipelineSpec("1f1b", ((0,), (1,)), 1, 1, clip=True)
+    spec = PipelineSpec("1f1b", ((0,), (1,)), 1, 1, global_norm=True)
     tables = build_tables(spec)
     table = tables[1]
     c, u = table.index(Action(Op.CLIP, 1, 0)), table.index(Action(Op.UPDATE, 1, 0))
@@ -197,7 +200,7 @@ def test_one_stage_clips_under_any_schedule() -> None:
     """Plain data parallelism (one stage, two replicas) is what ``plan`` gives one worker or
     a few by default, under ``pipedream``: it was refused for "earlier stages" it has none of."""
     for schedule in ("pipedream", "2bw"):
-        assert clipping_problem(PipelineSpec(schedule, ((0, 1),), 2, 2, clip=True)) == ""
+        assert global_norm_problem(PipelineSpec(schedule, ((0, 1),), 2, 2, global_norm=True)) == ""
     got = reference_layout_weights(
         "gpt", ARGS, [LAYERS], schedule="pipedream", microbatches=1, steps=4,
         microbatch_size=MICROBATCH, replicas=[2], clip=MAX_NORM,

@@ -1,4 +1,4 @@
-"""Gradient clipping to a global norm, as tables: where each rank takes part in the norm.
+"""Updates that wait for the whole model's gradient norm, as tables: where each rank takes part.
 
 A plain loop's ``clip_grad_norm_(model.parameters(), c)`` scales the minibatch's gradient by
 ``min(1, c / (||g|| + 1e-6))``, where ``||g||`` is the norm of the *whole model's* gradient.
@@ -13,9 +13,9 @@ That is a rule only the flush schedules can keep: under ``pipedream``, ``pipedre
 model's gradient of one minibatch never exists at one time (but for a plan of one stage,
 whose gradient is the model's under any schedule). It also needs one update count
 for all stages, hence every stage with the same number of replicas (then update ``k`` of every
-stage applies the same minibatches). :func:`clipping_problem` says why a spec cannot clip.
+stage applies the same minibatches). :func:`global_norm_problem` says why a spec cannot take the norm.
 
-Pure code, no torch: :func:`with_clipping` rewrites tables that :func:`build_tables` made.
+Pure code, no torch: :func:`with_global_norm` rewrites tables that :func:`build_tables` made.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from pipedream.schedules.actions import Action, Op
 from pipedream.schedules.registry import SCHEDULES, lookup
 from pipedream.schedules.spec import PipelineSpec
 
-__all__ = ["clipping_problem", "update_of", "with_clipping"]
+__all__ = ["global_norm_problem", "update_of", "with_global_norm"]
 
 _AFTER_CLIP = (Op.UPDATE, Op.SEND_WEIGHTS)
 """What must wait for the norm: the updates, and the new versions they make."""
 
 
-def clipping_problem(spec: PipelineSpec) -> str:
+def global_norm_problem(spec: PipelineSpec) -> str:
     """Why ``spec`` cannot clip gradients to a global norm ("" where it can)."""
     schedule = lookup(spec.schedule)
     if spec.num_stages == 1:  # the stage's gradient is the model's, under any schedule
@@ -72,7 +72,7 @@ def update_of(spec: PipelineSpec, action: Action) -> int | None:
     return action.index // spec.microbatches // r  # a microbatch
 
 
-def with_clipping(
+def with_global_norm(
     spec: PipelineSpec, tables: Mapping[int, Sequence[Action]]
 ) -> dict[int, list[Action]]:
     """Each rank's table with a ``C`` per update: right after the rank's last action of the
