@@ -73,6 +73,7 @@ from pipedream.optimizer.verify import (
     simulation_work,
     steady_ms,
 )
+from pipedream.precision import SCALES_LOSS
 from pipedream.schedules import MAX_MICROBATCHES, SCHEDULES, lookup
 
 __all__ = [
@@ -218,6 +219,8 @@ def plan_profile(profile: Profile, *, topology: Topology, options: PlanOptions) 
         return PlanResult(placed.plan, placed.tree, placed.cluster, placed.evaluation)
     if options.schedule == AUTO:
         found = solve_auto(request, microbatches=options.microbatches)
+        if profile.precision in SCALES_LOSS:  # fp16's loss scale: schedules that flush
+            found = [o for o in found if not lookup(o.schedule).asynchronous]
         placed_found, skipped = _placed_outcomes(profile, topology, options, request.memory_limit)
         checked = _simulated_outcomes(
             found, profile, topology, force=bool(placed_found), recompute=options.recompute
@@ -254,6 +257,8 @@ def plan_profile(profile: Profile, *, topology: Topology, options: PlanOptions) 
         schedule=outcome.schedule,
         recompute=options.recompute,
     )
+    if profile.precision in SCALES_LOSS and plan.num_stages > 1:
+        _check_fp16(plan.schedule)
     tree = outcome.tree
     if simulated_auto and not needs_simulation(plan):  # chosen by its simulated time
         assert plan.prediction is not None
@@ -281,6 +286,17 @@ def plan_profile(profile: Profile, *, topology: Topology, options: PlanOptions) 
     return PlanResult(
         plan, tree, outcome.cluster, evaluation, candidates, refined, not_compared=not_compared
     )
+
+
+def _check_fp16(schedule: str) -> None:
+    """A pipeline of several stages trains in fp16 only under a schedule that flushes."""
+    if lookup(schedule).asynchronous:
+        raise PlanningError(
+            f"the profile was measured in fp16, whose loss scale skips an update that "
+            f"overflowed on every stage at once, and schedule {schedule!r} updates each stage "
+            "at its own time: plan with --schedule 1f1b (or another that flushes, or auto), or "
+            "profile in bf16"
+        )
 
 
 def _per_copy(options: PlanOptions, workers: int) -> list[int]:

@@ -10,6 +10,7 @@ from pipedream.optimizer.baselines import Baseline
 from pipedream.optimizer.planner import PlanResult
 from pipedream.optimizer.refine import Refined
 from pipedream.optimizer.verify import needs_simulation
+from pipedream.precision import DEFAULT_PRECISION
 from pipedream.schedules import lookup
 
 __all__ = ["format_candidates", "format_comparison", "format_summary", "table"]
@@ -88,7 +89,11 @@ def format_summary(
         f"{profile.workload}: {len(profile.layers)} layers on {topology.describe()}",
         f"schedule {plan.schedule}, {plan.microbatches} x {plan.microbatch_size} samples per "
         f"minibatch, "
-        + ("bf16 (autocast, as profiled), " if profile.precision == "bf16" else "")
+        + (
+            f"{profile.precision} (autocast, as profiled), "
+            if profile.precision != DEFAULT_PRECISION
+            else ""
+        )
         + f"cost model {prediction.cost_model}",
         "",
         *table(header, rows, left=2),

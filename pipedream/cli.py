@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=PRECISIONS,
         default=None,
         help="measure the forwards as train --precision runs them: fp32, the model's own "
-        "dtypes (default), or bf16, autocast to bfloat16; the plan and train follow it",
+        "dtypes (default), bf16, autocast to bfloat16, or fp16, autocast to float16 with a "
+        "loss scale; the plan and train follow it",
     )
     profile.add_argument(
         "--from-pipedream",
@@ -159,9 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--topology", metavar="TOPO", help="topology YAML (several levels)")
     plan.add_argument(
         "--schedule",
-        default="pipedream",
+        default=None,
         help="pipedream, pipedream-vs, 2bw, 1f1b, gpipe, interleaved-1f1b, zb-h1, zbv, or auto: "
-        "the fastest that fits, with its number of microbatches (default pipedream)",
+        "the fastest that fits, with its number of microbatches (default pipedream; 1f1b for "
+        "an fp16 profile, whose loss scaling needs a schedule that flushes)",
     )
     plan.add_argument(
         "--microbatches",
@@ -263,8 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--precision",
         default=None,
         choices=PRECISIONS,
-        help="fp32, the model's own dtypes, or bf16, autocast to bfloat16 (default: the "
-        "plan's, which its profile was measured in; fp32 for a plan that names none)",
+        help="fp32, the model's own dtypes, bf16, autocast to bfloat16, or fp16, autocast to "
+        "float16 with a dynamic loss scale (default: the plan's, which its profile was "
+        "measured in; fp32 for a plan that names none)",
     )
     train.add_argument("--recompute", action="store_true", help="recompute activations in backward")
     train.add_argument(

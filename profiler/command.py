@@ -468,7 +468,9 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
             precision=getattr(args, "precision", None) or DEFAULT_PRECISION,
         )
         threads = f", {torch.get_num_threads()} CPU threads" if profile.device == "cpu" else ""
-        autocast_note = " in bf16 (autocast)" if profile.precision == "bf16" else ""
+        autocast_note = (
+            f" in {profile.precision} (autocast)" if profile.precision != DEFAULT_PRECISION else ""
+        )
         others = profile.concurrent - 1
         beside = (
             f", {others} more process{'es' if others > 1 else ''} training beside it "

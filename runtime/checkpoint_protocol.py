@@ -48,13 +48,16 @@ def write_checkpoint(
     keep: int,
     seed: int,
     tied: Sequence[Sequence[str]] = (),
+    loss_scale: dict[str, Any] | None = None,
 ) -> None:
     """Collective: every rank calls it at the same step, after the pipeline drained.
 
     ``stages``: the rank's stages (one, or several under interleaved and V schedules), each
     with its worker and the names in its state dict that another stage's file stores (copies
     of tied tensors, ``omit``); ``tied``: the names of each tensor the model reaches under
-    several names. The first replica of every stage writes the stage's file.
+    several names; ``loss_scale``: fp16's scale and its count of good updates, the same on
+    every rank (rank 0 writes it into the manifest). The first replica of every stage writes
+    the stage's file.
     """
     entries = []
     for stage, worker, omit in stages:
@@ -86,6 +89,7 @@ def write_checkpoint(
                 "microbatch_size": plan.microbatch_size,
                 "microbatches": plan.microbatches,
                 "seed": seed,
+                **({"loss_scale": loss_scale} if loss_scale is not None else {}),
             },
             tied=tied,
         )

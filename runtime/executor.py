@@ -4,7 +4,7 @@ It walks the table in order: receives and sends go through :class:`~pipedream.ru
 (receives posted ahead, :mod:`~pipedream.schedules.posting`), compute goes to the
 :class:`~pipedream.runtime.stage_worker.StageWorker`, an allreduce waits for the bucketed
 averaging of a stage's replicas' gradients (:mod:`~pipedream.runtime.grad_buckets`), a clip
-takes the global gradient norm (:mod:`~pipedream.runtime.grad_clip`). Any wait
+takes the whole model's gradient norm (:mod:`~pipedream.runtime.global_norm`). Any wait
 that outlasts the timeout raises an error naming the rank, the stage and the action that was
 waiting.
 """
@@ -24,8 +24,8 @@ from pipedream.formats.trace import TracedAction
 from pipedream.graph.layers import StageIO
 from pipedream.runtime.comm import P2P, PeerTimeoutError, channel_kind, stage_lane
 from pipedream.runtime.compute_clock import ComputeClock
+from pipedream.runtime.global_norm import GlobalNorm
 from pipedream.runtime.grad_buckets import GradientBuckets
-from pipedream.runtime.grad_clip import GradientClipper
 from pipedream.runtime.out_of_memory import DeviceOutOfMemory, torch_summary
 from pipedream.runtime.routing import (
     gather_inputs,
@@ -97,7 +97,7 @@ class Executor:
         timeout: float = 300.0,
         on_update: Callable[[Action, list[int]], None] | None = None,
         trace: list[TracedAction] | None = None,
-        clipper: GradientClipper | None = None,
+        global_norm: GlobalNorm | None = None,
     ) -> None:
         self.stages = stages
         self.table = table
@@ -110,8 +110,8 @@ class Executor:
         self.timeout = timeout
         self.on_update = on_update
         self.trace = trace
-        self.clipper = clipper
-        """Clips the gradients at each ``C`` (a run with ``--clip-grad-norm``)."""
+        self.global_norm = global_norm
+        """Takes the whole model's gradient norm at each ``C`` (``--clip-grad-norm``, fp16)."""
         # (stage, kind, microbatch) -> peer stage -> tensors, and the version tag of the messages
         self._inbox: dict[tuple[int, str, int], dict[int, list[Tensor]]] = {}
         self._inbox_tags: dict[tuple[int, str, int], int] = {}
@@ -243,10 +243,13 @@ class Executor:
         elif op is Op.ALLREDUCE:
             self._allreduce(local, _what(action))
         elif op is Op.CLIP:
-            assert self.clipper is not None, "a clip in the table of a run that does not clip"
-            self.clipper.clip(action.index, _what(action))
+            assert self.global_norm is not None, "a C in the table of a run without a norm"
+            self.global_norm.check(action.index, _what(action))
         elif op is Op.UPDATE:
-            worker.update(position)
+            if self.global_norm is not None and self.global_norm.skips(action.index):
+                worker.update(position, skip=True)  # fp16: an overflow somewhere
+            else:
+                worker.update(position)
             done, self._since_update[action.stage] = self._since_update[action.stage], []
             if self.on_update is not None:
                 self.on_update(action, done)

@@ -18,7 +18,7 @@ from pathlib import Path
 from pipedream.errors import LaunchError, PipedreamError
 from pipedream.formats.plan import Plan, load_plan
 from pipedream.runtime.train_options import (
-    check_clipping,
+    check_global_norm,
     check_options,
     check_segments,
     train_options,
@@ -93,7 +93,7 @@ def check_train_options(
 
     options = train_options(build_parser().parse_args(["train", plan_path, *train_args]))
     check_options(options)
-    check_clipping(options, plan)
+    check_global_norm(options, plan)
     if options.device.startswith("cuda"):  # only then is torch imported, to count the GPUs
         import torch
 

@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from pipedream.graph.layers import StageIO
-from pipedream.runtime.grad_clip import clip_factor, sum_of_squares
+from pipedream.runtime.global_norm import clip_factor, sum_of_squares
+from pipedream.runtime.loss_scale import LossScaler
 from pipedream.runtime.routing import (
     gather_inputs,
     gather_output_grads,
@@ -35,11 +36,14 @@ def run_reference(
     ios: Sequence[StageIO],
     *,
     clip: float | None = None,
+    scaler: LossScaler | None = None,
 ) -> None:
     """Run every rank's table to completion (round-robin, each rank until it must wait).
 
     ``workers``: each rank's worker, or its workers by stage where it runs several stages;
-    ``clip``: the global gradient norm the tables' ``C`` actions clip to.
+    ``clip``: the global gradient norm the tables' ``C`` actions clip to; ``scaler``: fp16's
+    loss scale (the last stage's worker scales its losses by its ``scale``), which the ``C``
+    actions unscale and check.
     """
     local = {
         rank: {w.config.stage: w} if isinstance(w, StageWorker) else dict(w)
@@ -51,6 +55,7 @@ def run_reference(
     outbox: dict[tuple[int, str, int], dict[int, list[Tensor]]] = {}
     arrived: dict[tuple[int, int], set[int]] = {}
     averaged: set[tuple[int, int]] = set()
+    skipped: set[int] = set()  # updates an fp16 overflow skips
     stage_ranks: dict[int, set[int]] = {}
     for rank, stages in local.items():
         for stage in stages:
@@ -120,10 +125,14 @@ def run_reference(
                         break
                     if (-1, action.index) not in averaged:
                         averaged.add((-1, action.index))
-                        assert clip is not None, "a clip in tables run without a norm"
-                        _clip(local, stage_ranks, clip)
+                        assert clip is not None or scaler is not None, "a C without a norm"
+                        if _check(local, stage_ranks, clip, scaler):
+                            skipped.add(action.index)
                 elif op is Op.UPDATE:
-                    worker.update(pos)
+                    if action.index in skipped:
+                        worker.update(pos, skip=True)
+                    else:
+                        worker.update(pos)
                 position[rank] = pos + 1
                 progress = True
     stuck = {r: p for r, p in position.items() if p < len(tables[r])}
@@ -140,19 +149,29 @@ def _average(workers: Sequence[StageWorker]) -> None:
 
 
 @torch.no_grad()
-def _clip(
+def _check(
     local: Mapping[int, Mapping[int, StageWorker]],
     stage_ranks: Mapping[int, set[int]],
-    max_norm: float,
-) -> None:
-    """Scale every worker's gradients by the factor of the whole model's norm, where each
-    stage counts once (its replicas hold the same average)."""
+    max_norm: float | None,
+    scaler: LossScaler | None,
+) -> bool:
+    """An update's global norm: unscale every worker's gradients and find overflows (fp16),
+    then scale them by the clipping factor of the whole model's norm, where each stage counts
+    once (its replicas hold the same average); returns whether the update is skipped."""
     workers = [w for stages in local.values() for w in stages.values()]
-    counted = [local[min(ranks)][stage] for stage, ranks in stage_ranks.items()]
-    device = workers[0].config.device
-    grads = [g for worker in counted for g in worker.present_gradients()]
-    _, factor = clip_factor(sum_of_squares(grads, device), max_norm)
-    for worker in workers:
-        present = worker.present_gradients()
-        if present:
-            torch._foreach_mul_(present, factor)
+    if scaler is not None:
+        found = scaler.unscale([g for worker in workers for g in worker.present_gradients()])
+        scaler.update(found)
+        if bool(found > 0):
+            scaler.skipped += 1
+            return True
+    if max_norm is not None:
+        counted = [local[min(ranks)][stage] for stage, ranks in stage_ranks.items()]
+        device = workers[0].config.device
+        grads = [g for worker in counted for g in worker.present_gradients()]
+        _, factor = clip_factor(sum_of_squares(grads, device), max_norm)
+        for worker in workers:
+            present = worker.present_gradients()
+            if present:
+                torch._foreach_mul_(present, factor)
+    return False

@@ -143,9 +143,13 @@ class StageWorker:
         tied: TiedLinks | None = None,
         input_grads: Sequence[bool] | None = None,
         lr_schedule: LrSchedule | None = None,
+        loss_scale: Tensor | None = None,
     ) -> None:
         self.config = config
         self.lr_schedule = lr_schedule
+        self.loss_scale = loss_scale
+        """fp16's loss scale, which the last stage multiplies its losses by before their
+        backwards (a device tensor the scaler changes in place; None: no scaling)."""
         """The workload's learning-rate factor per minibatch (None: the optimizer's own)."""
         self.tied = tied or TiedLinks()
         self.module = place_module(_own_copies(module, self.tied.copy_names), config.device)
@@ -439,7 +443,10 @@ class StageWorker:
             # change no bit of the loss or the gradients, but it launches two kernels on a GPU
             # (the division and its backward) that a plain loop does not.
             m = self.config.microbatches
-            return [stash.loss / m if m > 1 else stash.loss], [None]
+            root = stash.loss / m if m > 1 else stash.loss
+            if self.loss_scale is not None:  # fp16: every gradient of the pipeline scaled
+                root = root * self.loss_scale
+            return [root], [None]
         assert grads is not None and len(grads) == len(stash.outputs)
         pairs = [(o, g) for o, g in zip(stash.outputs, grads) if o.requires_grad and g is not None]
         return [o for o, _ in pairs], [g for _, g in pairs]
@@ -528,14 +535,16 @@ class StageWorker:
             if param.requires_grad and param.grad is not None
         ]
 
-    def update(self, position: int) -> None:
-        """Optimizer step on the live weights, then they become the next version."""
+    def update(self, position: int, *, skip: bool = False) -> None:
+        """Optimizer step on the live weights, then they become the next version; ``skip``:
+        no step (fp16's overflow), the weights and optimizer state stay, the gradients go."""
         self.versions.release_before(position)
-        if self.optimizer is not None:
+        if self.optimizer is not None and not skip:
             # the first minibatch the update applies: versions count updates
             first = self.versions.live_version * self.config.replicas + self.config.replica_phase
             with scheduled_lr(self.optimizer, self.lr_schedule, first):
                 self.optimizer.step()
+        if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         self.versions.updated()
 

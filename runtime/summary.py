@@ -121,11 +121,13 @@ def report(
     device: torch.device | None = None,
     recompute: bool = False,
     precision: str = DEFAULT_PRECISION,
+    loss_scale: tuple[int, float] | None = None,
 ) -> dict[str, Any]:
     """Print the summary on stderr and write ``summary.json``; returns the summary. The
     workload's evaluation runs on ``device`` (the reporting rank's; default the CPU);
     ``recompute``: the run recomputed activations, ``precision``: what its forwards ran in; a
-    plan made otherwise does not predict it, and the time line says so."""
+    plan made otherwise does not predict it, and the time line says so; ``loss_scale``: under
+    fp16, the updates skipped for an overflow and the final scale."""
     measured = logger.time_per_step_ms()
     host_cpu = logger.host_cpu_per_step_ms()
     predicted = plan.prediction.time_per_minibatch_ms if plan.prediction else None
@@ -192,6 +194,15 @@ def report(
     if skipped:
         lines.append(f"skipped {skipped} microbatches with a non-finite loss (zero gradient)")
     summary["skipped_microbatches"] = skipped
+    if loss_scale is not None:
+        skipped_updates, scale = loss_scale
+        updates = len(logger.losses)
+        lines.append(
+            f"fp16 loss scaling: skipped {skipped_updates} of {count(updates, 'update')} for an "
+            f"overflow; loss scale {scale:g} at the end"
+        )
+        summary["skipped_updates"] = skipped_updates
+        summary["loss_scale"] = scale
     cores = os.cpu_count() or 1
     if plan.world_size > cores and not torch.cuda.is_available():
         lines.append(

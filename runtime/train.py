@@ -30,6 +30,7 @@ from pipedream.errors import CheckpointError, PipedreamError, RunFailure
 from pipedream.formats.plan import Plan, load_plan
 from pipedream.formats.trace import RunSettings, TracedAction, remove_traces, write_trace
 from pipedream.host_memory import configure_host_memory
+from pipedream.precision import SCALES_LOSS, precision_words
 from pipedream.runtime.agreement import agree_on_setup, refuse_together
 from pipedream.runtime.checkpoint import load_manifest, restore_stage, step_dir_name, untaken
 from pipedream.runtime.checkpoint_protocol import (
@@ -48,9 +49,10 @@ from pipedream.runtime.environment import (
 )
 from pipedream.runtime.executor import Executor, LocalStage, wait_collective
 from pipedream.runtime.gc_freeze import frozen_heap
+from pipedream.runtime.global_norm import ClipPart, GlobalNorm
 from pipedream.runtime.grad_buckets import GradientBuckets
-from pipedream.runtime.grad_clip import ClipPart, GradientClipper
 from pipedream.runtime.loss_log import LossLog
+from pipedream.runtime.loss_scale import LossScaler
 from pipedream.runtime.metrics import MetricsLogger
 from pipedream.runtime.out_of_memory import DeviceOutOfMemory, how_to_fit, said_in_one_line
 from pipedream.runtime.rng_state import seed_segment
@@ -61,9 +63,10 @@ from pipedream.runtime.stage_worker import StageWorker, WorkerConfig
 from pipedream.runtime.summary import RankStats, peak_memory_bytes, report
 from pipedream.runtime.train_options import (
     TrainOptions,
-    check_clipping,
+    check_global_norm,
     check_options,
     check_segments,
+    needs_global_norm,
     segments,
 )
 from pipedream.schedules import (
@@ -126,7 +129,7 @@ def train(options: TrainOptions) -> int:
         make_deterministic()
     plan = load_plan(options.plan_path)
     check_options(options)
-    check_clipping(options, plan)
+    check_global_norm(options, plan)
     if options.resume is None:  # from step 0 (a resumed run's start is known further down)
         check_segments(options, plan)
     env = read_launch_env(plan, source=options.plan_path)
@@ -247,7 +250,7 @@ def _set_up(options: TrainOptions, plan: Plan, env: LaunchEnv) -> _Setup:
         edges=layout.edges,
         tied=layout.tied_pairs,
         in_order=_in_order(placement.backend),
-        global_norm=options.clip_grad_norm is not None,
+        global_norm=needs_global_norm(options, plan),
     )
     return _Setup(options, workload, layout, resume_from, todo, placement, posting, note)
 
@@ -296,11 +299,15 @@ class _RankJob:
         """Messages follow NCCL's discipline (on gloo too where IN_ORDER_ENV asks for it)."""
         self.clip = options.clip_grad_norm
         """The global gradient norm the updates clip to (None: no clipping)."""
+        self.scaler = LossScaler(self.device) if self.precision in SCALES_LOSS else None
+        """fp16's loss scale (None: another precision)."""
+        self.global_norm = needs_global_norm(options, plan)
+        """Every update waits for the whole model's gradient norm (a ``C`` per update)."""
         self.groups, self.header_group, self.payload_groups, self.clip_group = _new_groups(
             plan,
             layout,
             in_order=self.in_order,
-            clip=self.clip is not None,
+            clip=self.global_norm,
             timeout=timedelta(seconds=options.timeout),
         )
         self.posting = posting
@@ -325,7 +332,7 @@ class _RankJob:
             count,
             self.layout.edges,
             self.layout.tied_pairs,
-            global_norm=self.clip is not None,
+            global_norm=self.global_norm,
         )
         return build_tables(spec, only_ranks=(self.rank,))[self.rank]
 
@@ -360,6 +367,7 @@ class _RankJob:
             tied=self.layout.tied_links(stage, module),
             input_grads=input_needs_grad(self.layout.ios[stage]),
             lr_schedule=self.workload.lr_schedule,
+            loss_scale=self.scaler.scale if self.scaler and stage == self.last_stage else None,
         )
 
     def _buckets(self, stage: int, worker: StageWorker) -> GradientBuckets:
@@ -400,7 +408,7 @@ class _RankJob:
         print(
             f"pipedream: {plan.workload} on {self.placement.describe(plan.world_size)}, "
             f"{wording.count(plan.num_stages, 'stage')}, schedule {plan.schedule}, "
-            + ("bf16 (autocast), " if self.precision == "bf16" else "")
+            + precision_words(self.precision)
             + ("recomputing activations, " if self.recompute else "")
             + (f"clipping gradients to norm {self.clip:g}, " if self.clip is not None else "")
             + f"{todo} "
@@ -472,6 +480,7 @@ class _RankJob:
                 keep=self.options.keep,
                 seed=self.seed,
                 tied=[tensor.names for tensor in self.layout.tied],
+                loss_scale=self.scaler.state_dict() if self.scaler is not None else None,
             )
             self.last_checkpoint = directory
         return compute_s, elapsed_s
@@ -496,6 +505,9 @@ class _RankJob:
         if resume_from is not None:
             with self._fitting(own, f"restoring {resume_from}"):
                 self._restore(workers, resume_from)
+                saved_scale = load_manifest(resume_from).get("loss_scale")
+                if self.scaler is not None and saved_scale is not None:
+                    self.scaler.load_state_dict(saved_scale)  # an fp16 run goes on with it
             self.last_checkpoint = resume_from
         with self._fitting(own, "allocating the buckets of the replicas' allreduce"):
             self.buckets = {
@@ -552,6 +564,7 @@ class _RankJob:
                 device=self.device,
                 recompute=self.recompute,
                 precision=self.precision,
+                loss_scale=self._loss_scale_report(),
             )
             logger.close()
         return 0
@@ -620,13 +633,13 @@ class _RankJob:
         trace: list[TracedAction] | None,
     ) -> Executor:
         last = workers.get(self.last_stage)
-        clipper = self._clipper(workers)
+        global_norm = self._global_norm(workers)
 
         def on_update(action: Action, microbatches: list[int]) -> None:
             if last is None or action.stage != self.last_stage:
                 return
             losses = [(mb, last.losses.pop(mb)) for mb in microbatches if mb in last.losses]
-            norm = clipper.norm_of(action.index) if clipper is not None else None
+            norm = global_norm.norm_of(action.index) if global_norm is not None else None
             loss_log.add(action.index, losses, grad_norm=norm)
 
         stages = {
@@ -664,13 +677,19 @@ class _RankJob:
             timeout=self.options.timeout,
             on_update=on_update,
             trace=trace,
-            clipper=clipper,
+            global_norm=global_norm,
         )
 
-    def _clipper(self, workers: dict[int, StageWorker]) -> GradientClipper | None:
-        """This rank's share of ``--clip-grad-norm`` (None: the run does not clip); a stage's
-        first replica counts its gradient in the norm."""
-        if self.clip is None:
+    def _loss_scale_report(self) -> tuple[int, float] | None:
+        """fp16: the updates this run skipped for an overflow and the final scale."""
+        if self.scaler is None:
+            return None
+        return self.scaler.skipped, float(self.scaler.scale)
+
+    def _global_norm(self, workers: dict[int, StageWorker]) -> GlobalNorm | None:
+        """This rank's share of every update's global norm, to clip or to check fp16's
+        gradients (None: neither); a stage's first replica counts its gradient in the norm."""
+        if not self.global_norm:
             return None
 
         def wait(work: Any, what: str) -> None:
@@ -683,8 +702,14 @@ class _RankJob:
         ]
         # float64 on every rank where any stage has float64 weights: one dtype to allreduce
         float64 = any(p.dtype == torch.float64 for p in self.workload.model.parameters())
-        return GradientClipper(
-            self.clip, parts, device=self.device, wait=wait, group=self.clip_group, float64=float64
+        return GlobalNorm(
+            parts,
+            device=self.device,
+            wait=wait,
+            group=self.clip_group,
+            float64=float64,
+            max_norm=self.clip,
+            scaler=self.scaler,
         )
 
 

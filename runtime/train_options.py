@@ -11,15 +11,17 @@ from pathlib import Path
 
 from pipedream.errors import LaunchError
 from pipedream.formats.plan import Plan
+from pipedream.precision import SCALES_LOSS
 from pipedream.runtime.segments import Segments
 from pipedream.schedules import MAX_TABLE_ACTIONS, actions_per_minibatch, spec_from_plan
 from pipedream.schedules.global_norm import global_norm_problem
 
 __all__ = [
     "TrainOptions",
-    "check_clipping",
+    "check_global_norm",
     "check_options",
     "check_segments",
+    "needs_global_norm",
     "segments",
     "train_options",
 ]
@@ -43,7 +45,7 @@ class TrainOptions:
     """``fp32`` or ``bf16`` (:mod:`pipedream.precision`); None: the plan's."""
     recompute: bool = False
     clip_grad_norm: float | None = None
-    """Clip every update's gradient to this global norm (:mod:`pipedream.runtime.grad_clip`);
+    """Clip every update's gradient to this global norm (:mod:`pipedream.runtime.global_norm`);
     None: no clipping."""
     device: str = "auto"
     deterministic: bool = False
@@ -99,14 +101,28 @@ def check_max_norm(max_norm: float | None) -> None:
         )
 
 
-def check_clipping(options: TrainOptions, plan: Plan) -> None:
-    """``--clip-grad-norm`` needs a schedule that flushes and equal replicas at every stage
-    (:func:`pipedream.schedules.global_norm.global_norm_problem`)."""
-    if options.clip_grad_norm is None:
+def needs_global_norm(options: TrainOptions, plan: Plan) -> bool:
+    """Whether every update waits for the whole model's gradient norm: to clip it, or for
+    fp16's overflow check (``--precision fp16``, or a plan made from an fp16 profile)."""
+    precision = options.precision or plan.precision
+    return options.clip_grad_norm is not None or precision in SCALES_LOSS
+
+
+def check_global_norm(options: TrainOptions, plan: Plan) -> None:
+    """``--clip-grad-norm`` and fp16 need a schedule that flushes (or one stage) and equal
+    replicas at every stage (:func:`pipedream.schedules.global_norm.global_norm_problem`)."""
+    if not needs_global_norm(options, plan):
         return
     problem = global_norm_problem(spec_from_plan(plan, 0, plan.steps_multiple, global_norm=True))
-    if problem:
+    if not problem:
+        return
+    if options.clip_grad_norm is not None:
         raise LaunchError(f"--clip-grad-norm {options.clip_grad_norm:g}: {problem}")
+    where = "--precision fp16" if options.precision else "the plan's precision fp16"
+    raise LaunchError(
+        f"{where} (its loss scale skips an overflowing update on every stage): {problem}; or "
+        "train in bf16"
+    )
 
 
 _RUN_DIR_ENTRIES = {

@@ -1,19 +1,21 @@
 """Updates that wait for the whole model's gradient norm, as tables: where each rank takes part.
 
-A plain loop's ``clip_grad_norm_(model.parameters(), c)`` scales the minibatch's gradient by
-``min(1, c / (||g|| + 1e-6))``, where ``||g||`` is the norm of the *whole model's* gradient.
-Split over ranks, that norm needs every stage's gradient of the update: each rank adds its
-stages' squared norms in one allreduce over all ranks (a ``C`` action), then scales its own
-gradients and runs its updates. So ``C`` of update ``k`` must come after every gradient of
-``k`` on its rank (backwards, the tied copies' gradients received, the replicas' allreduce) and
-before the rank's first ``U`` of ``k``.
+Two things need the norm of the *whole model's* gradient of an update. Gradient clipping: a
+plain loop's ``clip_grad_norm_(model.parameters(), c)`` scales the gradient by
+``min(1, c / (||g|| + 1e-6))``. And fp16's loss scaling, which skips an update where any
+gradient overflowed, on every stage at once. Split over ranks, both need every stage's gradient
+of the update: each rank adds its stages' squared norms (and its overflows) in one allreduce
+over all ranks (a ``C`` action), then scales its own gradients, or skips, and runs its updates.
+So ``C`` of update ``k`` must come after every gradient of ``k`` on its rank (backwards, the
+tied copies' gradients received, the replicas' allreduce) and before the rank's first ``U`` of
+``k``.
 
 That is a rule only the flush schedules can keep: under ``pipedream``, ``pipedream-vs`` and
 ``2bw`` a stage updates while earlier stages still run the minibatch's backwards, so a whole
 model's gradient of one minibatch never exists at one time (but for a plan of one stage,
-whose gradient is the model's under any schedule). It also needs one update count
-for all stages, hence every stage with the same number of replicas (then update ``k`` of every
-stage applies the same minibatches). :func:`global_norm_problem` says why a spec cannot take the norm.
+whose gradient is the model's under any schedule). It also needs one update count for all
+stages, hence every stage with the same number of replicas (then update ``k`` of every stage
+applies the same minibatches). :func:`global_norm_problem` says why a spec cannot take it.
 
 Pure code, no torch: :func:`with_global_norm` rewrites tables that :func:`build_tables` made.
 """

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from pipedream.formats.plan import load_plan
 from pipedream.formats.trace import RunSettings, load_traces
 
@@ -56,3 +58,54 @@ def test_a_bf16_profile_makes_a_bf16_plan_which_trains_in_bf16(tmp_path: Path) -
     )
     simulated = run_main("simulate", str(plan), "--trace", str(tmp_path / "as-planned"))
     assert simulated.returncode == 0 and "note: the run in" not in simulated.stdout
+
+
+def test_an_fp16_profile_plans_1f1b_and_trains_with_its_loss_scale_across_a_resume(
+    tmp_path: Path,
+) -> None:
+    """The plan of an fp16 profile flushes (its loss scale skips an update everywhere or
+    nowhere); the run skips what ``GradScaler`` skips, and a run resumed from its checkpoint
+    goes on with the scale it had (from 65536 again, it skipped update 4 as well)."""
+    from pipedream.runtime.checkpoint import load_full_state_dict
+
+    from plain_loop import plain_loop
+    from runs import max_rel_diff
+
+    profile, plan = tmp_path / "profile.yaml", tmp_path / "plan.yaml"
+    quick = ("--warmup", "0", "--repeats", "1")
+    made = run_main("profile", *WORKLOAD, "--precision", "fp16", *quick, "-o", str(profile))
+    assert made.returncode == 0, made.stderr
+    assert "measured on cpu in fp16 (autocast)" in made.stdout
+    planned = run_main("plan", str(profile), "--workers", "1", "-o", str(plan))
+    assert planned.returncode == 0, planned.stderr
+    written = load_plan(plan)
+    assert (written.precision, written.schedule) == ("fp16", "1f1b")
+    refused = run_main(
+        "plan", str(profile), "--workers", "2", "--straight", "--schedule", "2bw",
+        "-o", str(tmp_path / "no.yaml"),
+    )  # fmt: skip
+    assert refused.returncode == 2
+    assert "the profile was measured in fp16" in refused.stderr
+
+    def train(name: str, steps: int, *extra: str) -> str:
+        result = run_main(
+            "train", str(plan), "--steps", str(steps), "--run-dir", str(tmp_path / name),
+            "--checkpoint-every", "4", "--no-progress", *extra,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-2000:]
+        return result.stderr
+
+    said = train("whole", 8)
+    assert "schedule 1f1b, fp16 (autocast, loss scaling), 8 minibatches" in said
+    assert "fp16 loss scaling: skipped 1 of 8 updates for an overflow; loss scale 32768" in said
+    train("halves", 4)
+    said = train("halves", 8, "--resume", "auto")
+    assert "skipped 0 of 4 updates for an overflow; loss scale 32768 at the end" in said
+    whole = load_full_state_dict(tmp_path / "whole" / "checkpoints" / "step-000008")
+    resumed = load_full_state_dict(tmp_path / "halves" / "checkpoints" / "step-000008")
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    want, _ = plain_loop(
+        "dtype_model:build", {"dtype": "float32"}, steps=8, microbatches=written.microbatches,
+        microbatch_size=written.microbatch_size, precision="fp16",
+    )  # fmt: skip
+    assert max_rel_diff(whole, want) < 1e-6

@@ -54,6 +54,41 @@ def test_bf16_trains_gpt_like_fp32(tmp_path: Path) -> None:
     assert abs(bf16 - fp32) / fp32 < 0.05, (fp32, bf16)
 
 
+def test_fp16_on_two_ranks_skips_what_grad_scaler_skips(tmp_path: Path) -> None:
+    """Two stages in fp16: the last one scales the loss, both unscale, and the overflow one of
+    them finds reaches the other in the norm's allreduce, so both skip the first update and
+    end on the weights of a plain loop with ``GradScaler``."""
+    from plain_loop import plain_loop
+    from runs import max_rel_diff
+
+    support = str(Path(__file__).resolve().parents[1] / "support")  # dtype_model
+    said: list[str] = []
+    got = train_and_load(
+        tmp_path,
+        [["0", "1"], ["2", "3", "4"]],
+        steps=8,
+        workload="dtype_model:build",
+        workload_args={"dtype": "float32"},
+        schedule="1f1b",
+        microbatch_size=4,
+        microbatches=2,
+        extra=("--precision", "fp16", "--checkpoint-every", "4"),
+        env={"PYTHONPATH": support},
+        said=said,
+    )
+    scales: list[float] = []
+    want, _ = plain_loop(
+        "dtype_model:build", {"dtype": "float32"}, steps=8, microbatches=2, microbatch_size=4,
+        precision="fp16", scales=scales,
+    )  # fmt: skip
+    assert max_rel_diff(got, want) < 1e-6
+    assert scales[-1] == 2.0**14  # two updates skipped
+    assert (
+        "fp16 loss scaling: skipped 2 of 8 updates for an overflow; loss scale 16384 at the end"
+        in said
+    )
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -24,10 +24,12 @@ def plain_loop(
     precision: str = "fp32",
     seed: int = 0,
     clip: float | None = None,
+    scales: list[float] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """``steps`` optimizer steps over the runtime's microbatches (same seed, same order), each
     the mean of ``microbatches`` microbatches' losses (with ``clip``, ``clip_grad_norm_``
-    before each step): the weights (on the CPU) and each step's mean loss. On the CPU it
+    before each step; with ``fp16``, ``GradScaler``, whose scale after each step goes to
+    ``scales``): the weights (on the CPU) and each step's mean loss. On the CPU it
     computes with one thread, as every rank the tests launch does (another thread count sums
     in another order: Adam turns that into 1e-4 differences)."""
     threads = torch.get_num_threads()
@@ -43,6 +45,7 @@ def plain_loop(
             precision,
             seed,
             clip,
+            scales,
         )
     finally:
         torch.set_num_threads(threads)
@@ -58,6 +61,7 @@ def _train(
     precision: str,
     seed: int,
     clip: float | None,
+    scales: list[float] | None,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     built = load_workload(workload, workload_args, microbatch_size=microbatch_size)
     model = built.model.to(device)
@@ -65,6 +69,7 @@ def _train(
     optimizer = built.optimizer(model.parameters())
     # the workload's schedule as a plain loop applies it: stepped once per minibatch
     schedule = LambdaLR(optimizer, built.lr_schedule) if built.lr_schedule else None
+    scaler = torch.amp.GradScaler(torch.device(device).type) if precision == "fp16" else None
     losses = []
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
@@ -73,17 +78,27 @@ def _train(
             inputs, targets = data.microbatch(step * microbatches + j)
             inputs = map_tensors(lambda t: t.to(device), inputs)
             targets = map_tensors(lambda t: t.to(device), targets)
+            dtype = torch.float16 if precision == "fp16" else torch.bfloat16
             with torch.autocast(
-                torch.device(device).type, torch.bfloat16, enabled=precision == "bf16"
+                torch.device(device).type, dtype, enabled=precision in ("bf16", "fp16")
             ):
                 output = call_model(model, inputs)
             output = map_tensors(lambda t: loss_input(precision, t), output)
             loss = built.loss_fn(output, targets)
-            (loss / microbatches).backward()
+            scaled = loss / microbatches
+            (scaler.scale(scaled) if scaler else scaled).backward()
             total += float(loss.detach()) / microbatches
+        if scaler is not None:
+            scaler.unscale_(optimizer)
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
+        if scaler is not None:
+            scaler.step(optimizer)  # skipped where a gradient overflowed
+            scaler.update()
+            if scales is not None:
+                scales.append(scaler.get_scale())
+        else:
+            optimizer.step()
         if schedule is not None:
             schedule.step()
         losses.append(total)

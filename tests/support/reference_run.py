@@ -6,6 +6,8 @@ import torch
 
 from pipedream.data import MicrobatchStream
 from pipedream.formats.plan import Plan, StagePlan
+from pipedream.precision import SCALES_LOSS
+from pipedream.runtime.loss_scale import LossScaler
 from pipedream.runtime.reference_executor import run_reference
 from pipedream.runtime.routing import input_needs_grad, sequential_ios
 from pipedream.runtime.stage_layout import StageLayout, build_stage_module, stage_layout
@@ -77,8 +79,8 @@ def reference_layout_weights(
     them (:func:`~pipedream.runtime.stage_layout.stage_layout`: traced models, tied parameters).
     ``placement``: the rank of every stage, where ranks run several stages (one model per rank,
     as one process has); with ``replicas`` (the same for every stage) copy ``j`` of the
-    pipeline runs on ranks ``j P .. j P + P - 1``; ``precision`` as ``train --precision``,
-    ``clip`` as ``train --clip-grad-norm``."""
+    pipeline runs on ranks ``j P .. j P + P - 1``; ``precision`` as ``train --precision`` (fp16
+    with its loss scale), ``clip`` as ``train --clip-grad-norm``."""
     replicas = replicas or [1] * len(stages)
     plan_stages, rank = [], 0
     copy_ranks = len(set(placement)) if placement else 0  # a pipeline copy's ranks
@@ -107,8 +109,9 @@ def reference_layout_weights(
         return stage_layout(built, plan, source="plan")
 
     first = layout_of()
+    scaler = LossScaler(torch.device("cpu")) if precision in SCALES_LOSS else None
     spec = spec_from_plan(
-        plan, 0, steps, first.edges, first.tied_pairs, global_norm=clip is not None
+        plan, 0, steps, first.edges, first.tied_pairs, global_norm=clip is not None or bool(scaler)
     )
     tables = build_tables(spec)
     workers: dict[int, dict[int, StageWorker]] = {}
@@ -136,8 +139,9 @@ def reference_layout_weights(
                 tied=layout.tied_links(stage, module),
                 input_grads=input_needs_grad(layout.ios[stage]),
                 lr_schedule=built.lr_schedule,
+                loss_scale=scaler.scale if scaler and stage == len(plan_stages) - 1 else None,
             )
-    run_reference(tables, workers, first.ios, clip=clip)
+    run_reference(tables, workers, first.ios, clip=clip, scaler=scaler)
     merged: dict[str, torch.Tensor] = {}
     for stage, entry in enumerate(plan_stages):
         rank = entry.ranks[0]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pipedream.errors import ScheduleError
-from pipedream.runtime.grad_clip import clip_factor, sum_of_squares
+from pipedream.runtime.global_norm import clip_factor, sum_of_squares
 from pipedream.schedules import (
     SCHEDULES,
     Action,

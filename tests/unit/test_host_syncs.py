@@ -100,26 +100,26 @@ def test_the_clipper_reads_nothing_on_the_host() -> None:
     from types import SimpleNamespace
     from typing import Any
 
-    from pipedream.runtime.grad_clip import ClipPart, GradientClipper
+    from pipedream.runtime.global_norm import ClipPart, GlobalNorm
 
     def worker(*values: float, dtype: torch.dtype = torch.float32) -> Any:
         grads = [torch.tensor([v], dtype=dtype) for v in values]
         return SimpleNamespace(present_gradients=lambda: grads)
 
     counted, other = worker(3.0, 4.0, dtype=torch.float64), worker(100.0)
-    clipper = GradientClipper(
-        1.0,
+    clipper = GlobalNorm(
         [ClipPart(counted, counted=True), ClipPart(other, counted=False)],  # type: ignore[arg-type]
         device=torch.device("cpu"),
         wait=lambda work, what: None,
         float64=True,
+        max_norm=1.0,
     )
     with counting_reads() as reads:
-        clipper.clip(7, "the clip")
+        clipper.check(7, "the clip")
         norm = clipper.norm_of(7)
     assert reads == []
     assert norm is not None and norm.dtype == torch.float64 and float(norm) == 5.0
-    assert clipper.norm_of(6) is None
+    assert clipper.norm_of(6) is None and not clipper.skips(7)
     scale = 1 / (5 + 1e-6)
     assert [float(g) for g in counted.present_gradients()] == pytest.approx([3 * scale, 4 * scale])
     assert float(other.present_gradients()[0]) == pytest.approx(100 * scale)

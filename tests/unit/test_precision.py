@@ -125,8 +125,8 @@ def test_profiles_and_plans_record_their_precision_and_refuse_an_unknown_one() -
     assert profile.to_dict()["precision"] == "bf16"
     assert "precision" not in Profile("toy", 4, "cpu", "float32", (layer,)).to_dict()
     assert Profile.from_dict(profile.to_dict()) == profile
-    with pytest.raises(FormatError, match=r"precision: unknown precision 'fp16'.*fp32, bf16"):
-        Profile.from_dict({**profile.to_dict(), "precision": "fp16"})
+    with pytest.raises(FormatError, match=r"precision: unknown precision 'fp8'.*fp32, bf16, fp16"):
+        Profile.from_dict({**profile.to_dict(), "precision": "fp8"})
     made = make_plan(profile, topology=Topology.single_level(1), options=PlanOptions())
     assert made.precision == "bf16"
     plan = Plan("toy", "1f1b", 4, 1, 1, (StagePlan("0", "0", 1, (0,)),), precision="bf16")
