@@ -79,9 +79,11 @@ def test_one_stage_equals_the_plain_loop_in_fp32(tmp_path: Path) -> None:
     assert losses == pytest.approx(want_losses, rel=1e-5)
 
 
-def test_one_stage_follows_the_plain_loop_in_bf16(tmp_path: Path) -> None:
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_one_stage_follows_the_plain_loop_in_half_precision(tmp_path: Path, precision: str) -> None:
+    """bf16, and fp16 with its loss scale against a plain loop's ``GradScaler``."""
     steps = 10
-    _, losses = _one_stage(tmp_path, steps=steps, precision="bf16")
+    _, losses = _one_stage(tmp_path, steps=steps, precision=precision)
     make_deterministic()
     _, want_losses = plain_loop(
         "gpt",
@@ -90,7 +92,7 @@ def test_one_stage_follows_the_plain_loop_in_bf16(tmp_path: Path) -> None:
         microbatches=2,
         microbatch_size=8,
         device="cuda",
-        precision="bf16",
+        precision=precision,
     )
     assert losses == pytest.approx(want_losses, rel=2e-2)
     assert losses[-1] < losses[0]
