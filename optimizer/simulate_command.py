@@ -156,14 +156,15 @@ def precision_note(profile: Profile, source: str, plan: Plan, plan_source: str) 
 def run_settings_notes(
     traces: Sequence[RankTrace], profile: Profile, plan: Plan, run_dir: str
 ) -> list[str]:
-    """Notes where the traced run trained otherwise than the simulation assumes: clipping its
-    gradients, in another precision than the profile's, or recomputing where the plan does not
-    (or the reverse)."""
+    """Notes where the traced run trained otherwise than the simulation assumes: taking the
+    global gradient norm, in another precision than the profile's, or recomputing where the
+    plan does not (or the reverse)."""
     notes = []
     if any(event.op is Op.CLIP for trace in traces for event in trace.events):
         notes.append(
-            f"note: the run in {run_dir} clipped its gradients (--clip-grad-norm): the "
-            "simulation leaves out the norm's allreduce over all ranks, one number per update"
+            f"note: every update of the run in {run_dir} waited for the whole model's gradient "
+            "norm (--clip-grad-norm, or fp16's loss scale): the simulation leaves out that "
+            "allreduce over all ranks, one number per update"
         )
     run = traces[0].run if traces else None
     if run is None:  # a trace written before runs recorded it

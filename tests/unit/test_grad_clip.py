@@ -225,6 +225,7 @@ def test_simulating_a_clipped_runs_traces_notes_what_the_simulation_leaves_out()
     profile: Any = SimpleNamespace(precision="fp32")
     assert run_settings_notes([trace("0F0", "0B0", "0U0")], profile, plan, "runs/a") == []
     assert run_settings_notes([trace("0F0", "0B0", "0C0", "0U0")], profile, plan, "runs/a") == [
-        "note: the run in runs/a clipped its gradients (--clip-grad-norm): the simulation "
-        "leaves out the norm's allreduce over all ranks, one number per update"
+        "note: every update of the run in runs/a waited for the whole model's gradient norm "
+        "(--clip-grad-norm, or fp16's loss scale): the simulation leaves out that allreduce "
+        "over all ranks, one number per update"
     ]
