@@ -74,7 +74,8 @@ from pipedream.optimizer.verify import (
     steady_ms,
 )
 from pipedream.precision import SCALES_LOSS
-from pipedream.schedules import MAX_MICROBATCHES, SCHEDULES, lookup
+from pipedream.schedules import MAX_MICROBATCHES, SCHEDULES, lookup, spec_from_plan
+from pipedream.schedules.global_norm import global_norm_problem
 
 __all__ = [
     "AUTO",
@@ -219,8 +220,8 @@ def plan_profile(profile: Profile, *, topology: Topology, options: PlanOptions) 
         return PlanResult(placed.plan, placed.tree, placed.cluster, placed.evaluation)
     if options.schedule == AUTO:
         found = solve_auto(request, microbatches=options.microbatches)
-        if profile.precision in SCALES_LOSS:  # fp16's loss scale: schedules that flush
-            found = [o for o in found if not lookup(o.schedule).asynchronous]
+        if profile.precision in SCALES_LOSS:  # fp16's loss scale: flush, equal replicas
+            found = _fp16_outcomes(found, request, microbatches=options.microbatches)
         placed_found, skipped = _placed_outcomes(profile, topology, options, request.memory_limit)
         checked = _simulated_outcomes(
             found, profile, topology, force=bool(placed_found), recompute=options.recompute
@@ -257,8 +258,6 @@ def plan_profile(profile: Profile, *, topology: Topology, options: PlanOptions) 
         schedule=outcome.schedule,
         recompute=options.recompute,
     )
-    if profile.precision in SCALES_LOSS and plan.num_stages > 1:
-        _check_fp16(plan.schedule)
     tree = outcome.tree
     if simulated_auto and not needs_simulation(plan):  # chosen by its simulated time
         assert plan.prediction is not None
@@ -283,19 +282,48 @@ def plan_profile(profile: Profile, *, topology: Topology, options: PlanOptions) 
                     outcome, tree=tree, time_per_minibatch_ms=plan.prediction.time_per_minibatch_ms
                 )
                 candidates = (chosen, *candidates[1:])
+    if profile.precision in SCALES_LOSS:
+        _check_fp16(plan)
     return PlanResult(
         plan, tree, outcome.cluster, evaluation, candidates, refined, not_compared=not_compared
     )
 
 
-def _check_fp16(schedule: str) -> None:
-    """A pipeline of several stages trains in fp16 only under a schedule that flushes."""
-    if lookup(schedule).asynchronous:
+def _fp16_outcomes(
+    found: list[Outcome], request: Request, *, microbatches: int | None
+) -> list[Outcome]:
+    """``auto``'s outcomes that can train in fp16; where one of a schedule and number of
+    microbatches cannot (stages replicated unequally), the best straight pipeline (one
+    replica per stage) of the same in its place."""
+    fits = [o for o in found if _fp16_fits(o)]
+    if request.straight:
+        return fits
+    have = {(o.schedule, o.microbatches) for o in fits}
+    straight = solve_auto(replace(request, straight=True), microbatches=microbatches)
+    return fits + [
+        o for o in straight if (o.schedule, o.microbatches) not in have and _fp16_fits(o)
+    ]
+
+
+def _fp16_fits(outcome: Outcome) -> bool:
+    """Whether ``auto``'s ``outcome`` can train in fp16 (a schedule that flushes and the same
+    replicas at every stage, or one stage); one that failed stays, for its reason."""
+    if outcome.tree is None:
+        return True
+    ranks = leaf_ranks(outcome.tree, cluster=outcome.cluster)
+    if len(ranks) == 1:
+        return True
+    return not lookup(outcome.schedule).asynchronous and len({len(r) for r in ranks}) == 1
+
+
+def _check_fp16(plan: Plan) -> None:
+    """A pipeline of several stages trains in fp16 only under a schedule that flushes, with
+    the same replicas at every stage (:func:`global_norm_problem`)."""
+    problem = global_norm_problem(spec_from_plan(plan, 0, plan.steps_multiple, global_norm=True))
+    if problem:
         raise PlanningError(
-            f"the profile was measured in fp16, whose loss scale skips an update that "
-            f"overflowed on every stage at once, and schedule {schedule!r} updates each stage "
-            "at its own time: plan with --schedule 1f1b (or another that flushes, or auto), or "
-            "profile in bf16"
+            "the profile was measured in fp16, whose loss scale skips an update that "
+            f"overflowed on every stage at once: {problem}; or profile in bf16"
         )
 
 

@@ -3,15 +3,16 @@
 ::
 
     pipedream profile WORKLOAD [--workload-arg KEY=VALUE ...] [--microbatch-size B]
-                      [--precision fp32|bf16] [--concurrent K] -o PROFILE
+                      [--precision fp32|bf16|fp16] [--concurrent K] -o PROFILE
     pipedream profile --from-pipedream graph.txt -o PROFILE
 
 The measurement runs on the first GPU when CUDA is available, else on the CPU with torch's
 current number of threads (set ``OMP_NUM_THREADS`` / ``torch.set_num_threads`` to match the
 workers that will train; the summary line shows the value used). Where several CPU ranks will
 share a host, ``--concurrent K`` measures while ``K - 1`` co-runners train the same workload
-(:mod:`pipedream.profiler.corunners`). ``--precision bf16`` measures the forwards in
-autocast, as ``pipedream train --precision bf16`` runs them (:mod:`pipedream.precision`).
+(:mod:`pipedream.profiler.corunners`). ``--precision bf16`` (``fp16``) measures the forwards
+in autocast, as ``pipedream train --precision bf16`` (``fp16``) runs them
+(:mod:`pipedream.precision`).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -41,7 +42,9 @@ class _Update:
     cpu: float
     """The issuing thread's CPU time at the update (``time.thread_time()``)."""
     grad_norm: Tensor | None = None
-    """The whole model's gradient norm before clipping (``--clip-grad-norm``)."""
+    """The whole model's gradient norm before clipping (``--clip-grad-norm``, fp16)."""
+    skipped: bool = False
+    """fp16 skipped the update for an overflow."""
 
 
 class LossLog:
@@ -56,15 +59,22 @@ class LossLog:
         self._pending: list[_Update] = []
 
     def add(
-        self, step: int, losses: Sequence[tuple[int, Tensor]], *, grad_norm: Tensor | None = None
+        self,
+        step: int,
+        losses: Sequence[tuple[int, Tensor]],
+        *,
+        grad_norm: Tensor | None = None,
+        skipped: bool = False,
     ) -> None:
-        """An update was issued: its microbatches' losses, ``(microbatch, device tensor)``, and
-        with clipping the gradient norm it clipped (a device tensor)."""
+        """An update was issued: its microbatches' losses, ``(microbatch, device tensor)``,
+        with a global norm (clipping, fp16) the whole model's gradient norm (a device tensor),
+        and whether fp16 skipped it for an overflow."""
         if losses:
             microbatches = [microbatch for microbatch, _ in losses]
             tensors = [loss for _, loss in losses]
             issued, cpu = time.perf_counter(), time.thread_time()
-            self._pending.append(_Update(step, microbatches, tensors, issued, cpu, grad_norm))
+            update = _Update(step, microbatches, tensors, issued, cpu, grad_norm, skipped)
+            self._pending.append(update)
         if len(self._pending) >= self.read_every:
             self.read()
 
@@ -88,12 +98,17 @@ class LossLog:
                         f"non-finite loss ({value}) at microbatch {microbatch} "
                         f"(minibatch {microbatch // self.microbatches})"
                     )
-            norm = next(read_norms) if update.grad_norm is not None else None
+            extra: dict[str, Any] = {}
+            if update.grad_norm is not None:
+                norm = next(read_norms)
+                extra["grad_norm"] = norm if math.isfinite(norm) else None
+            if update.skipped:
+                extra["skipped"] = True
             if self.logger is not None:
                 self.logger.log(
                     update.step,
                     sum(values) / len(values),
-                    None if norm is None else {"grad_norm": norm if math.isfinite(norm) else None},
+                    extra or None,
                     at=update.issued,
                     cpu_at=update.cpu,
                 )

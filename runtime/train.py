@@ -640,7 +640,8 @@ class _RankJob:
                 return
             losses = [(mb, last.losses.pop(mb)) for mb in microbatches if mb in last.losses]
             norm = global_norm.norm_of(action.index) if global_norm is not None else None
-            loss_log.add(action.index, losses, grad_norm=norm)
+            skipped = global_norm is not None and global_norm.skips(action.index)
+            loss_log.add(action.index, losses, grad_norm=norm, skipped=skipped)
 
         stages = {
             stage: LocalStage(

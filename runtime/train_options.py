@@ -42,7 +42,7 @@ class TrainOptions:
     on_nonfinite: str = "stop"
     trace: bool = False
     precision: str | None = None
-    """``fp32`` or ``bf16`` (:mod:`pipedream.precision`); None: the plan's."""
+    """``fp32``, ``bf16`` or ``fp16`` (:mod:`pipedream.precision`); None: the plan's."""
     recompute: bool = False
     clip_grad_norm: float | None = None
     """Clip every update's gradient to this global norm (:mod:`pipedream.runtime.global_norm`);

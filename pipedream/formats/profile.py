@@ -380,7 +380,8 @@ class Profile:
     later); None: a chain, each layer feeding the next."""
     precision: str = DEFAULT_PRECISION
     """What the forwards ran in (:mod:`pipedream.precision`): ``fp32``, the model's own dtypes,
-    or ``bf16``, autocast to bfloat16 (``pipedream profile --precision``); optional."""
+    ``bf16`` or ``fp16``, autocast to bfloat16 or float16 (``pipedream profile --precision``);
+    optional."""
     device_memory: int | None = None
     """Bytes of memory of the device measured on (a GPU's total; None on the CPU, whose memory
     the ranks of a host share): ``pipedream plan``'s limit per worker unless told another."""

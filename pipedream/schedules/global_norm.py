@@ -35,7 +35,8 @@ _AFTER_CLIP = (Op.UPDATE, Op.SEND_WEIGHTS)
 
 
 def global_norm_problem(spec: PipelineSpec) -> str:
-    """Why ``spec`` cannot clip gradients to a global norm ("" where it can)."""
+    """Why ``spec``'s updates cannot wait for the whole model's gradient norm, to clip it or
+    for fp16's overflow check ("" where they can)."""
     schedule = lookup(spec.schedule)
     if spec.num_stages == 1:  # the stage's gradient is the model's, under any schedule
         return ""
@@ -43,16 +44,16 @@ def global_norm_problem(spec: PipelineSpec) -> str:
         flushing = sorted(name for name, s in SCHEDULES.items() if not s.asynchronous)
         return (
             f"schedule {spec.schedule!r} updates each stage while earlier stages still run the "
-            "minibatch's backwards, so there is no whole-model gradient to take the norm of; "
-            f"clip gradients under a schedule that flushes ({', '.join(flushing)}): plan with "
+            "minibatch's backwards, so the whole model's gradient of a minibatch never exists "
+            f"at once; use a schedule that flushes ({', '.join(flushing)}): plan with "
             "--schedule 1f1b, or set schedule: 1f1b in the plan"
         )
     counts = sorted({spec.replicas(stage) for stage in range(spec.num_stages)})
     if len(counts) > 1:
         return (
-            "clipping to a global norm needs every stage to update on the same minibatches, "
-            f"so the same number of replicas at every stage; this plan has {counts}: plan it "
-            "with replicas equal across stages, or without clipping"
+            "every stage must update on the same minibatches, so have the same number of "
+            f"replicas; this plan's stages have {counts}: plan with --straight (one replica "
+            "each), or give every stage the same replicas"
         )
     return ""
 

@@ -4,6 +4,7 @@ and what the prediction or the simulation leaves out is said."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -98,6 +99,10 @@ def test_an_fp16_profile_plans_1f1b_and_trains_with_its_loss_scale_across_a_resu
     said = train("whole", 8)
     assert "schedule 1f1b, fp16 (autocast, loss scaling), 8 minibatches" in said
     assert "fp16 loss scaling: skipped 1 of 8 updates for an overflow; loss scale 32768" in said
+    lines = (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()
+    skipped = [json.loads(line).get("skipped", False) for line in lines]
+    assert skipped == [True] + [False] * 7  # and its norm is null (not finite)
+    assert json.loads(lines[0])["grad_norm"] is None and json.loads(lines[1])["grad_norm"] > 0
     train("halves", 4)
     said = train("halves", 8, "--resume", "auto")
     assert "skipped 0 of 4 updates for an overflow; loss scale 32768 at the end" in said

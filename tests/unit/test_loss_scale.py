@@ -9,7 +9,7 @@ import torch
 
 from pipedream.errors import ScheduleError
 from pipedream.runtime.loss_scale import LossScaler, LossScaleSettings
-from pipedream.schedules import PipelineSpec
+from pipedream.schedules import SCHEDULES, PipelineSpec
 
 from plain_loop import plain_loop
 from reference_run import reference_layout_weights
@@ -67,3 +67,27 @@ def test_fp16_skips_what_grad_scaler_skips_and_ends_on_its_weights(
 def test_a_pipeline_of_an_asynchronous_schedule_cannot_scale_its_loss() -> None:
     with pytest.raises(ScheduleError, match="schedule '2bw' updates each stage"):
         PipelineSpec("2bw", ((0,), (1,)), 2, 2, global_norm=True).validate()
+
+
+def test_plan_of_an_fp16_profile_keeps_to_what_fp16_can_train() -> None:
+    """A plan whose stages had 2, 1 and 1 replicas was written, and train refused it; auto
+    left out the unequal ones and then found nothing, where straight pipelines fit."""
+    from pipedream.errors import PlanningError
+    from pipedream.formats.profile import LayerProfile, Profile
+    from pipedream.formats.topology import Topology
+    from pipedream.optimizer.planner import PlanOptions, plan_profile
+
+    layers = tuple(  # slow layers with small weights, then fast ones with large weights
+        LayerProfile(str(i), "Linear", *((10.0, 20.0, 1000, 1000) if i < 4 else
+                                         (1.0, 2.0, 1000, 400_000_000)))
+        for i in range(9)
+    )  # fmt: skip
+    profile = Profile("mlp", 4, "cpu", "float32", layers, precision="fp16")
+    with pytest.raises(PlanningError, match=r"measured in fp16.*stages have \[1, 2\]: plan with"):
+        plan_profile(profile, topology=Topology.single_level(4), options=PlanOptions("1f1b"))
+    with pytest.raises(PlanningError, match="schedule 'pipedream' updates each stage"):
+        plan_profile(profile, topology=Topology.single_level(4), options=PlanOptions())
+    auto = PlanOptions("auto", microbatches=4)
+    plan = plan_profile(profile, topology=Topology.single_level(5), options=auto).plan
+    assert len({stage.replicas for stage in plan.stages}) == 1
+    assert not SCHEDULES[plan.schedule].asynchronous
