@@ -17,16 +17,22 @@ from launching import run_main
 WORKLOAD = ("dtype_model:build", "--workload-arg", "dtype=float32")
 
 
-def test_a_bf16_profile_makes_a_bf16_plan_which_trains_in_bf16(tmp_path: Path) -> None:
+def _profile_and_plan(tmp_path: Path, precision: str) -> tuple[Path, Path]:
+    """A profile measured in ``precision`` and its plan on one worker, which records it."""
     profile, plan = tmp_path / "profile.yaml", tmp_path / "plan.yaml"
     quick = ("--warmup", "0", "--repeats", "1")
-    made = run_main("profile", *WORKLOAD, "--precision", "bf16", *quick, "-o", str(profile))
+    made = run_main("profile", *WORKLOAD, "--precision", precision, *quick, "-o", str(profile))
     assert made.returncode == 0, made.stderr
-    assert "measured on cpu in bf16 (autocast)" in made.stdout
+    assert f"measured on cpu in {precision} (autocast)" in made.stdout
     planned = run_main("plan", str(profile), "--workers", "1", "-o", str(plan))
     assert planned.returncode == 0, planned.stderr
-    assert "bf16 (autocast, as profiled)" in planned.stdout
-    assert load_plan(plan).precision == "bf16"
+    assert f"{precision} (autocast, as profiled)" in planned.stdout
+    assert load_plan(plan).precision == precision
+    return profile, plan
+
+
+def test_a_bf16_profile_makes_a_bf16_plan_which_trains_in_bf16(tmp_path: Path) -> None:
+    _, plan = _profile_and_plan(tmp_path, "bf16")
 
     def train(name: str, *extra: str) -> str:
         result = run_main(
@@ -72,15 +78,9 @@ def test_an_fp16_profile_plans_1f1b_and_trains_with_its_loss_scale_across_a_resu
     from plain_loop import plain_loop
     from runs import max_rel_diff
 
-    profile, plan = tmp_path / "profile.yaml", tmp_path / "plan.yaml"
-    quick = ("--warmup", "0", "--repeats", "1")
-    made = run_main("profile", *WORKLOAD, "--precision", "fp16", *quick, "-o", str(profile))
-    assert made.returncode == 0, made.stderr
-    assert "measured on cpu in fp16 (autocast)" in made.stdout
-    planned = run_main("plan", str(profile), "--workers", "1", "-o", str(plan))
-    assert planned.returncode == 0, planned.stderr
+    profile, plan = _profile_and_plan(tmp_path, "fp16")
     written = load_plan(plan)
-    assert (written.precision, written.schedule) == ("fp16", "1f1b")
+    assert written.schedule == "1f1b"
     refused = run_main(
         "plan", str(profile), "--workers", "2", "--straight", "--schedule", "2bw",
         "-o", str(tmp_path / "no.yaml"),
