@@ -30,6 +30,7 @@ _HANDLERS = {
     "plan": "pipedream.optimizer.command:run",
     "train": "pipedream.runtime.command:run",
     "export": "pipedream.runtime.command:export",
+    "evaluate": "pipedream.runtime.command:evaluate",
     "trace": "pipedream.runtime.trace_export:run_command",
     "simulate": "pipedream.optimizer.simulate_command:run",
 }
@@ -53,7 +54,7 @@ _INPUTS: dict[str, Callable[[argparse.Namespace], list[str | None]]] = {
 }
 """Each verb's inputs that its outputs must not replace (files) or write into (folders)."""
 
-_NEEDS_TORCH = frozenset({"profile", "train", "export"})
+_NEEDS_TORCH = frozenset({"profile", "train", "export", "evaluate"})
 """The verbs that run torch: they check its release first (``pipedream/torch_support.py``)."""
 
 
@@ -425,6 +426,18 @@ def build_parser() -> argparse.ArgumentParser:
     export = verbs.add_parser("export", help="write a checkpoint's full model state dict")
     export.add_argument("checkpoint", help="checkpoint directory (runs/.../checkpoints/step-N)")
     export.add_argument("-o", "--output", required=True, metavar="MODEL_PT")
+
+    evaluate = verbs.add_parser(
+        "evaluate", help="the workload's evaluation of the whole model at a checkpoint"
+    )
+    evaluate.add_argument("checkpoint", help="checkpoint directory (runs/.../checkpoints/step-N)")
+    evaluate.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="where the model is evaluated (auto: the first GPU if there is one)",
+    )
+    evaluate.add_argument("--json", action="store_true", help="one JSON line instead of text")
 
     trace = verbs.add_parser("trace", help="merge a run's --trace timelines (Perfetto, PNG)")
     trace.add_argument("run_dir", help="run directory of `pipedream train --trace`")
