@@ -37,11 +37,16 @@ from pipedream.formats.topology import (
 from pipedream.formats.units import MIN_BANDWIDTH, parse_bandwidth, parse_bytes
 from pipedream.optimizer.baselines import baselines, simulated_baselines
 from pipedream.optimizer.cost_model import LayerCosts
-from pipedream.optimizer.planner import AUTO, PlanOptions, PlanResult, plan_profile
+from pipedream.optimizer.planner import (
+    AUTO,
+    DEFAULT_SCHEDULE,
+    PlanOptions,
+    PlanResult,
+    plan_profile,
+)
 from pipedream.optimizer.report import format_candidates, format_comparison, format_summary
 from pipedream.optimizer.search import Request
 from pipedream.optimizer.verify import simulated_ms
-from pipedream.precision import SCALES_LOSS
 from pipedream.schedules import lookup
 
 __all__ = ["bandwidth_option", "options_from_args", "run", "topology_from_args"]
@@ -105,7 +110,7 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
         if memory <= 0:
             raise PlanningError(f"--memory {args.memory!r}: must be positive, e.g. '16 GiB'")
     return PlanOptions(
-        schedule=args.schedule,
+        schedule=args.schedule or DEFAULT_SCHEDULE,
         microbatches=args.microbatches,
         straight=bool(args.straight),
         memory=memory,
@@ -127,11 +132,9 @@ def _relative(path: str, plan_file: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``pipedream plan``; returns the exit status."""
-    profile = load_profile(args.profile)
-    if args.schedule is None:  # fp16's loss scale needs a schedule that flushes
-        args.schedule = "1f1b" if profile.precision in SCALES_LOSS else "pipedream"
     options = options_from_args(args)
     topology = topology_from_args(args)
+    profile = load_profile(args.profile)
     limit = options.memory if options.memory is not None else topology.memory
     from_profile = limit is None and profile.device_memory is not None
     if limit is None and profile.device_memory is not None:  # the GPU it was measured on

@@ -79,10 +79,12 @@ from pipedream.schedules.global_norm import global_norm_problem
 
 __all__ = [
     "AUTO",
+    "DEFAULT_SCHEDULE",
     "PlanOptions",
     "PlanResult",
     "build_plan",
     "data_parallel_tree",
+    "default_schedule",
     "make_plan",
     "plan_profile",
 ]
@@ -100,12 +102,24 @@ REFINE_DOUBLINGS = 2
 (the planner's own allow more): a plan whose runs never settle costs the search little."""
 
 
+DEFAULT_SCHEDULE = "default"
+"""``PlanOptions.schedule`` where none is asked for: see :func:`default_schedule`."""
+
+
+def default_schedule(profile: Profile) -> str:
+    """The schedule planned where none is asked for: PipeDream's own, or ``1f1b`` for an fp16
+    profile (its loss scale skips an update on every stage at once)."""
+    return "1f1b" if profile.precision in SCALES_LOSS else "pipedream"
+
+
 @dataclass(frozen=True)
 class PlanOptions:
     """What ``pipedream plan`` asks of the optimizer besides the profile and the cluster."""
 
-    schedule: str = "pipedream"
-    """A schedule name (:data:`pipedream.schedules.SCHEDULES`), or ``auto``."""
+    schedule: str = DEFAULT_SCHEDULE
+    """A schedule name (:data:`pipedream.schedules.SCHEDULES`), ``auto``, or
+    :data:`DEFAULT_SCHEDULE`: ``pipedream``, or ``1f1b`` for a profile measured in fp16 (whose
+    loss scale needs a schedule that flushes)."""
     microbatches: int | None = None
     """Microbatches per minibatch; None picks the default (see ``search``)."""
     straight: bool = False
@@ -188,6 +202,8 @@ def _check_options(options: PlanOptions) -> None:
 
 def plan_profile(profile: Profile, *, topology: Topology, options: PlanOptions) -> PlanResult:
     """Plan ``profile`` on ``topology``: see the module docstring."""
+    if options.schedule == DEFAULT_SCHEDULE:
+        options = replace(options, schedule=default_schedule(profile))
     _check_options(options)
     costs = LayerCosts.from_profile(profile, recompute=options.recompute)
     request = Request(

@@ -86,8 +86,23 @@ def test_plan_of_an_fp16_profile_keeps_to_what_fp16_can_train() -> None:
     with pytest.raises(PlanningError, match=r"measured in fp16.*stages have \[1, 2\]: plan with"):
         plan_profile(profile, topology=Topology.single_level(4), options=PlanOptions("1f1b"))
     with pytest.raises(PlanningError, match="schedule 'pipedream' updates each stage"):
-        plan_profile(profile, topology=Topology.single_level(4), options=PlanOptions())
+        pipedream = PlanOptions("pipedream")
+        plan_profile(profile, topology=Topology.single_level(4), options=pipedream)
     auto = PlanOptions("auto", microbatches=4)
     plan = plan_profile(profile, topology=Topology.single_level(5), options=auto).plan
     assert len({stage.replicas for stage in plan.stages}) == 1
     assert not SCHEDULES[plan.schedule].asynchronous
+
+
+def test_the_default_schedule_of_an_fp16_profile_flushes() -> None:
+    """``make_plan`` with the default options planned PipeDream's schedule, which fp16 refuses
+    for a pipeline (only the command line chose 1f1b)."""
+    from pipedream.formats.profile import LayerProfile, Profile
+    from pipedream.formats.topology import Topology
+    from pipedream.optimizer.planner import PlanOptions, make_plan
+
+    layers = tuple(LayerProfile(str(i), "Linear", 1.0, 2.0, 1000, 1000) for i in range(4))
+    for precision, schedule in (("fp16", "1f1b"), ("bf16", "pipedream")):
+        profile = Profile("mlp", 4, "cpu", "float32", layers, precision=precision)
+        plan = make_plan(profile, topology=Topology.single_level(2), options=PlanOptions())
+        assert plan.schedule == schedule
