@@ -32,6 +32,7 @@ __all__ = [
     "check_run_dir",
     "newest_checkpoint",
     "prune_checkpoints",
+    "recipe_change",
     "restart_point",
     "resume_point",
     "write_checkpoint",
@@ -49,6 +50,7 @@ def write_checkpoint(
     seed: int,
     tied: Sequence[Sequence[str]] = (),
     loss_scale: dict[str, Any] | None = None,
+    recipe: dict[str, Any] | None = None,
 ) -> None:
     """Collective: every rank calls it at the same step, after the pipeline drained.
 
@@ -56,7 +58,9 @@ def write_checkpoint(
     with its worker and the names in its state dict that another stage's file stores (copies
     of tied tensors, ``omit``); ``tied``: the names of each tensor the model reaches under
     several names; ``loss_scale``: fp16's scale and its count of good updates, the same on
-    every rank (rank 0 writes it into the manifest). The first replica of every stage writes
+    every rank (rank 0 writes it into the manifest); ``recipe``: how the run trained beyond
+    the workload (``precision``, ``clip_grad_norm``), which a resumed run compares with its
+    own (:func:`recipe_change`). The first replica of every stage writes
     the stage's file.
     """
     entries = []
@@ -89,6 +93,7 @@ def write_checkpoint(
                 "microbatch_size": plan.microbatch_size,
                 "microbatches": plan.microbatches,
                 "seed": seed,
+                **(recipe or {}),
                 **({"loss_scale": loss_scale} if loss_scale is not None else {}),
             },
             tied=tied,
@@ -156,6 +161,23 @@ def check_run_dir(run_dir: str | None, start: int) -> None:
             f"{newest.name}, of a run that went further; continue that one with --resume "
             "auto, or train in another --run-dir"
         )
+
+
+def recipe_change(manifest: dict[str, Any], precision: str, clip: float | None) -> str:
+    """How a resumed run trains otherwise than the run that wrote ``manifest`` did, in words
+    ("" where alike, or for a checkpoint that does not record it)."""
+    if "precision" not in manifest:
+        return ""
+    then = (manifest["precision"], manifest.get("clip_grad_norm"))
+    if then == (precision, clip):
+        return ""
+
+    def words(precision: str, clip: float | None) -> str:
+        clipping = f"clipping gradients to norm {clip:g}" if clip is not None else "no clipping"
+        return f"{precision}, {clipping}"
+
+    lost = " (its fp16 loss scale is dropped)" if then[0] == "fp16" != precision else ""
+    return f"was trained in {words(*then)}; this run trains in {words(precision, clip)}{lost}"
 
 
 def resume_point(

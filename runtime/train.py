@@ -36,6 +36,7 @@ from pipedream.runtime.checkpoint import load_manifest, restore_stage, step_dir_
 from pipedream.runtime.checkpoint_protocol import (
     check_run_dir,
     newest_checkpoint,
+    recipe_change,
     restart_point,
     resume_point,
     write_checkpoint,
@@ -481,6 +482,7 @@ class _RankJob:
                 seed=self.seed,
                 tied=[tensor.names for tensor in self.layout.tied],
                 loss_scale=self.scaler.state_dict() if self.scaler is not None else None,
+                recipe={"precision": self.precision, "clip_grad_norm": self.clip},
             )
             self.last_checkpoint = directory
         return compute_s, elapsed_s
@@ -610,6 +612,10 @@ class _RankJob:
                 "the checkpoint's)",
                 file=sys.stderr,
             )
+        if self.rank == 0:
+            note = recipe_change(load_manifest(directory), self.precision, self.clip)
+            if note:
+                print(f"pipedream: note: {directory} {note}", file=sys.stderr)
 
     def _write_trace(self, trace: list[TracedAction], *, complete: bool) -> None:
         write_trace(

@@ -114,3 +114,27 @@ def test_an_fp16_profile_plans_1f1b_and_trains_with_its_loss_scale_across_a_resu
         microbatch_size=written.microbatch_size, precision="fp16",
     )  # fmt: skip
     assert max_rel_diff(whole, want) < 1e-6
+
+
+def test_a_run_resumed_in_another_precision_or_clipping_says_so(tmp_path: Path) -> None:
+    from launching import straight_plan, write_plan
+
+    plan = write_plan(straight_plan("mlp", [[str(i) for i in range(9)]]), tmp_path / "p.yaml")
+
+    def train(steps: int, *extra: str) -> str:
+        result = run_main(
+            "train", str(plan), "--steps", str(steps), "--run-dir", str(tmp_path / "run"),
+            "--no-progress", "--resume", "auto", *extra,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-2000:]
+        return result.stderr
+
+    train(1, "--precision", "fp16", "--clip-grad-norm", "1")
+    said = train(2, "--precision", "fp16", "--clip-grad-norm", "1")
+    assert "pipedream: note:" not in said
+    said = train(3, "--precision", "bf16")
+    step = tmp_path / "run" / "checkpoints" / "step-000002"
+    assert (
+        f"pipedream: note: {step} was trained in fp16, clipping gradients to norm 1; this run "
+        "trains in bf16, no clipping (its fp16 loss scale is dropped)"
+    ) in said
