@@ -267,8 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=PRECISIONS,
         help="fp32, the model's own dtypes, bf16, autocast to bfloat16, or fp16, autocast to "
-        "float16 with a dynamic loss scale (default: the plan's, which its profile was "
-        "measured in; fp32 for a plan that names none)",
+        "float16 with a dynamic loss scale (as --clip-grad-norm, a schedule that flushes with "
+        "the same replicas at every stage, or one stage) (default: the plan's, which its "
+        "profile was measured in; fp32 for a plan that names none)",
     )
     train.add_argument("--recompute", action="store_true", help="recompute activations in backward")
     train.add_argument(
@@ -277,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="C",
         help="clip every update's gradient to global norm C over the whole model, as "
-        "clip_grad_norm_ in a plain loop (schedules that flush; e.g. 1.0)",
+        "clip_grad_norm_ in a plain loop (e.g. 1.0; a schedule that flushes and the same "
+        "replicas at every stage, or a plan of one stage)",
     )
     train.add_argument(
         "--device",

@@ -42,16 +42,23 @@ def evaluate(args: argparse.Namespace) -> int:
     """``pipedream evaluate CHECKPOINT``: the workload's evaluation of the whole model at a
     checkpoint (what a run's summary gives for its last one), for any checkpoint of a run,
     also while the run goes on: the workload and its options come from the manifest."""
-    from pipedream.runtime.summary import evaluate_checkpoint
+    from pipedream.runtime.summary import evaluate_checkpoint, finite
     from pipedream.workload import load_workload
 
     directory = _checkpoint_dir(args.checkpoint)
+    wanted = args.device
+    if wanted == "auto":
+        wanted = "cuda" if torch.cuda.is_available() else "cpu"
+    elif wanted == "cuda" and not torch.cuda.is_available():
+        raise LaunchError("--device cuda: this machine has no CUDA GPU; use --device cpu")
     manifest = load_manifest(directory)
-    name, options = manifest.get("workload"), manifest.get("workload_args") or {}
-    if not isinstance(name, str) or not isinstance(options, dict):
+    name, options = manifest.get("workload"), manifest.get("workload_args")
+    if not isinstance(name, str):
+        raise CheckpointError(f"{directory}: its manifest names no workload; the file is damaged")
+    if not isinstance(options, dict):
         raise CheckpointError(
-            f"{directory}: its manifest names no workload (a checkpoint of an older version?); "
-            "evaluate it with the workload's own code"
+            f"{directory}: its manifest's workload_args is {options!r:.60}, not a mapping of "
+            "options; the file is damaged"
         )
     workload = load_workload(
         name,
@@ -64,15 +71,10 @@ def evaluate(args: argparse.Namespace) -> int:
             f"{name}: the workload defines no evaluation (Workload.evaluate); give it one to "
             "evaluate its checkpoints"
         )
-    wanted = args.device
-    if wanted == "auto":
-        wanted = "cuda" if torch.cuda.is_available() else "cpu"
-    elif wanted == "cuda" and not torch.cuda.is_available():
-        raise LaunchError("--device cuda: this machine has no CUDA GPU; use --device cpu")
     metrics = evaluate_checkpoint(workload, directory, torch.device(wanted))
-    if args.json:
+    if args.json:  # strict JSON, as summary.json: a diverged model's NaN is null
         record = {"checkpoint": str(directory), "step": manifest.get("step"), **metrics}
-        print(json.dumps(record))
+        print(json.dumps(finite(record), allow_nan=False))
     else:
         said = ", ".join(f"{key} {value:.4f}" for key, value in metrics.items())
         print(f"{directory} (step {manifest.get('step')}, {name}): {said}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import resource
 import sys
@@ -14,6 +15,7 @@ from typing import Any
 
 import torch
 
+from pipedream.errors import CheckpointError, WorkloadError
 from pipedream.formats.plan import Plan
 from pipedream.formats.units import format_bytes
 from pipedream.formats.yamlio import atomic_write_text
@@ -23,7 +25,7 @@ from pipedream.runtime.metrics import MetricsLogger
 from pipedream.wording import count
 from pipedream.workload import Workload
 
-__all__ = ["RankStats", "peak_memory_bytes", "report"]
+__all__ = ["RankStats", "evaluate_checkpoint", "finite", "peak_memory_bytes", "report"]
 
 
 @dataclass(frozen=True)
@@ -84,16 +86,16 @@ def _unpredicted_note(plan: Plan, *, recompute: bool, precision: str) -> str:
     return "".join(f" ({note})" for note in notes)
 
 
-def _finite(value: Any) -> Any:
+def finite(value: Any) -> Any:
     """``value`` with every NaN or infinite float as None (``null``): JSON has no NaN, and
     strict readers (``jq``, JavaScript) refuse Python's ``NaN`` (a run that logged no loss, an
     evaluation of a diverged model)."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
+        return {key: finite(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_finite(item) for item in value]
+        return [finite(item) for item in value]
     return value
 
 
@@ -214,7 +216,7 @@ def report(
         summary["evaluation"] = metrics
         lines.append("evaluation: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     lines.append(f"checkpoint: {checkpoint}")
-    text = json.dumps(_finite(summary), indent=2, allow_nan=False)  # strict JSON readers
+    text = json.dumps(finite(summary), indent=2, allow_nan=False)  # strict JSON readers
     atomic_write_text(run_dir / "summary.json", text + "\n")
     print("\n".join(lines), file=sys.stderr, flush=True)
     return summary
@@ -232,15 +234,44 @@ def evaluate_checkpoint(
     """
     assert workload.evaluate is not None
     state = load_full_state_dict(checkpoint)
+    _check_fits(workload.model.state_dict(), state, checkpoint)
     try:
         model = workload.model.to(device)
         model.load_state_dict(state)
-        return workload.evaluate(model)
+        metrics = workload.evaluate(model)
     except torch.cuda.OutOfMemoryError:
         model = workload.model.to("cpu")
         torch.cuda.empty_cache()
         model.load_state_dict(state)
-        return workload.evaluate(model)
+        metrics = workload.evaluate(model)
+    if not isinstance(metrics, dict) or not all(
+        isinstance(k, str) and isinstance(v, numbers.Real) and not isinstance(v, bool)
+        for k, v in metrics.items()
+    ):
+        raise WorkloadError(
+            f"the workload's evaluate returned {metrics!r:.80}; it must return a dict of "
+            "names to numbers, e.g. {'test_loss': 2.31}"
+        )
+    return {k: float(v) for k, v in metrics.items()}
+
+
+def _check_fits(
+    wanted: dict[str, torch.Tensor], stored: dict[str, torch.Tensor], checkpoint: Path
+) -> None:
+    """The checkpoint holds every tensor of the model, in its shape (a model built with other
+    options, or changed code, does not fit)."""
+    missing = [key for key in wanted if key not in stored]
+    if missing:
+        raise CheckpointError(
+            f"{checkpoint}: has no tensors for {missing[:3]} (a different model?); evaluate it "
+            "with the workload and workload_args it was written with"
+        )
+    for key, value in wanted.items():
+        if stored[key].shape != value.shape:
+            raise CheckpointError(
+                f"{checkpoint}: {key} has shape {tuple(stored[key].shape)}, the model has "
+                f"{tuple(value.shape)}; evaluate it with the workload arguments it was written with"
+            )
 
 
 def _stages_text(stages: tuple[int, ...]) -> str:

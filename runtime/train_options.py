@@ -96,7 +96,7 @@ def check_max_norm(max_norm: float | None) -> None:
     """``--clip-grad-norm`` must be a finite positive number."""
     if max_norm is not None and not (math.isfinite(max_norm) and max_norm > 0):
         raise LaunchError(
-            f"--clip-grad-norm must be a positive number, got {max_norm:g}; e.g. "
+            f"--clip-grad-norm must be a finite positive number, got {max_norm:g}; e.g. "
             "--clip-grad-norm 1.0 (leave it out not to clip)"
         )
 

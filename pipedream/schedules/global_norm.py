@@ -48,8 +48,8 @@ def global_norm_problem(spec: PipelineSpec) -> str:
             f"at once; use a schedule that flushes ({', '.join(flushing)}): plan with "
             "--schedule 1f1b, or set schedule: 1f1b in the plan"
         )
-    counts = sorted({spec.replicas(stage) for stage in range(spec.num_stages)})
-    if len(counts) > 1:
+    counts = [spec.replicas(stage) for stage in range(spec.num_stages)]
+    if len(set(counts)) > 1:
         return (
             "every stage must update on the same minibatches, so have the same number of "
             f"replicas; this plan's stages have {counts}: plan with --straight (one replica "

@@ -6,12 +6,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
+from pipedream.runtime import summary as summary_module
+
 from launching import run_main, straight_plan, write_plan
 
 GPT = {"layers": "1", "dim": "16", "heads": "2", "seq": "8", "vocab": "16", "samples": "64"}
 
 
-def test_evaluate_gives_the_summarys_numbers_for_any_checkpoint(tmp_path: Path) -> None:
+def test_evaluate_gives_the_summarys_numbers_for_any_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     plan = straight_plan("gpt", [["embed", "h0", "norm", "head"]], workload_args=GPT)
     path = write_plan(plan, tmp_path / "plan.yaml")
     run = tmp_path / "run"
@@ -32,6 +38,22 @@ def test_evaluate_gives_the_summarys_numbers_for_any_checkpoint(tmp_path: Path) 
     assert said.stdout.startswith(f"{middle} (step 2, gpt): test_loss ")
     earlier = float(said.stdout.split("test_loss ")[1].split(",")[0])
     assert earlier != summary["evaluation"]["test_loss"]  # another checkpoint, other weights
+
+    # a model the checkpoint does not fit (other options, changed code): one line, not a
+    # traceback from load_state_dict
+    manifest = middle / "manifest.yaml"
+    manifest.write_text(manifest.read_text().replace("dim: '16'", "dim: '32'"))
+    said = run_main("evaluate", str(middle))
+    assert said.returncode == 2
+    (line,) = said.stderr.strip().splitlines()
+    assert line.startswith(f"pipedream evaluate: error: {middle}: ") and "has shape" in line
+
+    # a diverged model's NaN is null in --json, as in summary.json (strict JSON readers)
+    monkeypatch.setattr(
+        summary_module, "evaluate_checkpoint", lambda *args: {"test_loss": float("nan")}
+    )
+    said = run_main("evaluate", str(last), "--json")
+    assert json.loads(said.stdout)["test_loss"] is None and "NaN" not in said.stdout
 
 
 def test_evaluate_says_what_it_cannot_do(tmp_path: Path) -> None:

@@ -97,7 +97,7 @@ def test_plans_that_cannot_clip_say_why() -> None:
             ).validate()
     spec = PipelineSpec("1f1b", ((0, 1), (2,)), 2, 2, global_norm=True)
     assert (
-        "the same number of replicas; this plan's stages have [1, 2]: plan with --straight"
+        "the same number of replicas; this plan's stages have [2, 1]: plan with --straight"
         in global_norm_problem(spec)
     )
 
@@ -163,8 +163,8 @@ def test_train_refuses_a_bad_norm_and_a_plan_that_cannot_clip(tmp_path: Path) ->
         result = run_main("train", str(plan), "--steps", "1", "--clip-grad-norm", bad)
         assert result.returncode == 2
         assert result.stderr.strip().splitlines() == [
-            f"pipedream train: error: --clip-grad-norm must be a positive number, got {bad}; e.g. "
-            "--clip-grad-norm 1.0 (leave it out not to clip)"
+            "pipedream train: error: --clip-grad-norm must be a finite positive number, got "
+            f"{bad}; e.g. --clip-grad-norm 1.0 (leave it out not to clip)"
         ]
     result = run_main("train", str(plan), "--steps", "1", "--clip-grad-norm", "1")
     assert result.returncode == 2
