@@ -39,6 +39,7 @@ from pipedream.ties import expand_aliases
 
 __all__ = [
     "CHECKPOINT_FORMAT",
+    "check_fits",
     "check_stage_file",
     "find_latest_checkpoint",
     "load_full_state_dict",
@@ -325,6 +326,30 @@ class Restored:
     """The optimizer settings the workload gives that differ from the checkpoint's (used)."""
 
 
+def check_fits(
+    wanted: dict[str, torch.Tensor],
+    stored: dict[str, torch.Tensor],
+    directory: Path,
+    *,
+    doing: str,
+) -> None:
+    """The checkpoint at ``directory`` holds every tensor of ``wanted`` (a model's state dict)
+    in its shape; a model built with other options, or changed code, does not fit. ``doing``:
+    what the user does with it (``resume``, ``evaluate``), for the fix."""
+    missing = [key for key in wanted if key not in stored]
+    if missing:
+        raise CheckpointError(
+            f"{directory}: has no tensors for {missing[:3]} (a different model?); {doing} only "
+            "with the workload and workload_args the checkpoint was written with"
+        )
+    for key, value in wanted.items():
+        if stored[key].shape != value.shape:
+            raise CheckpointError(
+                f"{directory}: {key} has shape {tuple(stored[key].shape)}, the model has "
+                f"{tuple(value.shape)}; {doing} with the same workload arguments"
+            )
+
+
 def restore_stage(
     directory: Path,
     module: nn.Module,
@@ -356,18 +381,7 @@ def restore_stage(
         for group in groups
     ]
     wanted = module.state_dict()
-    missing = [key for key in wanted if key not in model]
-    if missing:
-        raise CheckpointError(
-            f"{directory}: has no tensors for {missing[:3]} (a different model?); resume only "
-            "with the workload and workload_args the checkpoint was written with"
-        )
-    for key, value in wanted.items():
-        if model[key].shape != value.shape:
-            raise CheckpointError(
-                f"{directory}: {key} has shape {tuple(model[key].shape)}, the model has "
-                f"{tuple(value.shape)}; resume with the same workload arguments"
-            )
+    check_fits(wanted, model, directory, doing="resume")
     module.load_state_dict({key: model[key] for key in wanted})
     changed: tuple[str, ...] = ()
     if optimizer is not None:

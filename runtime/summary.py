@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-from pipedream.errors import CheckpointError, WorkloadError
+from pipedream.errors import WorkloadError
 from pipedream.formats.plan import Plan
 from pipedream.formats.units import format_bytes
 from pipedream.formats.yamlio import atomic_write_text
 from pipedream.precision import DEFAULT_PRECISION
-from pipedream.runtime.checkpoint import load_full_state_dict
+from pipedream.runtime.checkpoint import check_fits, load_full_state_dict
 from pipedream.runtime.metrics import MetricsLogger
 from pipedream.wording import count
 from pipedream.workload import Workload
@@ -234,7 +234,7 @@ def evaluate_checkpoint(
     """
     assert workload.evaluate is not None
     state = load_full_state_dict(checkpoint)
-    _check_fits(workload.model.state_dict(), state, checkpoint)
+    check_fits(workload.model.state_dict(), state, checkpoint, doing="evaluate it")
     try:
         model = workload.model.to(device)
         model.load_state_dict(state)
@@ -253,25 +253,6 @@ def evaluate_checkpoint(
             "names to numbers, e.g. {'test_loss': 2.31}"
         )
     return {k: float(v) for k, v in metrics.items()}
-
-
-def _check_fits(
-    wanted: dict[str, torch.Tensor], stored: dict[str, torch.Tensor], checkpoint: Path
-) -> None:
-    """The checkpoint holds every tensor of the model, in its shape (a model built with other
-    options, or changed code, does not fit)."""
-    missing = [key for key in wanted if key not in stored]
-    if missing:
-        raise CheckpointError(
-            f"{checkpoint}: has no tensors for {missing[:3]} (a different model?); evaluate it "
-            "with the workload and workload_args it was written with"
-        )
-    for key, value in wanted.items():
-        if stored[key].shape != value.shape:
-            raise CheckpointError(
-                f"{checkpoint}: {key} has shape {tuple(stored[key].shape)}, the model has "
-                f"{tuple(value.shape)}; evaluate it with the workload arguments it was written with"
-            )
 
 
 def _stages_text(stages: tuple[int, ...]) -> str:
