@@ -15,7 +15,7 @@ Compact string form (used in tests and printed grids)::
     "1A0"      stage 1 averages its gradients of minibatch 0 with its replicas (allreduce)
     "1I3"      stage 1, input-gradient half of the backward of microbatch 3 (zero-bubble "B")
     "1W3"      stage 1, weight-gradient half of the backward of microbatch 3 (zero-bubble "W")
-    "0C2"      the rank of stage 0 clips update 2's gradients to a global norm (every rank)
+    "0C2"      the rank of stage 0 takes part in update 2's global gradient norm (every rank)
 
 A backward is either one ``B`` or an ``I`` and a later ``W``: ``I`` computes the gradients of
 the stage's inputs (what the previous stage waits for, sent right after it), ``W`` those of the
@@ -35,10 +35,11 @@ receives every new version of the owner's tensor::
     "0SW1"     stage 0 sends version 1 of the tied tensors (made by update 0) to the copies
     "3RW1"     stage 3 receives version 1, right before its first forward that uses it
 
-A run that clips gradients to a global norm (``--clip-grad-norm``) has one ``C`` per rank and
-update, named after the rank's first stage: every rank adds its stages' squared gradient norms
-in one allreduce over all ranks, after every gradient of the update is complete on the rank and
-before its first ``U`` (:mod:`pipedream.schedules.global_norm`).
+A run whose updates wait for the whole model's gradient norm (``--clip-grad-norm``, fp16's loss
+scale) has one ``C`` per rank and update, named after the rank's first stage: every rank adds
+its stages' squared gradient norms in one allreduce over all ranks, after every gradient of the
+update is complete on the rank and before its first ``U``
+(:mod:`pipedream.schedules.global_norm`).
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ _LONG_NAMES = {
     Op.BACKWARD_WEIGHT: "weight-gradient backward of microbatch",
     Op.UPDATE: "optimizer update of minibatch",
     Op.ALLREDUCE: "gradient allreduce of minibatch",
-    Op.CLIP: "gradient clipping (the global norm over all ranks) of update",
+    Op.CLIP: "global gradient norm (over all ranks) of update",
     Op.RECV_ACT: "receive of the activations of microbatch",
     Op.SEND_ACT: "send of the activations of microbatch",
     Op.RECV_GRAD: "receive of the gradient of microbatch",

@@ -4,7 +4,7 @@ The checks: every stage replica runs F and the backward of each of its microbatc
 once, the backward as one B or as an I and a later W (and each microbatch runs at exactly one
 replica of every stage), a rank runs only its own stages, every send has its receive on the
 peer (and the other way round; a message is known by its kind, microbatch and the ranks and
-stages at both ends), allreduces of a stage's replicas line up, a clipped run's ``C`` of each
+stages at both ends), allreduces of a stage's replicas line up, a global-norm run's ``C`` of each
 update comes once per rank, after the rank's gradient work of the update and before its updates,
 and a dependency simulation (sends never block; a receive waits for its send; an allreduce waits
 for all replicas, a ``C`` for all ranks) runs every action, so the real run cannot deadlock. A
