@@ -439,6 +439,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "cpu", "cuda"],
         help="where the model is evaluated (auto: the first GPU if there is one)",
     )
+    evaluate.add_argument(
+        "--workload-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="replace one of the checkpoint's workload options (repeatable), e.g. "
+        "tokens=val.bin to evaluate on other data, or a tokens file that moved",
+    )
     evaluate.add_argument("--json", action="store_true", help="one JSON line instead of text")
 
     trace = verbs.add_parser("trace", help="merge a run's --trace timelines (Perfetto, PNG)")

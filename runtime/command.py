@@ -41,9 +41,10 @@ def export(args: argparse.Namespace) -> int:
 def evaluate(args: argparse.Namespace) -> int:
     """``pipedream evaluate CHECKPOINT``: the workload's evaluation of the whole model at a
     checkpoint (what a run's summary gives for its last one), for any checkpoint of a run,
-    also while the run goes on: the workload and its options come from the manifest."""
+    also while the run goes on: the workload and its options come from the manifest, each
+    ``--workload-arg`` replacing one (other held-out data, a file that moved)."""
     from pipedream.runtime.summary import evaluate_checkpoint, finite
-    from pipedream.workload import load_workload
+    from pipedream.workload import load_workload, parse_workload_args
 
     directory = _checkpoint_dir(args.checkpoint)
     wanted = args.device
@@ -60,11 +61,12 @@ def evaluate(args: argparse.Namespace) -> int:
             f"{directory}: its manifest's workload_args is {options!r:.60}, not a mapping of "
             "options; the file is damaged"
         )
+    given = parse_workload_args(args.workload_arg)
     workload = load_workload(
         name,
-        {str(k): str(v) for k, v in options.items()},
+        {**{str(k): str(v) for k, v in options.items()}, **given},
         microbatch_size=manifest.get("microbatch_size"),
-        source=str(directory / "manifest.yaml"),
+        source=None if given else str(directory / "manifest.yaml"),
     )
     if workload.evaluate is None:
         raise WorkloadError(

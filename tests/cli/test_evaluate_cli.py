@@ -39,6 +39,12 @@ def test_evaluate_gives_the_summarys_numbers_for_any_checkpoint(
     earlier = float(said.stdout.split("test_loss ")[1].split(",")[0])
     assert earlier != summary["evaluation"]["test_loss"]  # another checkpoint, other weights
 
+    # other held-out data: --workload-arg replaces the manifest's option
+    said = run_main("evaluate", str(last), "--json", "--workload-arg", "test_samples=32")
+    assert said.returncode == 0, said.stderr
+    other = json.loads(said.stdout)
+    assert other["test_loss"] != summary["evaluation"]["test_loss"]  # on 32 other sequences
+
     # a model the checkpoint does not fit (other options, changed code): one line, not a
     # traceback from load_state_dict
     manifest = middle / "manifest.yaml"
