@@ -252,7 +252,7 @@ def evaluate_checkpoint(
             f"the workload's evaluate returned {metrics!r:.80}; it must return a dict of "
             "names to numbers, e.g. {'test_loss': 2.31}"
         )
-    return {k: float(v) for k, v in metrics.items()}
+    return dict(metrics)
 
 
 def _stages_text(stages: tuple[int, ...]) -> str:
