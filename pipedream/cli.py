@@ -427,7 +427,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = verbs.add_parser("export", help="write a checkpoint's full model state dict")
     export.add_argument("checkpoint", help="checkpoint directory (runs/.../checkpoints/step-N)")
-    export.add_argument("-o", "--output", required=True, metavar="MODEL_PT")
+    export.add_argument(
+        "-o", "--output", metavar="MODEL_PT", help="write the state dict (torch.save) here"
+    )
+    export.add_argument(
+        "--hf",
+        metavar="DIR",
+        help="write a transformers model directory (config.json, model.safetensors, and the "
+        "tokenizer's files of an hf-lm pretrained= run) that from_pretrained loads",
+    )
+    export.add_argument(
+        "--workload-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --hf: replace one of the checkpoint's workload options (repeatable), e.g. a "
+        "pretrained directory or tokens file that moved",
+    )
 
     evaluate = verbs.add_parser(
         "evaluate", help="the workload's evaluation of the whole model at a checkpoint"

@@ -63,7 +63,7 @@ WRAP = "pipedream.workloads.hf_lm:wrap"
 """What trains a factory's ``transformers`` model; it takes the options the factory does not."""
 
 PATH_OPTIONS: dict[str, tuple[str, ...]] = {
-    "pipedream.workloads.hf_lm:build": ("tokens",),
+    "pipedream.workloads.hf_lm:build": ("tokens", "pretrained"),
     WRAP: ("tokens",),
 }
 """The options that name a file, by factory (:func:`absolute_paths`)."""

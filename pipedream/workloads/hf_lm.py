@@ -27,6 +27,9 @@ ranks start in. With ``padding=true`` every sequence ends after a random length
 (at least half of ``seq``) with padding: the model then takes ``input_ids`` and
 ``attention_mask``, and the padded positions do not count in the loss.
 
+``pretrained=DIR`` loads the causal LM that ``save_pretrained`` wrote to the local directory
+``DIR`` instead, its config giving the sizes (:mod:`pipedream.workloads.hf_pretrained`).
+
 A ``package.module:function`` that returns a ``transformers`` causal LM instead of a
 :class:`~pipedream.workload.Workload` is trained the same way (:func:`wrap`): the
 ``--workload-arg`` options its function does not take go to :func:`wrap`.
@@ -329,16 +332,31 @@ def _dataset(windows: Tensor, padding: bool, generator: torch.Generator) -> Data
     return PaddedTokens(windows, lengths)
 
 
+_SIZES: dict[str, Any] = {
+    "config": "gpt2",
+    "layers": 2,
+    "dim": 64,
+    "heads": 4,
+    "kv_heads": 0,
+    "ffn": 0,
+    "vocab": 256,
+    "tie": True,
+}
+"""The options that shape a model built from a config, and their defaults; a ``pretrained``
+model's own config gives them."""
+
+
 def build(
-    config: str = "gpt2",
-    layers: int = 2,
-    dim: int = 64,
-    heads: int = 4,
-    kv_heads: int = 0,
-    ffn: int = 0,
-    vocab: int = 256,
-    seq: int = DEFAULT_SEQ,
-    tie: bool = True,
+    config: str | None = None,
+    layers: int | None = None,
+    dim: int | None = None,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    ffn: int | None = None,
+    vocab: int | None = None,
+    seq: int | None = None,
+    tie: bool | None = None,
+    pretrained: str = "",
     padding: bool = False,
     tokens: str = "",
     samples: int = 2048,
@@ -352,20 +370,36 @@ def build(
     data_seed: int = 0,
     microbatch_size: int = 8,
 ) -> Workload:
-    """A ``transformers`` causal LM of family ``config`` with random weights (see the module
-    docstring); every call with the same arguments gives identical weights and data."""
+    """A ``transformers`` causal LM of family ``config`` with random weights, or the one saved
+    in directory ``pretrained`` (see the module docstring); every call with the same arguments
+    gives identical weights and data."""
+    given = {"config": config, "layers": layers, "dim": dim, "heads": heads}
+    given |= {"kv_heads": kv_heads, "ffn": ffn, "vocab": vocab, "tie": tie}
+    if pretrained:
+        return _pretrained(
+            pretrained,
+            sizes=[name for name, value in given.items() if value is not None],
+            seed=seed,
+            seq=seq,
+            padding=padding,
+            tokens=tokens,
+            samples=samples,
+            test_samples=test_samples,
+            branching=branching,
+            lr=lr,
+            optimizer=optimizer,
+            warmup=warmup,
+            decay=decay,
+            data_seed=data_seed,
+            microbatch_size=microbatch_size,
+        )
+    sizes = {name: _SIZES[name] if value is None else value for name, value in given.items()}
+    seq = DEFAULT_SEQ if seq is None else seq
     transformers = _transformers()
     settings = hf_config(
-        config,
-        layers=layers,
-        dim=dim,
-        heads=heads,
-        kv_heads=kv_heads,
-        ffn=ffn,
-        vocab=vocab,
-        seq=seq,
-        tie=tie,
+        sizes["config"], seq=seq, **{k: v for k, v in sizes.items() if k != "config"}
     )
+    vocab = sizes["vocab"]
     _check_stream(branching=branching, vocab=vocab, tokens=tokens)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(torch_seed(seed))
@@ -386,11 +420,36 @@ def build(
         data_seed=data_seed,
         microbatch_size=microbatch_size,
     )
+    kv_heads, heads = sizes["kv_heads"], sizes["heads"]
     workload.description = (
-        f"{config} {layers}x{dim} ({heads} heads"
+        f"{sizes['config']} {sizes['layers']}x{sizes['dim']} ({heads} heads"
         + (f", {kv_heads} kv heads" if kv_heads and kv_heads != heads else "")
-        + (", tied head" if tie else "")
+        + (", tied head" if sizes["tie"] else "")
         + f"), vocab {vocab}, seq {seq}, from transformers {transformers.__version__}; "
+        + workload.description
+    )
+    return workload
+
+
+def _pretrained(path: str, *, sizes: list[str], seed: int, **data: Any) -> Workload:
+    """The workload of the model saved in directory ``path``; ``data``: :func:`wrap`'s options.
+    ``sizes``: the shaping options given too, which the directory's config settles instead."""
+    from pipedream.workloads.hf_pretrained import load_pretrained
+
+    if sizes:
+        raise WorkloadError(
+            f"hf-lm: pretrained={path!r} gives the model's config, so {', '.join(sizes)} "
+            "cannot be set too; leave them out (or build from a config without pretrained)"
+        )
+    model, missing = load_pretrained(path, seed=seed)
+    model.train()
+    workload = wrap(model, **data)
+    settings: Any = model.config
+    parameters = sum(p.numel() for p in model.parameters())
+    workload.description = (
+        f"{settings.model_type} from {path} ({parameters:,} parameters"
+        + (f", {missing} tensors not in its files initialized from seed {seed}" if missing else "")
+        + f"), vocab {settings.vocab_size}; "
         + workload.description
     )
     return workload

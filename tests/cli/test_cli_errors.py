@@ -779,8 +779,13 @@ def test_no_verb_exits_2() -> None:
 
 
 def test_missing_required_option_exits_2(tmp_path: Path) -> None:
-    line = _one_line(run_main("export", str(tmp_path)), "pipedream export: error: ")
+    line = _one_line(run_main("profile", "digits"), "pipedream profile: error: ")
     assert "-o/--output" in line
+    line = _one_line(run_main("export", str(tmp_path)), "pipedream export: error: ")
+    assert line == (
+        "pipedream export: error: give -o model.pt (the state dict), --hf DIR (a transformers "
+        "model directory), or both"
+    )
 
 
 def test_launch_rejects_an_invalid_schedule_before_torchrun(tmp_path: Path) -> None:
