@@ -24,9 +24,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["LossScaleSettings", "LossScaler"]
+from pipedream.errors import LaunchError
+
+__all__ = ["LossScaleSettings", "LossScaler", "check_scalable"]
 
 
 @dataclass(frozen=True)
@@ -84,3 +86,25 @@ class LossScaler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scale.fill_(float(state["scale"]))
         self.growth_tracker.fill_(int(state["growth_tracker"]))
+
+
+def check_scalable(model: nn.Module) -> None:
+    """Refuse a model with float16 weights under ``--precision fp16``, as ``GradScaler``
+    refuses to unscale float16 gradients: the scale exists to carry float16's narrow range
+    through the backward into weights of a wider dtype, and an unscaled float16 gradient can
+    itself overflow or underflow."""
+    half = next(
+        (
+            name
+            for name, p in model.named_parameters()
+            if p.requires_grad and p.dtype == torch.float16
+        ),
+        None,
+    )
+    if half is not None:
+        raise LaunchError(
+            f"--precision fp16 needs weights wider than float16 (autocast computes in float16, "
+            f"the loss scale carries the gradients into the weights' dtype), but the model's "
+            f"{half} is float16; build the model in float32, or train it in its own dtype with "
+            "--precision fp32"
+        )

@@ -53,7 +53,7 @@ from pipedream.runtime.gc_freeze import frozen_heap
 from pipedream.runtime.global_norm import ClipPart, GlobalNorm
 from pipedream.runtime.grad_buckets import GradientBuckets
 from pipedream.runtime.loss_log import LossLog
-from pipedream.runtime.loss_scale import LossScaler
+from pipedream.runtime.loss_scale import LossScaler, check_scalable
 from pipedream.runtime.metrics import MetricsLogger
 from pipedream.runtime.out_of_memory import DeviceOutOfMemory, how_to_fit, said_in_one_line
 from pipedream.runtime.rng_state import seed_segment
@@ -225,6 +225,8 @@ def _set_up(options: TrainOptions, plan: Plan, env: LaunchEnv) -> _Setup:
     workload = load_workload(
         plan.workload, plan.workload_args, microbatch_size=plan.microbatch_size, source=source
     )
+    if (options.precision or plan.precision) in SCALES_LOSS:
+        check_scalable(workload.model)
     layout = stage_layout(workload, plan, source=source)
     resume_from = resume_point(options.resume, options.run_dir, plan, note=speaks)
     manifest = load_manifest(resume_from) if resume_from is not None else {}

@@ -138,3 +138,24 @@ def test_a_run_resumed_in_another_precision_or_clipping_says_so(tmp_path: Path) 
         f"pipedream: note: {step} was trained in fp16, clipping gradients to norm 1; this run "
         "trains in bf16, no clipping (its fp16 loss scale is dropped)"
     ) in said
+
+
+def test_fp16_refuses_a_model_with_float16_weights_as_grad_scaler_does(tmp_path: Path) -> None:
+    from launching import straight_plan, write_plan
+
+    plan = straight_plan(
+        "dtype_model:build", [["0", "1", "2", "3", "4"]], workload_args={"dtype": "float16"}
+    )
+    path = write_plan(plan, tmp_path / "plan.yaml")
+    said = run_main(
+        "train", str(path), "--steps", "1", "--precision", "fp16", "--run-dir",
+        str(tmp_path / "run"), "--no-progress",
+    )  # fmt: skip
+    assert said.returncode == 2
+    assert said.stderr.strip() == (
+        "pipedream train: error: --precision fp16 needs weights wider than float16 (autocast "
+        "computes in float16, the loss scale carries the gradients into the weights' dtype), "
+        "but the model's 0.weight is float16; build the model in float32, or train it in its "
+        "own dtype with --precision fp32"
+    )
+    assert not (tmp_path / "run" / "checkpoints").exists()
