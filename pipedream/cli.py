@@ -241,6 +241,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="also checkpoint every N minibatches (a final one is always written)",
     )
     train.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also evaluate the whole model (the workload's evaluation) every N minibatches, "
+        "at a checkpoint (a multiple of --checkpoint-every; without it, checkpoints every N), "
+        "into evaluations.jsonl; the final checkpoint is always evaluated",
+    )
+    train.add_argument(
         "--resume",
         default=None,
         metavar="auto|PATH",

@@ -106,6 +106,13 @@ class MetricsLogger:
                 flush=True,
             )
 
+    def say(self, line: str) -> None:
+        """Print ``line`` where the progress goes, above the bar if there is one."""
+        if self._bar is not None:
+            self._bar.write(line, file=self.stream)
+        else:
+            print(line, file=self.stream, flush=True)
+
     @property
     def _trained(self) -> int:
         """Minibatches trained by the latest logged update."""

@@ -25,7 +25,14 @@ from pipedream.runtime.metrics import MetricsLogger
 from pipedream.wording import count
 from pipedream.workload import Workload
 
-__all__ = ["RankStats", "evaluate_checkpoint", "finite", "peak_memory_bytes", "report"]
+__all__ = [
+    "RankStats",
+    "checked_metrics",
+    "evaluate_checkpoint",
+    "finite",
+    "peak_memory_bytes",
+    "report",
+]
 
 
 @dataclass(frozen=True)
@@ -244,6 +251,11 @@ def evaluate_checkpoint(
         torch.cuda.empty_cache()
         model.load_state_dict(state)
         metrics = workload.evaluate(model)
+    return checked_metrics(metrics)
+
+
+def checked_metrics(metrics: Any) -> dict[str, float]:
+    """What a workload's evaluate returned, refused in one line unless names to numbers."""
     if not isinstance(metrics, dict) or not all(
         isinstance(k, str) and isinstance(v, numbers.Real) and not isinstance(v, bool)
         for k, v in metrics.items()

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from pipedream import wording
 from pipedream.data import MicrobatchStream
-from pipedream.errors import CheckpointError, PipedreamError, RunFailure
+from pipedream.errors import CheckpointError, PipedreamError, RunFailure, WorkloadError
 from pipedream.formats.plan import Plan, load_plan
 from pipedream.formats.trace import RunSettings, TracedAction, remove_traces, write_trace
 from pipedream.host_memory import configure_host_memory
@@ -48,6 +48,7 @@ from pipedream.runtime.environment import (
     device_and_backend,
     read_launch_env,
 )
+from pipedream.runtime.evaluation import append_evaluation, evaluate_during_run
 from pipedream.runtime.executor import Executor, LocalStage, wait_collective
 from pipedream.runtime.gc_freeze import frozen_heap
 from pipedream.runtime.global_norm import ClipPart, GlobalNorm
@@ -63,6 +64,7 @@ from pipedream.runtime.stage_layout import StageLayout, stage_layout
 from pipedream.runtime.stage_worker import StageWorker, WorkerConfig
 from pipedream.runtime.summary import RankStats, peak_memory_bytes, report
 from pipedream.runtime.train_options import (
+    MAX_TIMEOUT_S,
     TrainOptions,
     check_global_norm,
     check_options,
@@ -227,6 +229,11 @@ def _set_up(options: TrainOptions, plan: Plan, env: LaunchEnv) -> _Setup:
     )
     if (options.precision or plan.precision) in SCALES_LOSS:
         check_scalable(workload.model)
+    if options.eval_every and workload.evaluate is None:
+        raise WorkloadError(
+            f"--eval-every {options.eval_every}: the workload {plan.workload} defines no "
+            "evaluation (Workload.evaluate); give it one, or leave --eval-every out"
+        )
     layout = stage_layout(workload, plan, source=source)
     resume_from = resume_point(options.resume, options.run_dir, plan, note=speaks)
     manifest = load_manifest(resume_from) if resume_from is not None else {}
@@ -244,7 +251,7 @@ def _set_up(options: TrainOptions, plan: Plan, env: LaunchEnv) -> _Setup:
                 file=sys.stderr,
             )
         return _Setup(options, workload, layout, resume_from, None, note=note)
-    todo = segments(options.steps, options.checkpoint_every, start)
+    todo = segments(options.steps, options.checkpoint_interval, start)
     placement = device_and_backend(env, options.device)
     posting = validate_plan_schedule(
         plan,
@@ -313,6 +320,15 @@ class _RankJob:
             clip=self.global_norm,
             timeout=timedelta(seconds=options.timeout),
         )
+        self.eval_group = (
+            dist.new_group(backend="gloo", timeout=timedelta(seconds=MAX_TIMEOUT_S))
+            if options.eval_every and env.world_size > 1
+            else None
+        )
+        """Where the ranks wait for an evaluation during the run (``--eval-every``), however
+        long it takes within a week: an evaluation is no silent peer."""
+        self.logger: MetricsLogger | None = None
+        """The loss's logger, on the rank that reports (set by run)."""
         self.posting = posting
         """How far ahead receives are posted and how many sends stay in flight."""
         self.stage_indices = plan.stages_of_rank(self.rank)
@@ -487,7 +503,21 @@ class _RankJob:
                 recipe={"precision": self.precision, "clip_grad_norm": self.clip},
             )
             self.last_checkpoint = directory
+            every = self.options.eval_every
+            if every and step % every == 0 and step < self.options.steps:
+                self._evaluate(directory, step)  # the last one is the summary's
         return compute_s, elapsed_s
+
+    def _evaluate(self, checkpoint: Path, step: int) -> None:
+        """The workload's evaluation at ``checkpoint``, on the reporting rank, while the
+        others wait (``--eval-every``)."""
+        if self.logger is not None:
+            metrics = evaluate_during_run(self.workload, checkpoint, self.device)
+            append_evaluation(self.run_dir, step, metrics)
+            said = ", ".join(f"{key} {value:.4f}" for key, value in metrics.items())
+            self.logger.say(f"step {step:>6}/{self.options.steps}  evaluation: {said}")
+        if self.eval_group is not None:
+            dist.barrier(group=self.eval_group)
 
     def _fitting(self, stage: int, doing: str) -> contextlib.AbstractContextManager[None]:
         """Out of device memory while ``doing`` something for ``stage``: one line."""
@@ -519,7 +549,7 @@ class _RankJob:
                 for stage, worker in workers.items()
                 if stage in self.groups
             }
-        logger = self._logger(first)
+        logger = self.logger = self._logger(first)
         trace: list[TracedAction] | None = [] if self.options.trace else None
         peaks = {"max_versions": 0, "max_copies": 0, "max_in_flight": 0}
         with frozen_heap():  # no full collection pauses the loop (runtime/gc_freeze.py)
@@ -555,7 +585,7 @@ class _RankJob:
         dist.barrier()
         if logger is not None:
             assert self.last_checkpoint is not None
-            report(
+            summary = report(
                 plan=self.plan,
                 steps=self.options.steps - todo[0][0],
                 first_step=todo[0][0],
@@ -570,6 +600,8 @@ class _RankJob:
                 precision=self.precision,
                 loss_scale=self._loss_scale_report(),
             )
+            if self.options.eval_every and "evaluation" in summary:
+                append_evaluation(self.run_dir, self.options.steps, summary["evaluation"])
             logger.close()
         return 0
 

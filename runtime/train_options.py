@@ -37,6 +37,9 @@ class TrainOptions:
     seed: int | None = None
     """The data order's and the random draws' seed; None: 0, or a resumed checkpoint's."""
     checkpoint_every: int = 0
+    eval_every: int = 0
+    """Evaluate the whole model every this many minibatches, at a checkpoint (0: only at the
+    end)."""
     resume: str | None = None
     keep: int = 0
     on_nonfinite: str = "stop"
@@ -51,6 +54,12 @@ class TrainOptions:
     deterministic: bool = False
     timeout: float = 300.0
     progress: bool = True
+
+    @property
+    def checkpoint_interval(self) -> int:
+        """Minibatches between checkpoints (0: only at the end): ``--checkpoint-every``, else
+        ``--eval-every``, whose evaluations are of checkpoints."""
+        return self.checkpoint_every or self.eval_every
 
 
 def segments(steps: int, every: int, start: int = 0) -> Segments:
@@ -79,6 +88,17 @@ def check_options(options: TrainOptions) -> None:
         raise LaunchError(
             f"--checkpoint-every must be >= 0, got {options.checkpoint_every}; "
             "0 means only at the end"
+        )
+    if options.eval_every < 0:
+        raise LaunchError(
+            f"--eval-every must be >= 0, got {options.eval_every}; 0 evaluates only at the end"
+        )
+    every = options.checkpoint_every
+    if options.eval_every and every and options.eval_every % every:
+        raise LaunchError(
+            f"--eval-every {options.eval_every} is not a multiple of --checkpoint-every {every}: "
+            f"each evaluation is of a checkpoint; use e.g. --eval-every "
+            f"{max(every, options.eval_every // every * every)}"
         )
     if options.keep < 0:
         raise LaunchError(f"--keep must be >= 0, got {options.keep}; 0 keeps every checkpoint")
@@ -129,6 +149,7 @@ _RUN_DIR_ENTRIES = {
     "checkpoints": "a directory",
     "traces": "a directory",
     "metrics.jsonl": "a file",
+    "evaluations.jsonl": "a file",
     "summary.json": "a file",
 }
 """What a run directory holds at these names (a run writes them)."""
@@ -161,7 +182,7 @@ def check_segments(options: TrainOptions, plan: Plan, *, start: int = 0) -> None
     """The stretches between checkpoints, from ``start`` (where a resumed run begins), must be
     whole rounds of every stage's replicas, and short enough for a rank's action table."""
     multiple = plan.steps_multiple
-    stretches = segments(options.steps, options.checkpoint_every, start)
+    stretches = segments(options.steps, options.checkpoint_interval, start)
     for first, count in stretches.representatives():
         if count % multiple:
             resumed = f"; the run resumes at step {start}" if start else ""
@@ -196,7 +217,7 @@ def check_segments(options: TrainOptions, plan: Plan, *, start: int = 0) -> None
             if fitting >= 1
             else "use fewer microbatches per minibatch"
         )
-        every = options.checkpoint_every
+        every = options.checkpoint_interval
         given = f"--checkpoint-every {every}" if every else "no --checkpoint-every"
         raise LaunchError(
             f"a stretch of {longest} minibatches between checkpoints (--steps {options.steps}, "
@@ -214,6 +235,7 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
         run_dir=args.run_dir,
         seed=args.seed,
         checkpoint_every=args.checkpoint_every,
+        eval_every=args.eval_every,
         resume=args.resume,
         keep=args.keep,
         on_nonfinite=args.on_nonfinite,

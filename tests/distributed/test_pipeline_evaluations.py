@@ -1,0 +1,51 @@
+"""``train --eval-every N`` on two ranks: the rank that logs the loss evaluates the whole model
+at every N-th checkpoint while the other waits, and the training goes on as it would have."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from launching import run_main
+from plain_loop import plain_loop
+from runs import max_rel_diff, train_and_load
+
+pytestmark = pytest.mark.slow
+
+GPT = {"layers": "2", "dim": "16", "heads": "2", "seq": "8", "vocab": "16", "samples": "64"}
+
+
+def test_evaluations_during_a_pipeline_run_are_its_checkpoints_evaluations(
+    tmp_path: Path,
+) -> None:
+    said: list[str] = []
+    got = train_and_load(
+        tmp_path, [["embed", "h0"], ["h1", "norm", "head"]], steps=8, workload="gpt",
+        workload_args=GPT, schedule="1f1b", microbatches=2, extra=("--eval-every", "4"),
+        said=said,
+    )  # fmt: skip
+    run = tmp_path / "run"
+    records = [json.loads(line) for line in (run / "evaluations.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in records] == [4, 8]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "step-000004",
+        "step-000008",
+    ]  # --eval-every without --checkpoint-every checkpoints where it evaluates
+    summary = json.loads((run / "summary.json").read_text())
+    assert records[1] == {"step": 8, **summary["evaluation"]}
+    middle = run_main("evaluate", str(run / "checkpoints" / "step-000004"), "--json")
+    assert middle.returncode == 0, middle.stderr
+    assert {"step": 4, **records[0]} == {
+        key: value for key, value in json.loads(middle.stdout).items() if key != "checkpoint"
+    }
+    assert records[0]["test_loss"] != records[1]["test_loss"]
+    line = next(line for line in said if "evaluation:" in line and "step" in line)
+    assert line == (
+        f"step      4/8  evaluation: test_loss {records[0]['test_loss']:.4f}, best_loss "
+        f"{records[0]['best_loss']:.4f}"
+    )
+    # the evaluation left the training as it was: a plain loop's weights
+    want, _ = plain_loop("gpt", GPT, steps=8, microbatches=2, microbatch_size=8)
+    assert max_rel_diff(got, want) < 1e-5
