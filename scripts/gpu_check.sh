@@ -3,7 +3,8 @@
 #   1. installs pipedream into that Python without touching its packages (--no-deps);
 #   2. runs the GPU test tier (tests/gpu: one stage against a plain loop and without a host
 #      synchronisation between its updates, the schedules' oracles, bf16, fp16, clipping,
-#      recomputation, checkpoint and resume, a tied Hugging Face model, with 2-4 ranks sharing
+#      recomputation, checkpoint and resume, evaluations during a run, a tied Hugging Face
+#      model, with 2-4 ranks sharing
 #      one GPU; NCCL pipelines where the machine has a GPU per rank, skipped where it has fewer);
 #   3. times one stage against a plain PyTorch loop on the same GPU (benchmarks/gpu_speed.py)
 #      and prints the table.

@@ -299,3 +299,31 @@ def test_a_bf16_profile_on_the_gpu_plans_and_trains_a_bf16_run(tmp_path: Path) -
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "bf16 (autocast)" in result.stderr and "made from a profile in" not in result.stderr
+
+
+def test_evaluations_during_a_run_on_a_shared_gpu_leave_its_training_alone(
+    tmp_path: Path,
+) -> None:
+    """``--eval-every``: the reporting rank evaluates a copy of the whole model on its GPU
+    while the other waits; the run ends on the weights of a run without evaluations."""
+    stages = [["embed", "h0"], ["h1", "norm", "head"]]
+    common = {"workload": "gpt", "schedule": "1f1b", "microbatches": 2, "workload_args": GPT}
+    every = ("--checkpoint-every", "4")
+    plain = train_and_load(
+        tmp_path, stages, steps=8, name="plain", extra=(*SHARED, *every), **common
+    )
+    evaluated = train_and_load(
+        tmp_path, stages, steps=8, name="evaluated", extra=(*SHARED, *every, "--eval-every", "4"),
+        **common,
+    )  # fmt: skip
+    assert max_rel_diff(evaluated, plain) == 0.0
+    lines = (tmp_path / "evaluated" / "evaluations.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [record["step"] for record in records] == [4, 8]
+    on_cpu = run_main(
+        "evaluate", str(tmp_path / "evaluated" / "checkpoints" / "step-000004"), "--json",
+        "--device", "cpu",
+    )  # fmt: skip
+    assert on_cpu.returncode == 0, on_cpu.stderr
+    want = json.loads(on_cpu.stdout)["test_loss"]
+    assert abs(records[0]["test_loss"] - want) <= 1e-4 * abs(want)
