@@ -4,8 +4,8 @@
 #   2. runs the GPU test tier (tests/gpu: one stage against a plain loop and without a host
 #      synchronisation between its updates, the schedules' oracles, bf16, fp16, clipping,
 #      recomputation, checkpoint and resume, evaluations during a run, a tied Hugging Face
-#      model, with 2-4 ranks sharing
-#      one GPU; NCCL pipelines where the machine has a GPU per rank, skipped where it has fewer);
+#      model, with 2-4 ranks sharing one GPU; NCCL pipelines where the machine has a GPU per
+#      rank, skipped where it has fewer);
 #   3. times one stage against a plain PyTorch loop on the same GPU (benchmarks/gpu_speed.py)
 #      and prints the table.
 # Both parts run even when the first fails; the last line gives each one's time and outcome, and
