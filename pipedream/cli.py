@@ -434,7 +434,10 @@ def build_parser() -> argparse.ArgumentParser:
         "measure between)",
     )
 
-    export = verbs.add_parser("export", help="write a checkpoint's full model state dict")
+    export = verbs.add_parser(
+        "export",
+        help="write a checkpoint's whole model: its state dict, or a transformers model directory",
+    )
     export.add_argument("checkpoint", help="checkpoint directory (runs/.../checkpoints/step-N)")
     export.add_argument(
         "-o", "--output", metavar="MODEL_PT", help="write the state dict (torch.save) here"
@@ -444,14 +447,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="write a transformers model directory (config.json, model.safetensors, and the "
         "tokenizer's files of an hf-lm pretrained= run) that from_pretrained loads",
-    )
-    export.add_argument(
-        "--workload-arg",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="with --hf: replace one of the checkpoint's workload options (repeatable), e.g. a "
-        "pretrained directory or tokens file that moved",
     )
 
     evaluate = verbs.add_parser(

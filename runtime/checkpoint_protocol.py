@@ -51,6 +51,7 @@ def write_checkpoint(
     tied: Sequence[Sequence[str]] = (),
     loss_scale: dict[str, Any] | None = None,
     recipe: dict[str, Any] | None = None,
+    model_config: dict[str, Any] | None = None,
 ) -> None:
     """Collective: every rank calls it at the same step, after the pipeline drained.
 
@@ -60,8 +61,9 @@ def write_checkpoint(
     several names; ``loss_scale``: fp16's scale and its count of good updates, the same on
     every rank (rank 0 writes it into the manifest); ``recipe``: how the run trained beyond
     the workload (``precision``, ``clip_grad_norm``), which a resumed run compares with its
-    own (:func:`recipe_change`). The first replica of every stage writes
-    the stage's file.
+    own (:func:`recipe_change`); ``model_config``: a ``transformers`` model's config
+    (``transformers_config``, from which ``export --hf`` builds the model). The first replica
+    of every stage writes the stage's file.
     """
     entries = []
     for stage, worker, omit in stages:
@@ -95,6 +97,7 @@ def write_checkpoint(
                 "seed": seed,
                 **(recipe or {}),
                 **({"loss_scale": loss_scale} if loss_scale is not None else {}),
+                **({"transformers_config": model_config} if model_config is not None else {}),
             },
             tied=tied,
         )

@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 
 from pipedream.errors import CheckpointError, LaunchError, WorkloadError
 from pipedream.outputs import OutputError, check_not_input
 from pipedream.runtime.checkpoint import load_full_state_dict, load_manifest
 from pipedream.runtime.train_options import train_options
+from pipedream.wording import count
 from pipedream.workload import Workload
 
 __all__ = ["evaluate", "export", "run"]
@@ -34,57 +37,102 @@ def _checkpoint_dir(path: str) -> Path:
 
 def export(args: argparse.Namespace) -> int:
     """``pipedream export CHECKPOINT``: the whole model's state dict (``-o model.pt``), and
-    for a ``transformers`` model a directory ``from_pretrained`` loads (``--hf DIR``)."""
+    for a ``transformers`` model a directory ``from_pretrained`` loads (``--hf DIR``). Both
+    are checked before either is written."""
     directory = _checkpoint_dir(args.checkpoint)
     if args.output is None and args.hf is None:
         raise OutputError(
             "give -o model.pt (the state dict), --hf DIR (a transformers model directory), or both"
         )
+    manifest = load_manifest(directory)
+    source = _pretrained_source(manifest)
     if args.hf is not None:
-        _check_directory_output(args.hf, "--hf", directory)
+        _check_directory_output(args.hf, "--hf", [str(directory), source], other=args.output)
     state = load_full_state_dict(directory)
+    model = _transformers_model(directory, manifest, state) if args.hf is not None else None
+    if model is not None:
+        out = Path(args.hf)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OutputError(f"--hf {args.hf}: cannot create it ({exc.strerror})") from None
     if args.output is not None:
         torch.save(state, args.output)
         print(f"wrote {len(state)} tensors to {args.output}")
-    if args.hf is not None:
-        _export_transformers(directory, state, Path(args.hf), args.workload_arg)
+    if model is not None:
+        _write_transformers(model, Path(args.hf), source)
     return 0
 
 
-def _check_directory_output(path: str, option: str, checkpoint: Path) -> None:
-    """Refuse an output directory that is empty, a file, or the checkpoint (or inside it)."""
+def _pretrained_source(manifest: dict[str, Any]) -> str | None:
+    """The directory an ``hf-lm pretrained=DIR`` run started from (None: another run)."""
+    options = manifest.get("workload_args")
+    source = options.get("pretrained") if isinstance(options, dict) else None
+    return str(source) if source else None
+
+
+def _check_directory_output(
+    path: str, option: str, inputs: list[str | None], *, other: str | None
+) -> None:
+    """Refuse an output directory that is empty, a file or under one, one of ``inputs`` (the
+    checkpoint, the directory the model came from) or inside one, or the ``other`` output."""
     if not path:
         raise OutputError(f"{option} '': give a directory such as exported-model")
-    if Path(path).exists() and not Path(path).is_dir():
-        raise OutputError(f"{option} {path}: exists and is not a directory; give a directory")
-    check_not_input(path, option, [str(checkpoint)])
+    target = Path(path)
+    for folder in (target, *target.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                where = "exists and" if folder == target else f"{folder}"
+                raise OutputError(f"{option} {path}: {where} is not a directory; give a directory")
+            break
+    check_not_input(path, option, inputs)
+    if other is not None and Path(other).resolve() == target.resolve():
+        raise OutputError(
+            f"-o {other} and {option} {path} are the same path; give the state dict a file "
+            "name of its own"
+        )
 
 
-def _export_transformers(
-    directory: Path, state: dict[str, torch.Tensor], out: Path, workload_args: list[str]
-) -> None:
-    """Write the checkpoint's model as ``save_pretrained`` does, with the tokenizer's files of
-    the directory an ``hf-lm pretrained=`` run started from."""
+def _transformers_model(
+    directory: Path, manifest: dict[str, Any], state: dict[str, torch.Tensor]
+) -> nn.Module:
+    """The checkpoint's ``transformers`` model with its weights: built from the config its
+    manifest records (checkpoints written before it recorded one: from the workload, as the
+    manifest names it)."""
     from pipedream.runtime.checkpoint import check_fits
+    from pipedream.workloads.hf_pretrained import load_transformers, model_from_record
+
+    record = manifest.get("transformers_config")
+    if isinstance(record, dict):
+        model = model_from_record(record)
+    else:
+        model = _manifest_workload(directory, []).model
+    if callable(getattr(model, "save_pretrained", None)):
+        check_fits(model.state_dict(), state, directory, doing="export it")
+    load_transformers(model, state)
+    return model
+
+
+def _write_transformers(model: nn.Module, out: Path, source: str | None) -> None:
+    """Write ``model`` to ``out`` with the tokenizer's files of ``source``, and say so."""
     from pipedream.workloads.hf_pretrained import save_transformers
 
-    workload, options = _manifest_workload(directory, workload_args)
-    model = workload.model
-    check_fits(model.state_dict(), state, directory, doing="export it")
-    copied = save_transformers(model, state, out, source=options.get("pretrained"))
-    tokenizer = f" and {copied} tokenizer file{'s' if copied > 1 else ''}" if copied else ""
+    copied = save_transformers(model, out, source=source)
+    tokenizer = f" and {count(copied, 'tokenizer file')}" if copied else ""
     print(
         f"wrote a transformers {type(model).__name__}{tokenizer} to {out}: "
         f"AutoModelForCausalLM.from_pretrained({str(out)!r}) loads it"
     )
+    if source and not Path(source).is_dir():
+        print(
+            f"note: {source}, where the run's model came from, is gone: copy its tokenizer's "
+            f"files to {out} yourself"
+        )
 
 
-def _manifest_workload(
-    directory: Path, workload_args: list[str]
-) -> tuple[Workload, dict[str, str]]:
+def _manifest_workload(directory: Path, workload_args: list[str]) -> Workload:
     """The workload a checkpoint was trained on, built from its manifest's name and options,
-    each ``KEY=VALUE`` of ``workload_args`` replacing one (other data, a file that moved); and
-    the options it was built with."""
+    each ``KEY=VALUE`` of ``workload_args`` replacing one (other data, a file that moved)."""
     from pipedream.workload import load_workload, parse_workload_args
 
     manifest = load_manifest(directory)
@@ -104,7 +152,7 @@ def _manifest_workload(
         microbatch_size=manifest.get("microbatch_size"),
         source=None if given else str(directory / "manifest.yaml"),
     )
-    return workload, built
+    return workload
 
 
 def evaluate(args: argparse.Namespace) -> int:
@@ -120,7 +168,7 @@ def evaluate(args: argparse.Namespace) -> int:
         wanted = "cuda" if torch.cuda.is_available() else "cpu"
     elif wanted == "cuda" and not torch.cuda.is_available():
         raise LaunchError("--device cuda: this machine has no CUDA GPU; use --device cpu")
-    workload, _ = _manifest_workload(directory, args.workload_arg)
+    workload = _manifest_workload(directory, args.workload_arg)
     manifest = load_manifest(directory)
     name = manifest["workload"]
     if workload.evaluate is None:

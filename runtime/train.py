@@ -82,6 +82,7 @@ from pipedream.schedules import (
     validate_plan_schedule,
 )
 from pipedream.workload import Workload, load_workload
+from pipedream.workloads.hf_pretrained import config_record
 
 __all__ = ["IN_ORDER_ENV", "make_deterministic", "train"]
 
@@ -327,6 +328,8 @@ class _RankJob:
         )
         """Where the ranks wait for an evaluation during the run (``--eval-every``), however
         long it takes within a week: an evaluation is no silent peer."""
+        self.model_config = config_record(workload.model)
+        """A ``transformers`` model's config, which checkpoints record (None: another model)."""
         self.logger: MetricsLogger | None = None
         """The loss's logger, on the rank that reports (set by run)."""
         self.posting = posting
@@ -501,6 +504,7 @@ class _RankJob:
                 tied=[tensor.names for tensor in self.layout.tied],
                 loss_scale=self.scaler.state_dict() if self.scaler is not None else None,
                 recipe={"precision": self.precision, "clip_grad_norm": self.clip},
+                model_config=self.model_config,
             )
             self.last_checkpoint = directory
             every = self.options.eval_every

@@ -4,8 +4,8 @@ The model is built with random weights from a config of one of :data:`FAMILIES` 
 downloaded: the machine may have no internet) and sized by the options: ``layers``, ``dim``,
 ``heads``, ``kv_heads`` (grouped-query attention, Llama-style families), ``ffn`` (hidden width
 of the MLP; default 4 x ``dim``), ``vocab``, ``seq`` (context length), ``tie`` (the output head
-reuses the token embedding, as GPT-2 and the small Llamas do). Dropout is off, so that forward
-passes are deterministic and a pipeline's numbers equal one process's. The sizes are checked
+reuses the token embedding, as GPT-2 and the small Llamas do). Their dropout is off, so that
+forward passes are deterministic and a pipeline's numbers equal one process's. The sizes are checked
 before anything is built: ``heads`` divides ``dim``, ``kv_heads`` divides ``heads``, the
 families with rotary positions (:data:`ROTARY`) need an even head size ``dim / heads``, and
 ``vocab`` is at least 2.
@@ -28,7 +28,9 @@ ranks start in. With ``padding=true`` every sequence ends after a random length
 ``attention_mask``, and the padded positions do not count in the loss.
 
 ``pretrained=DIR`` loads the causal LM that ``save_pretrained`` wrote to the local directory
-``DIR`` instead, its config giving the sizes (:mod:`pipedream.workloads.hf_pretrained`).
+``DIR`` instead, its config giving the sizes and the dropout
+(:mod:`pipedream.workloads.hf_pretrained`). A model whose outputs at a position depend on later
+tokens is refused (:func:`_check_causal`).
 
 A ``package.module:function`` that returns a ``transformers`` causal LM instead of a
 :class:`~pipedream.workload.Workload` is trained the same way (:func:`wrap`): the
@@ -437,20 +439,18 @@ def _pretrained(path: str, *, sizes: list[str], seed: int, **data: Any) -> Workl
     from pipedream.workloads.hf_pretrained import load_pretrained
 
     if sizes:
+        them = "it" if len(sizes) == 1 else "them"
         raise WorkloadError(
             f"hf-lm: pretrained={path!r} gives the model's config, so {', '.join(sizes)} "
-            "cannot be set too; leave them out (or build from a config without pretrained)"
+            f"cannot be set too; leave {them} out (or build from a config without pretrained)"
         )
-    model, missing = load_pretrained(path, seed=seed)
-    model.train()
+    model = load_pretrained(path, seed=seed)
     workload = wrap(model, **data)
     settings: Any = model.config
     parameters = sum(p.numel() for p in model.parameters())
     workload.description = (
-        f"{settings.model_type} from {path} ({parameters:,} parameters"
-        + (f", {missing} tensors not in its files initialized from seed {seed}" if missing else "")
-        + f"), vocab {settings.vocab_size}; "
-        + workload.description
+        f"{settings.model_type} from {path} ({parameters:,} parameters), vocab "
+        f"{settings.vocab_size}; {workload.description}"
     )
     return workload
 
@@ -484,6 +484,7 @@ def wrap(
         )
     if config is not None and getattr(config, "use_cache", False):
         config.use_cache = False  # a cache is state across calls: nothing a pipeline can cut
+    model.train()  # from_pretrained gives a model in eval mode: its dropout off
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if seq is None:
         seq = min(DEFAULT_SEQ, limit) if isinstance(limit, int) else DEFAULT_SEQ
@@ -516,6 +517,7 @@ def wrap(
             f"{microbatch_size}; give more data or a smaller microbatch"
         )
     example = _stack([inputs for inputs, _ in first])
+    _check_causal(model, example, vocab)
     evaluate = _evaluator(held_out, best)
     source = f"tokens from {tokens}" if tokens else "a sparse Markov stream"
     padded = ", padded (attention_mask)" if padding else ""
@@ -532,6 +534,35 @@ def wrap(
             + (f" (best loss {best:.2f}, init ~{math.log(vocab):.2f})" if best is not None else "")
         ),
     )
+
+
+def _check_causal(model: nn.Module, example: Any, vocab: int) -> None:
+    """Refuse a model whose logits at a position depend on later tokens: an encoder such as
+    BERT, which ``AutoModelForCausalLM`` also builds, would learn to read the next token off
+    its input. One short sequence and the same with another last token must agree on every
+    earlier position."""
+    from pipedream.model_io import call_model
+
+    probe = {k: v[:1, :8] for k, v in example.items()} if isinstance(example, dict) else None
+    ids = probe["input_ids"] if probe is not None else example[:1, :8]
+    other = ids.clone()
+    other[0, -1] = (other[0, -1] + 1) % vocab
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            first = call_model(model, ids if probe is None else probe)
+            second = call_model(model, other if probe is None else {**probe, "input_ids": other})
+    finally:
+        model.train(was_training)
+    a, b = (getattr(out, "logits", out)[0, :-1] for out in (first, second))
+    if not torch.allclose(a, b, rtol=1e-4, atol=1e-5):
+        raise WorkloadError(
+            f"hf-lm: the {type(model).__name__} is not causal: its outputs at a position change "
+            "with later tokens (an encoder such as BERT attends both ways), so it would learn to "
+            "read the next token off its input; give a decoder-only causal LM (or a config with "
+            "is_decoder=True)"
+        )
 
 
 def _stack(items: list[Any]) -> Any:

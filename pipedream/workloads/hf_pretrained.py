@@ -8,12 +8,19 @@ in float32, whatever dtype its files hold: the weights a run updates stay in flo
 ``--precision bf16`` or ``fp16`` trains it in autocast. Tensors the files lack (a causal LM
 head over a base model's files, say) are initialized from the workload's seed, the same on
 every rank.
+
+A checkpoint of a ``transformers`` model records the model's config (:func:`config_record`),
+so that an export rebuilds the model from the checkpoint alone (:func:`model_from_record`):
+not from the training data, nor from a ``pretrained`` directory that may have moved.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,8 +30,16 @@ from torch import nn
 
 from pipedream.data import torch_seed
 from pipedream.errors import WorkloadError
+from pipedream.wording import count
 
-__all__ = ["TOKENIZER_FILES", "load_pretrained", "save_transformers"]
+__all__ = [
+    "TOKENIZER_FILES",
+    "config_record",
+    "load_pretrained",
+    "load_transformers",
+    "model_from_record",
+    "save_transformers",
+]
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -42,18 +57,22 @@ TOKENIZER_FILES = (
 model was loaded from: the exported directory then also loads with ``AutoTokenizer``."""
 
 
-def load_pretrained(path: str, *, seed: int) -> tuple[nn.Module, int]:
-    """The causal LM saved in directory ``path``, in float32, and how many of its tensors the
-    files did not hold (initialized from ``seed``). Raises :class:`WorkloadError` in one line
-    where ``path`` is not such a directory or ``transformers`` cannot load it."""
+def load_pretrained(path: str, *, seed: int) -> nn.Module:
+    """The causal LM saved in directory ``path``, in float32, the tensors its files lack
+    initialized from ``seed`` (said in one line, once per node). Raises
+    :class:`WorkloadError` in one line where ``path`` is not such a directory or
+    ``transformers`` cannot load it."""
     from pipedream.workloads.hf_lm import _transformers
 
     directory = Path(path)
     if not directory.is_dir():
-        where = "" if directory.is_absolute() else f" in {Path.cwd()}"
+        if directory.exists():
+            found = "is a file, not a directory"
+        else:
+            found = "no such directory" + ("" if directory.is_absolute() else f" in {Path.cwd()}")
         raise WorkloadError(
-            f"hf-lm: pretrained={path!r}: no such directory{where}; give a directory that "
-            "save_pretrained wrote (config.json and the weights)"
+            f"hf-lm: pretrained={path!r}: {found}; give a directory that save_pretrained wrote "
+            "(config.json and the weights)"
         )
     if not (directory / "config.json").is_file():
         raise WorkloadError(
@@ -61,7 +80,7 @@ def load_pretrained(path: str, *, seed: int) -> tuple[nn.Module, int]:
             "save_pretrained wrote (config.json and the weights)"
         )
     transformers = _transformers()
-    with _no_progress_bars(transformers), torch.random.fork_rng(devices=[]):
+    with _quiet(transformers), torch.random.fork_rng(devices=[]):
         torch.manual_seed(torch_seed(seed))
         try:
             model, info = transformers.AutoModelForCausalLM.from_pretrained(
@@ -76,30 +95,62 @@ def load_pretrained(path: str, *, seed: int) -> tuple[nn.Module, int]:
                 f"hf-lm: pretrained={path!r}: transformers cannot load it as a causal LM "
                 f"({type(exc).__name__}: {reason:.300})"
             ) from None
-    return model, len(info.get("missing_keys", ()))
+    missing = sorted(info.get("missing_keys", ()))
+    if missing and os.environ.get("LOCAL_RANK", "0") == "0":  # once per node, not per rank
+        shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        print(
+            f"pipedream: note: pretrained={path!r} lacks {count(len(missing), 'tensor')} of "
+            f"{type(model).__name__} ({shown}): initialized from seed {seed}, the same on every "
+            "rank",
+            file=sys.stderr,
+        )
+    return model
 
 
-def save_transformers(
-    model: nn.Module, state: dict[str, torch.Tensor], out: Path, *, source: str | None
-) -> int:
-    """Write ``model`` with the weights ``state`` to directory ``out`` as ``save_pretrained``
+def config_record(model: nn.Module) -> dict[str, Any] | None:
+    """The config of ``model``, a ``transformers`` model, as a checkpoint's manifest records
+    it (what ``save_pretrained`` writes to ``config.json``); None for another model."""
+    config = getattr(model, "config", None)
+    if not callable(getattr(model, "save_pretrained", None)) or config is None:
+        return None
+    record: dict[str, Any] = json.loads(config.to_json_string(use_diff=False))
+    return record
+
+
+def model_from_record(record: dict[str, Any]) -> nn.Module:
+    """A causal LM (random weights, float32) of the config a manifest recorded."""
+    from pipedream.workloads.hf_lm import _transformers
+
+    transformers = _transformers()
+    settings = dict(record)
+    model_type = settings.pop("model_type", None)
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **settings)
+        with _quiet(transformers):
+            model: nn.Module = transformers.AutoModelForCausalLM.from_config(
+                config, dtype=torch.float32
+            )
+    except Exception as exc:
+        raise WorkloadError(
+            f"export --hf: transformers {transformers.__version__} cannot build the recorded "
+            f"{model_type} model ({type(exc).__name__}: {str(exc).strip()[:200]})"
+        ) from None
+    return model
+
+
+def save_transformers(model: nn.Module, out: Path, *, source: str | None) -> int:
+    """Write ``model``, a ``transformers`` model, to directory ``out`` as ``save_pretrained``
     does (``config.json``, ``model.safetensors``), and the tokenizer's files of ``source``, the
     directory the model was loaded from, if any. Returns how many tokenizer files it copied.
 
     The saved config asks for the key/value cache (``use_cache``), which generation wants and
     which training had turned off."""
-    if not callable(getattr(model, "save_pretrained", None)):
-        raise WorkloadError(
-            f"export --hf: the workload's model is a {type(model).__name__}, not a transformers "
-            "model; write its state dict with -o model.pt"
-        )
-    model.load_state_dict(state)
     pretrained: Any = model  # a transformers PreTrainedModel
     pretrained.config.use_cache = True
     out.mkdir(parents=True, exist_ok=True)
     from pipedream.workloads.hf_lm import _transformers
 
-    with _no_progress_bars(_transformers()):
+    with _quiet(_transformers()):
         pretrained.save_pretrained(out)
     copied = 0
     if source and Path(source).is_dir():
@@ -110,14 +161,37 @@ def save_transformers(
     return copied
 
 
+def load_transformers(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load ``state`` into ``model``, a ``transformers`` model, and check that it holds every
+    tensor as given: a model that ties two tensors the checkpoint holds apart (built from
+    another config) would keep one of them silently."""
+    if not callable(getattr(model, "save_pretrained", None)):
+        raise WorkloadError(
+            f"export --hf: the workload's model is a {type(model).__name__}, not a transformers "
+            "model; write its state dict with -o model.pt"
+        )
+    model.load_state_dict(state)
+    held = model.state_dict()
+    differ = [key for key, value in state.items() if not torch.equal(held[key], value)]
+    if differ:
+        raise WorkloadError(
+            f"export --hf: the model built for the checkpoint does not hold its {differ[0]} as "
+            "trained (it ties tensors the checkpoint holds apart): it is not the model that "
+            "was trained"
+        )
+
+
 @contextlib.contextmanager
-def _no_progress_bars(transformers: Any) -> Iterator[None]:
-    """``transformers`` without its progress bars (loading, writing shards): every rank loads
-    the model, and a bar per rank says nothing."""
+def _quiet(transformers: Any) -> Iterator[None]:
+    """``transformers`` without its progress bars (loading, writing shards) and its load
+    report: every rank loads the model, and what matters is said once, in one line."""
     shown = transformers.utils.logging.is_progress_bar_enabled()
+    verbosity = transformers.utils.logging.get_verbosity()
     transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
     try:
         yield
     finally:
+        transformers.utils.logging.set_verbosity(verbosity)
         if shown:
             transformers.utils.logging.enable_progress_bar()

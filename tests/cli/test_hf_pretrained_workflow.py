@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -29,8 +30,18 @@ def _saved_gpt2(directory: Path) -> dict[str, torch.Tensor]:
     torch.manual_seed(11)
     model = transformers.GPT2LMHeadModel(config)
     model.save_pretrained(directory)
-    (directory / "tokenizer.json").write_text('{"model": "a tokenizer"}')
+    _tokenizer().save_pretrained(directory)
     return {key: value.clone() for key, value in model.state_dict().items()}
+
+
+def _tokenizer() -> Any:
+    """A word-level tokenizer of 32 words (``tokenizers``, which ``transformers`` needs)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {f"w{i}": i for i in range(31)} | {"[UNK]": 31}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]")
 
 
 @pytest.fixture
@@ -62,7 +73,7 @@ def test_a_saved_model_fine_tunes_and_exports_as_a_transformers_directory(
     said = run_main("export", str(checkpoint), "-o", "model.pt", "--hf", "out")
     assert said.returncode == 0, said.stderr[-2000:]
     assert said.stdout.splitlines()[-1] == (
-        "wrote a transformers GPT2LMHeadModel and 1 tokenizer file to out: "
+        "wrote a transformers GPT2LMHeadModel and 2 tokenizer files to out: "
         "AutoModelForCausalLM.from_pretrained('out') loads it"
     )
     state = torch.load(tmp_path / "model.pt", weights_only=True)
@@ -70,7 +81,23 @@ def test_a_saved_model_fine_tunes_and_exports_as_a_transformers_directory(
     assert loaded.state_dict().keys() == state.keys()
     for key, value in loaded.state_dict().items():
         assert torch.equal(value, state[key]), key
-    assert (tmp_path / "out" / "tokenizer.json").read_text() == '{"model": "a tokenizer"}'
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert tokenizer("w3 w7")["input_ids"] == [3, 7]
+
+    # the checkpoint alone makes the export: the model's directory gone, it is built from the
+    # config the manifest records (and the tokenizer's files are the user's to copy)
+    (tmp_path / "gpt2").rename(tmp_path / "moved")
+    said = run_main("export", str(checkpoint), "--hf", "again")
+    assert said.returncode == 0, said.stderr[-2000:]
+    assert said.stdout.splitlines() == [
+        "wrote a transformers GPT2LMHeadModel to again: "
+        "AutoModelForCausalLM.from_pretrained('again') loads it",
+        f"note: {tmp_path / 'gpt2'}, where the run's model came from, is gone: copy its "
+        "tokenizer's files to again yourself",
+    ]
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again")
+    assert all(torch.equal(value, state[key]) for key, value in again.state_dict().items())
+    (tmp_path / "moved").rename(tmp_path / "gpt2")
 
     # the run started from the saved weights and trained as a plain loop from them does
     assert any(not torch.equal(state[key], saved[key]) for key in saved)
@@ -82,25 +109,46 @@ def test_a_saved_model_fine_tunes_and_exports_as_a_transformers_directory(
     assert state.keys() == load_full_state_dict(checkpoint).keys()
 
 
-def test_export_says_what_it_cannot_write(tmp_path: Path) -> None:
-    plan = write_plan(straight_plan("mlp", [[str(i) for i in range(9)]]), tmp_path / "plan.yaml")
-    run = tmp_path / "run"
-    trained = run_main("train", str(plan), "--steps", "1", "--run-dir", str(run), "--no-progress")
-    assert trained.returncode == 0, trained.stderr
-    checkpoint = run / "checkpoints" / "step-000001"
+def test_export_says_what_it_cannot_write_before_writing_anything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    _saved_gpt2(tmp_path / "gpt2")
+    args = {"pretrained": str(tmp_path / "gpt2"), "seq": "8", "samples": "32"}
+    layers = ["transformer.wte", "transformer.wpe", "transformer.drop", "transformer.h.0"]
+    layers += ["transformer.h.1", "transformer.ln_f", "lm_head"]
+    for name, workload, stages, options in [
+        ("gpt2", "hf-lm", [layers], args),
+        ("mlp", "mlp", [[str(i) for i in range(9)]], None),
+    ]:
+        plan = write_plan(straight_plan(workload, stages, workload_args=options), tmp_path / "p")
+        run = f"run-{name}"
+        trained = run_main("train", str(plan), "--steps", "1", "--run-dir", run, "--no-progress")
+        assert trained.returncode == 0, trained.stderr[-2000:]
+    trained_at = (tmp_path / "gpt2" / "model.safetensors").stat().st_mtime
+    gpt2, mlp = (Path(f"run-{name}", "checkpoints", "step-000001") for name in ("gpt2", "mlp"))
     (tmp_path / "afile").write_text("")
     cases = [
-        (["--hf", str(tmp_path / "mlp")], "export --hf: the workload's model is a Sequential, "
-         "not a transformers model; write its state dict with -o model.pt"),
-        (["--hf", str(tmp_path / "afile")], f"--hf {tmp_path / 'afile'}: exists and is not a "
-         "directory; give a directory"),
-        (["--hf", str(checkpoint / "hf")], f"--hf {checkpoint / 'hf'}: is inside the input "
-         f"folder {checkpoint}, whose files are the command's input; write the output "
-         "elsewhere"),
-        (["--hf", ""], "--hf '': give a directory such as exported-model"),
+        (mlp, ["--hf", "out", "-o", "m.pt"], "export --hf: the workload's model is a "
+         "Sequential, not a transformers model; write its state dict with -o model.pt"),
+        (gpt2, ["--hf", "afile"], "--hf afile: exists and is not a directory; give a directory"),
+        (gpt2, ["--hf", "afile/sub"], "--hf afile/sub: afile is not a directory; give a "
+         "directory"),
+        (gpt2, ["--hf", str(gpt2 / "hf")], f"--hf {gpt2 / 'hf'}: is inside the input folder "
+         f"{gpt2}, whose files are the command's input; write the output elsewhere"),
+        (gpt2, ["--hf", "gpt2/"], f"--hf gpt2/: is the input {tmp_path / 'gpt2'}, which "
+         "writing it would replace; write the output elsewhere"),
+        (gpt2, ["--hf", "same", "-o", "same"], "-o same and --hf same are the same path; give "
+         "the state dict a file name of its own"),
+        (gpt2, ["--hf", ""], "--hf '': give a directory such as exported-model"),
     ]  # fmt: skip
-    for options, message in cases:
+    for checkpoint, options, message in cases:
         said = run_main("export", str(checkpoint), *options)
         assert said.returncode == 2, said.stderr
         assert said.stderr.strip() == f"pipedream export: error: {message}"
-    assert not (tmp_path / "mlp").exists()
+    assert not (tmp_path / "out").exists() and not (tmp_path / "m.pt").exists()
+    assert sorted(p.name for p in (tmp_path / "gpt2").iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+        "tokenizer_config.json",
+    ]  # fmt: skip
+    assert (tmp_path / "gpt2" / "model.safetensors").stat().st_mtime <= trained_at

@@ -12,7 +12,12 @@ from torch import nn
 
 from pipedream.errors import WorkloadError
 from pipedream.workload import load_workload, recorded_args
-from pipedream.workloads.hf_pretrained import save_transformers
+from pipedream.workloads.hf_pretrained import (
+    config_record,
+    load_transformers,
+    model_from_record,
+    save_transformers,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -42,6 +47,7 @@ def test_the_saved_model_is_what_the_workload_trains(tmp_path: Path) -> None:
     assert model.lm_head.weight is model.transformer.wte.weight  # the tie survives
     assert model.config.use_cache is False  # a pipeline cuts no cache
     assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert model.training  # from_pretrained gives it in eval mode: dropout off
     assert workload.description.startswith(
         f"gpt2 from {tmp_path / 'gpt2'} ({sum(p.numel() for p in saved.parameters()):,} "
         "parameters), vocab 32; 32 sequences of 8 tokens"
@@ -56,19 +62,27 @@ def test_a_bfloat16_directory_loads_in_float32(tmp_path: Path) -> None:
     assert torch.equal(model.transformer.wte.weight, saved.transformer.wte.weight.float())
 
 
-def test_tensors_the_files_lack_are_the_same_on_every_rank(tmp_path: Path) -> None:
+def test_tensors_the_files_lack_are_the_same_on_every_rank(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A base model's files give no head: every rank must initialize the same one."""
     config = transformers.LlamaConfig(
         num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32,
         vocab_size=32, max_position_embeddings=16, tie_word_embeddings=False,
     )  # fmt: skip
     transformers.LlamaModel(config).save_pretrained(tmp_path / "base")
+    capsys.readouterr()  # what saving printed
     args = {"pretrained": str(tmp_path / "base"), **DATA}
     first, second = load_workload("hf-lm", args), load_workload("hf-lm", args)
     assert torch.equal(first.model.lm_head.weight, second.model.lm_head.weight)
     reseeded = load_workload("hf-lm", {**args, "seed": "1"})
     assert not torch.equal(first.model.lm_head.weight, reseeded.model.lm_head.weight)
-    assert "1 tensors not in its files initialized from seed 0" in first.description
+    said = capsys.readouterr().err.strip().splitlines()
+    assert said[0] == (
+        f"pipedream: note: pretrained='{tmp_path / 'base'}' lacks 1 tensor of "
+        "LlamaForCausalLM (lm_head.weight): initialized from seed 0, the same on every rank"
+    )
+    assert not any("LOAD REPORT" in line or "Loading" in line for line in said)
 
 
 def test_a_profile_records_the_directory_as_an_absolute_path(
@@ -85,6 +99,11 @@ def test_what_cannot_be_loaded_is_refused_in_one_line(
     monkeypatch.chdir(tmp_path)
     _gpt2(tmp_path / "gpt2")
     (tmp_path / "nothing").mkdir()
+    bert = transformers.BertConfig(
+        num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32,
+        vocab_size=32, max_position_embeddings=16,
+    )  # fmt: skip
+    transformers.BertModel(bert).save_pretrained(tmp_path / "bert")
     (tmp_path / "config-only").mkdir()
     (tmp_path / "config-only" / "config.json").write_text(
         (tmp_path / "gpt2" / "config.json").read_text()
@@ -98,6 +117,16 @@ def test_what_cannot_be_loaded_is_refused_in_one_line(
         ({"pretrained": "gpt2", "layers": "4", "tie": "false"}, "hf-lm: pretrained='gpt2' "
          "gives the model's config, so layers, tie cannot be set too; leave them out (or build "
          "from a config without pretrained)"),
+        ({"pretrained": "gpt2", "vocab": "64"}, "hf-lm: pretrained='gpt2' gives the model's "
+         "config, so vocab cannot be set too; leave it out (or build from a config without "
+         "pretrained)"),
+        ({"pretrained": "gpt2/config.json"}, "hf-lm: pretrained='gpt2/config.json': is a file, "
+         "not a directory; give a directory that save_pretrained wrote (config.json and the "
+         "weights)"),
+        ({"pretrained": "bert"}, "hf-lm: the BertLMHeadModel is not causal: its outputs at a "
+         "position change with later tokens (an encoder such as BERT attends both ways), so it "
+         "would learn to read the next token off its input; give a decoder-only causal LM (or a "
+         "config with is_decoder=True)"),
     ]  # fmt: skip
     for args, message in cases:
         with pytest.raises(WorkloadError) as error:
@@ -119,7 +148,10 @@ def test_save_transformers_writes_what_from_pretrained_loads(tmp_path: Path) -> 
     (source / "notes.txt").write_text("not the tokenizer's")
     model = load_workload("hf-lm", {"pretrained": str(source), **DATA}).model
     trained = {key: value + 1 for key, value in model.state_dict().items()}
-    copied = save_transformers(model, trained, tmp_path / "out", source=str(source))
+    rebuilt = model_from_record(config_record(model))  # as export builds it: no files needed
+    assert type(rebuilt) is type(model) and rebuilt.state_dict().keys() == trained.keys()
+    load_transformers(rebuilt, trained)
+    copied = save_transformers(rebuilt, tmp_path / "out", source=str(source))
     assert copied == 1
     assert (tmp_path / "out" / "tokenizer.json").read_text() == '{"version": "1.0"}'
     assert not (tmp_path / "out" / "notes.txt").exists()
@@ -129,9 +161,32 @@ def test_save_transformers_writes_what_from_pretrained_loads(tmp_path: Path) -> 
         assert torch.equal(value, trained[key]), key
     assert loaded.lm_head.weight is loaded.transformer.wte.weight
 
+
+def test_a_model_that_ties_what_the_checkpoint_holds_apart_is_refused() -> None:
+    config = transformers.LlamaConfig(
+        num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32,
+        vocab_size=32, max_position_embeddings=16, tie_word_embeddings=False,
+    )  # fmt: skip
+    untied = transformers.LlamaForCausalLM(config)
+    state = {key: value.clone() for key, value in untied.state_dict().items()}
+    tied = model_from_record({**config_record(untied), "tie_word_embeddings": True})
     with pytest.raises(WorkloadError) as error:
-        save_transformers(nn.Linear(2, 2), {}, tmp_path / "linear", source=None)
+        load_transformers(tied, state)
+    assert str(error.value).startswith("export --hf: the model built for the checkpoint does not ")
+    assert "it is not the model that was trained" in str(error.value)
+    with pytest.raises(WorkloadError) as error:
+        load_transformers(nn.Linear(2, 2), {})
     assert str(error.value) == (
         "export --hf: the workload's model is a Linear, not a transformers model; write its "
         "state dict with -o model.pt"
     )
+
+
+def test_a_functions_model_trains_in_train_mode() -> None:
+    """``from_pretrained`` gives a model in eval mode; a function returning it must still train
+    with its dropout on, as ``hf-lm pretrained=`` does."""
+    from pipedream.workloads.hf_lm import wrap
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=16, vocab_size=32)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    assert wrap(model, seq=8, samples=32).model.training
