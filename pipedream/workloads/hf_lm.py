@@ -377,24 +377,22 @@ def build(
     gives identical weights and data."""
     given = {"config": config, "layers": layers, "dim": dim, "heads": heads}
     given |= {"kv_heads": kv_heads, "ffn": ffn, "vocab": vocab, "tie": tie}
+    data: dict[str, Any] = {  # what wrap takes besides seq
+        "padding": padding,
+        "tokens": tokens,
+        "samples": samples,
+        "test_samples": test_samples,
+        "branching": branching,
+        "lr": lr,
+        "optimizer": optimizer,
+        "warmup": warmup,
+        "decay": decay,
+        "data_seed": data_seed,
+        "microbatch_size": microbatch_size,
+    }
     if pretrained:
-        return _pretrained(
-            pretrained,
-            sizes=[name for name, value in given.items() if value is not None],
-            seed=seed,
-            seq=seq,
-            padding=padding,
-            tokens=tokens,
-            samples=samples,
-            test_samples=test_samples,
-            branching=branching,
-            lr=lr,
-            optimizer=optimizer,
-            warmup=warmup,
-            decay=decay,
-            data_seed=data_seed,
-            microbatch_size=microbatch_size,
-        )
+        shaped = [name for name, value in given.items() if value is not None]
+        return _pretrained(pretrained, sizes=shaped, seed=seed, seq=seq, **data)
     sizes = {name: _SIZES[name] if value is None else value for name, value in given.items()}
     seq = DEFAULT_SEQ if seq is None else seq
     transformers = _transformers()
@@ -406,22 +404,7 @@ def build(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(torch_seed(seed))
         model = transformers.AutoModelForCausalLM.from_config(settings)
-    model.train()
-    workload = wrap(
-        model,
-        seq=seq,
-        padding=padding,
-        tokens=tokens,
-        samples=samples,
-        test_samples=test_samples,
-        branching=branching,
-        lr=lr,
-        optimizer=optimizer,
-        warmup=warmup,
-        decay=decay,
-        data_seed=data_seed,
-        microbatch_size=microbatch_size,
-    )
+    workload = wrap(model, seq=seq, **data)
     kv_heads, heads = sizes["kv_heads"], sizes["heads"]
     workload.description = (
         f"{sizes['config']} {sizes['layers']}x{sizes['dim']} ({heads} heads"
