@@ -22,25 +22,33 @@ def check_sizes(workload: str, **sizes: int) -> None:
             raise WorkloadError(f"{workload}: {name} must be >= 1, got {value}")
 
 
+ADAMW_WEIGHT_DECAY = 0.01
+"""AdamW's weight decay where none is given (PyTorch's default); SGD and Adam: 0."""
+
+
 def optimizer_factory(
-    name: str, *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0
+    name: str, *, lr: float, momentum: float = 0.0, weight_decay: float | None = None
 ) -> Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]:
-    """Return a function that builds optimizer ``name`` over a set of parameters."""
+    """Return a function that builds optimizer ``name`` over a set of parameters, with
+    ``weight_decay`` (None: :data:`ADAMW_WEIGHT_DECAY` for AdamW, 0 for the others)."""
     if name not in OPTIMIZERS:
         raise WorkloadError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)}")
     if not (math.isfinite(lr) and lr > 0):
         raise WorkloadError(f"learning rate must be a positive number, got lr={lr}; e.g. lr=0.01")
     if not (math.isfinite(momentum) and 0 <= momentum < 1):
         raise WorkloadError(f"momentum must be in [0, 1), got momentum={momentum}; e.g. 0.9")
+    if weight_decay is None:
+        weight_decay = ADAMW_WEIGHT_DECAY if name == "adamw" else 0.0
     if not (math.isfinite(weight_decay) and weight_decay >= 0):
-        raise WorkloadError(f"weight decay must be >= 0, got weight_decay={weight_decay}")
+        raise WorkloadError(f"weight decay must be >= 0, got weight_decay={weight_decay}; e.g. 0.1")
+    decay = weight_decay
 
     def build(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         if name == "sgd":
-            return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+            return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=decay)
         if name == "adam":
-            return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay or 0.01)
+            return torch.optim.Adam(params, lr=lr, weight_decay=decay)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=decay)
 
     return build
 

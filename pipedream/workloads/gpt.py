@@ -259,6 +259,7 @@ def build(
     test_samples: int = 256,
     lr: float | None = None,
     momentum: float = 0.0,
+    weight_decay: float | None = None,
     optimizer: str = "adam",
     seed: int = 0,
     data_seed: int = 0,
@@ -277,7 +278,9 @@ def build(
     check_sizes("gpt", samples=samples, test_samples=test_samples, microbatch_size=microbatch_size)
     if lr is None:
         lr = default_learning_rate(dim)
-    make_optimizer = optimizer_factory(optimizer, lr=lr, momentum=momentum)
+    make_optimizer = optimizer_factory(
+        optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay
+    )
     schedule = warmup_decay("gpt", warmup, decay)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(torch_seed(seed))

@@ -366,6 +366,7 @@ def build(
     branching: int = 4,
     lr: float = 1e-3,
     optimizer: str = "adamw",
+    weight_decay: float | None = None,
     warmup: int = 0,
     decay: int = 0,
     seed: int = 0,
@@ -385,6 +386,7 @@ def build(
         "branching": branching,
         "lr": lr,
         "optimizer": optimizer,
+        "weight_decay": weight_decay,
         "warmup": warmup,
         "decay": decay,
         "data_seed": data_seed,
@@ -449,6 +451,7 @@ def wrap(
     branching: int = 4,
     lr: float = 1e-3,
     optimizer: str = "adamw",
+    weight_decay: float | None = None,
     warmup: int = 0,
     decay: int = 0,
     data_seed: int = 0,
@@ -456,7 +459,8 @@ def wrap(
 ) -> Workload:
     """A workload that trains ``model``, a ``transformers`` causal LM, on the token stream, in
     windows of ``seq`` tokens (default: 64, or the model's context where it is shorter), with
-    ``optimizer`` at ``lr``, warmed up and decayed over ``warmup`` and ``decay`` minibatches
+    ``optimizer`` at ``lr`` and ``weight_decay`` (default: AdamW's 0.01, 0 for the others),
+    warmed up and decayed over ``warmup`` and ``decay`` minibatches
     (:func:`~pipedream.workloads.common.warmup_decay`)."""
     config = getattr(model, "config", None)
     vocab = getattr(config, "vocab_size", None)
@@ -509,7 +513,7 @@ def wrap(
         example_input=example,
         loss_fn=lm_loss,
         dataset=dataset,
-        optimizer=optimizer_factory(optimizer, lr=lr),
+        optimizer=optimizer_factory(optimizer, lr=lr, weight_decay=weight_decay),
         evaluate=evaluate,
         lr_schedule=warmup_decay("hf-lm", warmup, decay),
         description=(

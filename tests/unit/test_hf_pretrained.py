@@ -189,4 +189,6 @@ def test_a_functions_model_trains_in_train_mode() -> None:
 
     config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=16, vocab_size=32)
     model = transformers.GPT2LMHeadModel(config).eval()
-    assert wrap(model, seq=8, samples=32).model.training
+    workload = wrap(model, seq=8, samples=32, weight_decay=0.0)
+    assert workload.model.training
+    assert workload.optimizer(model.parameters()).param_groups[0]["weight_decay"] == 0.0

@@ -244,3 +244,27 @@ def test_gpt_learning_rate_falls_with_width_unless_given(args: dict[str, str], l
 def test_an_optional_float_argument_rejects_a_non_number() -> None:
     with pytest.raises(WorkloadError, match="lr='fast' is not a valid float"):
         load_workload("gpt", {"lr": "fast"})
+
+
+def test_weight_decay_is_what_the_option_says() -> None:
+    """``weight_decay`` for gpt and hf-lm; AdamW's default 0.01 where it is not given, and 0
+    when it is 0 (which used to mean the default)."""
+    from torch import nn
+
+    from pipedream.workloads.common import optimizer_factory
+
+    params = [nn.Parameter(torch.zeros(2))]
+
+    def decay(name: str, **given: float) -> float:
+        return optimizer_factory(name, lr=0.1, **given)(params).param_groups[0]["weight_decay"]
+
+    assert (decay("adamw"), decay("adamw", weight_decay=0.0), decay("adamw", weight_decay=0.1)) == (
+        0.01,
+        0.0,
+        0.1,
+    )
+    assert (decay("adam"), decay("sgd"), decay("sgd", weight_decay=0.2)) == (0.0, 0.0, 0.2)
+    gpt = load_workload("gpt", {"optimizer": "adamw", "weight_decay": "0.05", "samples": "32"})
+    assert gpt.optimizer(params).param_groups[0]["weight_decay"] == 0.05
+    with pytest.raises(WorkloadError, match=r"weight_decay=-1.0; e.g. 0.1"):
+        load_workload("gpt", {"weight_decay": "-1"})
