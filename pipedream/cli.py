@@ -448,6 +448,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a transformers model directory (config.json, model.safetensors, and the "
         "tokenizer's files of an hf-lm pretrained= run) that from_pretrained loads",
     )
+    export.add_argument(
+        "--workload-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --hf, build the model with the workload's factory, this option of the "
+        "checkpoint's replaced (repeatable): where the recorded config is not enough (a model "
+        "class of your own, a checkpoint older than the record) and a file it names moved",
+    )
 
     evaluate = verbs.add_parser(
         "evaluate", help="the workload's evaluation of the whole model at a checkpoint"

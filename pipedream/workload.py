@@ -24,6 +24,7 @@ from pipedream.errors import WorkloadError
 from pipedream.formats.units import format_bytes
 from pipedream.workload_options import (
     BUILTIN_WORKLOADS,
+    Signature,
     absolute_paths,
     check_required,
     import_error,
@@ -37,6 +38,7 @@ from pipedream.workload_options import (
 __all__ = [
     "BUILTIN_WORKLOADS",
     "Workload",
+    "load_model",
     "load_workload",
     "parse_workload_args",
     "recorded_args",
@@ -124,24 +126,8 @@ def load_workload(
     from (a plan): errors then name that file and its ``workload``/``workload_args.KEY`` field
     instead of the ``--workload-arg`` option.
     """
-    factory = _resolve_factory(name, source=source)
-    signature = runtime_signature(factory)
-    kwargs, rest = keyword_args(signature, args or {}, name=name, source=source)
-    takes_size = "microbatch_size" in signature.names or signature.accepts_any
-    if microbatch_size is not None and takes_size:
-        kwargs["microbatch_size"] = microbatch_size
-    check_required(signature, kwargs, name=name, source=source)
-    try:
-        workload = factory(**kwargs)
-    except (MemoryError, RuntimeError) as exc:
-        reason = _allocation_failure(exc)
-        if reason is None:
-            raise
-        given = ", ".join(f"{key}={value}" for key, value in kwargs.items())
-        raise WorkloadError(
-            f"workload {name!r} ({given}) does not fit in memory: {reason}; choose smaller sizes"
-        ) from None
-    if isinstance(workload, nn.Module) and hasattr(getattr(workload, "config", None), "vocab_size"):
+    built, rest, signature = _build(name, args, microbatch_size=microbatch_size, source=source)
+    if _is_language_model(built):
         from pipedream.workloads.hf_lm import wrap  # a transformers causal LM
 
         wrap_signature = runtime_signature(wrap).drop_first()
@@ -150,15 +136,58 @@ def load_workload(
             unknown_option(signature, next(iter(unknown)), name=name, source=source)
         if microbatch_size is not None:
             extra["microbatch_size"] = microbatch_size
-        return wrap(workload, **extra)
+        return wrap(built, **extra)
     if rest:
         unknown_option(signature, next(iter(rest)), name=name, source=source)
-    if not isinstance(workload, Workload):
+    return _checked(name, built)
+
+
+def load_model(
+    name: str, args: Mapping[str, str] | None = None, *, source: str | None = None
+) -> nn.Module:
+    """The model of workload ``name``: what its factory builds, without the data around a
+    ``transformers`` model that a function returns (``pipedream export --hf`` needs no more)."""
+    built, _, _ = _build(name, args, microbatch_size=None, source=source)
+    return built if _is_language_model(built) else _checked(name, built).model
+
+
+def _build(
+    name: str, args: Mapping[str, str] | None, *, microbatch_size: int | None, source: str | None
+) -> tuple[Any, dict[str, str], Signature]:
+    """What the factory of ``name`` returns for ``args``, the options it does not take (for
+    :func:`wrap`), and its signature."""
+    factory = _resolve_factory(name, source=source)
+    signature = runtime_signature(factory)
+    kwargs, rest = keyword_args(signature, args or {}, name=name, source=source)
+    takes_size = "microbatch_size" in signature.names or signature.accepts_any
+    if microbatch_size is not None and takes_size:
+        kwargs["microbatch_size"] = microbatch_size
+    check_required(signature, kwargs, name=name, source=source)
+    try:
+        built = factory(**kwargs)
+    except (MemoryError, RuntimeError) as exc:
+        reason = _allocation_failure(exc)
+        if reason is None:
+            raise
+        given = ", ".join(f"{key}={value}" for key, value in kwargs.items())
         raise WorkloadError(
-            f"workload {name!r}: factory returned {type(workload).__name__}, expected "
+            f"workload {name!r} ({given}) does not fit in memory: {reason}; choose smaller sizes"
+        ) from None
+    return built, rest, signature
+
+
+def _is_language_model(built: Any) -> bool:
+    """Whether a factory returned a ``transformers`` causal LM rather than a Workload."""
+    return isinstance(built, nn.Module) and hasattr(getattr(built, "config", None), "vocab_size")
+
+
+def _checked(name: str, built: Any) -> Workload:
+    if not isinstance(built, Workload):
+        raise WorkloadError(
+            f"workload {name!r}: factory returned {type(built).__name__}, expected "
             "pipedream.workload.Workload (or a transformers causal language model)"
         )
-    return workload
+    return built
 
 
 def recorded_args(name: str, args: Mapping[str, str]) -> dict[str, str]:

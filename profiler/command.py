@@ -44,7 +44,7 @@ from pipedream.formats.units import format_bytes
 from pipedream.graph import LayerGraph
 from pipedream.host_memory import configure_host_memory
 from pipedream.model_io import batch_size, call_model, map_tensors
-from pipedream.precision import DEFAULT_PRECISION, PRECISIONS, autocast, loss_input
+from pipedream.precision import DEFAULT_PRECISION, PRECISIONS, SCALES_LOSS, autocast, loss_input
 from pipedream.profiler.corunners import Corunners, CorunnerSpec
 from pipedream.profiler.graph_profile import (
     graph_tied_parameters,
@@ -59,6 +59,7 @@ from pipedream.profiler.measure import (
     tied_parameters,
 )
 from pipedream.profiler.overhead import measure_data_reads, measure_loss, measure_overhead
+from pipedream.runtime.loss_scale import check_scalable
 from pipedream.runtime.out_of_memory import torch_summary
 from pipedream.workload import Workload, load_workload, parse_workload_args, recorded_args
 
@@ -238,6 +239,8 @@ def profile_workload(
             "profile ...)"
         )
     workload = load_workload(name, workload_args, microbatch_size=microbatch_size)
+    if precision in SCALES_LOSS:  # a profile no run could train in
+        check_scalable(workload.model, where="profile --precision fp16")
     spec = CorunnerSpec(
         name,
         dict(workload_args),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -44,12 +45,16 @@ def export(args: argparse.Namespace) -> int:
         raise OutputError(
             "give -o model.pt (the state dict), --hf DIR (a transformers model directory), or both"
         )
+    if args.workload_arg and args.hf is None:
+        raise OutputError("--workload-arg builds the model --hf writes; give --hf DIR too")
     manifest = load_manifest(directory)
     source = _pretrained_source(manifest)
     if args.hf is not None:
         _check_directory_output(args.hf, "--hf", [str(directory), source], other=args.output)
     state = load_full_state_dict(directory)
-    model = _transformers_model(directory, manifest, state) if args.hf is not None else None
+    model = None
+    if args.hf is not None:
+        model = _transformers_model(directory, manifest, state, args.workload_arg)
     if model is not None:
         out = Path(args.hf)
         try:
@@ -94,19 +99,26 @@ def _check_directory_output(
 
 
 def _transformers_model(
-    directory: Path, manifest: dict[str, Any], state: dict[str, torch.Tensor]
+    directory: Path, manifest: dict[str, Any], state: dict[str, torch.Tensor], given: list[str]
 ) -> nn.Module:
     """The checkpoint's ``transformers`` model with its weights: built from the config its
-    manifest records (checkpoints written before it recorded one: from the workload, as the
-    manifest names it)."""
+    manifest records, else (a model class ``transformers`` does not know, a checkpoint written
+    before manifests recorded the config) by the workload's factory, as the manifest names it
+    and ``given`` (``KEY=VALUE``) changes it."""
     from pipedream.runtime.checkpoint import check_fits
+    from pipedream.workload import load_model, parse_workload_args
     from pipedream.workloads.hf_pretrained import load_transformers, model_from_record
 
     record = manifest.get("transformers_config")
-    if isinstance(record, dict):
-        model = model_from_record(record)
-    else:
-        model = _manifest_workload(directory, []).model
+    model = None
+    if isinstance(record, dict) and not given:
+        with contextlib.suppress(WorkloadError):  # a class of the user's own: its factory
+            model = model_from_record(record)
+    if model is None:
+        name, options = _manifest_options(directory, manifest)
+        changed = {**options, **parse_workload_args(given)}
+        source = None if given else str(directory / "manifest.yaml")
+        model = load_model(name, changed, source=source)
     if callable(getattr(model, "save_pretrained", None)):
         check_fits(model.state_dict(), state, directory, doing="export it")
     load_transformers(model, state)
@@ -130,12 +142,8 @@ def _write_transformers(model: nn.Module, out: Path, source: str | None) -> None
         )
 
 
-def _manifest_workload(directory: Path, workload_args: list[str]) -> Workload:
-    """The workload a checkpoint was trained on, built from its manifest's name and options,
-    each ``KEY=VALUE`` of ``workload_args`` replacing one (other data, a file that moved)."""
-    from pipedream.workload import load_workload, parse_workload_args
-
-    manifest = load_manifest(directory)
+def _manifest_options(directory: Path, manifest: dict[str, Any]) -> tuple[str, dict[str, str]]:
+    """The workload a checkpoint's manifest names, and its options."""
     name, options = manifest.get("workload"), manifest.get("workload_args")
     if not isinstance(name, str):
         raise CheckpointError(f"{directory}: its manifest names no workload; the file is damaged")
@@ -144,8 +152,18 @@ def _manifest_workload(directory: Path, workload_args: list[str]) -> Workload:
             f"{directory}: its manifest's workload_args is {options!r:.60}, not a mapping of "
             "options; the file is damaged"
         )
+    return name, {str(k): str(v) for k, v in options.items()}
+
+
+def _manifest_workload(directory: Path, workload_args: list[str]) -> Workload:
+    """The workload a checkpoint was trained on, built from its manifest's name and options,
+    each ``KEY=VALUE`` of ``workload_args`` replacing one (other data, a file that moved)."""
+    from pipedream.workload import load_workload, parse_workload_args
+
+    manifest = load_manifest(directory)
+    name, options = _manifest_options(directory, manifest)
     given = parse_workload_args(workload_args)
-    built = {**{str(k): str(v) for k, v in options.items()}, **given}
+    built = {**options, **given}
     workload = load_workload(
         name,
         built,

@@ -88,11 +88,11 @@ class LossScaler:
         self.growth_tracker.fill_(int(state["growth_tracker"]))
 
 
-def check_scalable(model: nn.Module) -> None:
+def check_scalable(model: nn.Module, *, where: str = "--precision fp16") -> None:
     """Refuse a model with float16 weights under ``--precision fp16``, as ``GradScaler``
     refuses to unscale float16 gradients: the scale exists to carry float16's narrow range
     through the backward into weights of a wider dtype, and an unscaled float16 gradient can
-    itself overflow or underflow."""
+    itself overflow or underflow. ``where``: what asked for fp16, for the message."""
     half = next(
         (
             name
@@ -103,7 +103,7 @@ def check_scalable(model: nn.Module) -> None:
     )
     if half is not None:
         raise LaunchError(
-            f"--precision fp16 needs weights wider than float16 (autocast computes in float16, "
+            f"{where} needs weights wider than float16 (autocast computes in float16, "
             f"the loss scale carries the gradients into the weights' dtype), but the model's "
             f"{half} is float16; build the model in float32, or train it in its own dtype with "
             "--precision fp32"

@@ -48,7 +48,7 @@ from pipedream.runtime.environment import (
     device_and_backend,
     read_launch_env,
 )
-from pipedream.runtime.evaluation import append_evaluation, evaluate_during_run
+from pipedream.runtime.evaluation import append_evaluation, evaluate_during_run, evaluated_steps
 from pipedream.runtime.executor import Executor, LocalStage, wait_collective
 from pipedream.runtime.gc_freeze import frozen_heap
 from pipedream.runtime.global_norm import ClipPart, GlobalNorm
@@ -229,7 +229,8 @@ def _set_up(options: TrainOptions, plan: Plan, env: LaunchEnv) -> _Setup:
         plan.workload, plan.workload_args, microbatch_size=plan.microbatch_size, source=source
     )
     if (options.precision or plan.precision) in SCALES_LOSS:
-        check_scalable(workload.model)
+        where = "--precision fp16" if options.precision else "the plan's precision fp16"
+        check_scalable(workload.model, where=where)
     if options.eval_every and workload.evaluate is None:
         raise WorkloadError(
             f"--eval-every {options.eval_every}: the workload {plan.workload} defines no "
@@ -332,6 +333,8 @@ class _RankJob:
         """A ``transformers`` model's config, which checkpoints record (None: another model)."""
         self.logger: MetricsLogger | None = None
         """The loss's logger, on the rank that reports (set by run)."""
+        self.peak_outside_evaluations = 0
+        """On a GPU: the peak allocated memory before the latest evaluation during the run."""
         self.posting = posting
         """How far ahead receives are posted and how many sends stay in flight."""
         self.stage_indices = plan.stages_of_rank(self.rank)
@@ -514,14 +517,38 @@ class _RankJob:
 
     def _evaluate(self, checkpoint: Path, step: int) -> None:
         """The workload's evaluation at ``checkpoint``, on the reporting rank, while the
-        others wait (``--eval-every``)."""
-        if self.logger is not None:
-            metrics = evaluate_during_run(self.workload, checkpoint, self.device)
+        others wait (``--eval-every``); a step ``evaluations.jsonl`` already holds (a resumed
+        run's first checkpoint) is not evaluated again."""
+        resume = f"{checkpoint} is complete: --resume auto continues from it, evaluating it first"
+        if self.logger is not None and step not in evaluated_steps(self.run_dir):
+            on_gpu = self.device.type == "cuda"
+            if on_gpu:  # the summary's peak is the training's, not the evaluation's copy's
+                self.peak_outside_evaluations = max(
+                    self.peak_outside_evaluations, peak_memory_bytes(self.device)
+                )
+            try:
+                metrics = evaluate_during_run(self.workload, checkpoint, self.device)
+            except PipedreamError:
+                raise
+            except Exception as exc:
+                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                raise RunFailure(
+                    f"the evaluation at step {step} failed ({type(exc).__name__}: {reason:.200}); "
+                    f"fix the workload's evaluate; {resume}"
+                ) from exc
+            if on_gpu:
+                torch.cuda.reset_peak_memory_stats(self.device)
             append_evaluation(self.run_dir, step, metrics)
             said = ", ".join(f"{key} {value:.4f}" for key, value in metrics.items())
             self.logger.say(f"step {step:>6}/{self.options.steps}  evaluation: {said}")
         if self.eval_group is not None:
-            dist.barrier(group=self.eval_group)
+            try:
+                dist.barrier(group=self.eval_group)
+            except RuntimeError:  # the evaluating rank failed, or was stopped
+                raise RunFailure(
+                    f"rank {self.rank}: the evaluation at step {step} ended without finishing; "
+                    + resume
+                ) from None
 
     def _fitting(self, stage: int, doing: str) -> contextlib.AbstractContextManager[None]:
         """Out of device memory while ``doing`` something for ``stage``: one line."""
@@ -554,6 +581,9 @@ class _RankJob:
                 if stage in self.groups
             }
         logger = self.logger = self._logger(first)
+        every = self.options.eval_every
+        if resume_from is not None and every and first > 0 and first % every == 0:
+            self._evaluate(resume_from, first)  # unless the interrupted run did
         trace: list[TracedAction] | None = [] if self.options.trace else None
         peaks = {"max_versions": 0, "max_copies": 0, "max_in_flight": 0}
         with frozen_heap():  # no full collection pauses the loop (runtime/gc_freeze.py)
@@ -575,7 +605,7 @@ class _RankJob:
             compute_s=compute_s,
             elapsed_s=running_s,
             copy_bytes=sum(worker.versions.copy_bytes for worker in workers.values()),
-            peak_memory_bytes=peak_memory_bytes(self.device),
+            peak_memory_bytes=max(peak_memory_bytes(self.device), self.peak_outside_evaluations),
             skipped=len(counted.skipped),
             tied_copy_bytes=sum(worker.copy_bytes for worker in workers.values()),
             **peaks,

@@ -183,6 +183,8 @@ def check_segments(options: TrainOptions, plan: Plan, *, start: int = 0) -> None
     whole rounds of every stage's replicas, and short enough for a rank's action table."""
     multiple = plan.steps_multiple
     stretches = segments(options.steps, options.checkpoint_interval, start)
+    flag = "--eval-every" if options.eval_every and not options.checkpoint_every else None
+    flag = flag or "--checkpoint-every"  # the option that sets the checkpoints
     for first, count in stretches.representatives():
         if count % multiple:
             resumed = f"; the run resumes at step {start}" if start else ""
@@ -200,11 +202,11 @@ def check_segments(options: TrainOptions, plan: Plan, *, start: int = 0) -> None
                     f"{which}, so every stretch between checkpoints must be a multiple of "
                     f"{multiple}{lcm}; the run resumes at step {start}, not a multiple of "
                     f"{multiple} (a checkpoint of another plan), so checkpoints at multiples of "
-                    f"--checkpoint-every do not fit: train without --checkpoint-every to a step "
+                    f"{flag} do not fit: train without {flag} to a step "
                     f"{multiple} x k after {start} (e.g. --steps {steps}), then resume from there"
                 )
             raise LaunchError(
-                f"{which}, so --steps and --checkpoint-every must be multiples of {multiple}"
+                f"{which}, so --steps and {flag} must be multiples of {multiple}"
                 f"{lcm} (a segment of {count} minibatches starts at {first}{resumed})"
             )
     longest = max(stretches.counts, default=0)
@@ -212,13 +214,12 @@ def check_segments(options: TrainOptions, plan: Plan, *, start: int = 0) -> None
     if longest * per_minibatch > MAX_TABLE_ACTIONS:
         fitting = MAX_TABLE_ACTIONS // per_minibatch // multiple * multiple
         fix = (
-            f"use --checkpoint-every {fitting} or less (each stretch between checkpoints runs "
-            "as one table)"
+            f"use {flag} {fitting} or less (each stretch between checkpoints runs as one table)"
             if fitting >= 1
             else "use fewer microbatches per minibatch"
         )
         every = options.checkpoint_interval
-        given = f"--checkpoint-every {every}" if every else "no --checkpoint-every"
+        given = f"{flag} {every}" if every else "no --checkpoint-every"
         raise LaunchError(
             f"a stretch of {longest} minibatches between checkpoints (--steps {options.steps}, "
             f"{given}) needs action tables of up to {longest * per_minibatch:,} actions per "

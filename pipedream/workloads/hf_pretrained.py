@@ -170,7 +170,15 @@ def load_transformers(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
             f"export --hf: the workload's model is a {type(model).__name__}, not a transformers "
             "model; write its state dict with -o model.pt"
         )
-    model.load_state_dict(state)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:  # keys or shapes that differ
+        reason = str(exc).strip().splitlines()
+        raise WorkloadError(
+            f"export --hf: the model built for the checkpoint does not fit it "
+            f"({' '.join(line.strip() for line in reason[:3]):.200}): it is not the model that "
+            "was trained; write its state dict with -o model.pt"
+        ) from None
     held = model.state_dict()
     differ = [key for key, value in state.items() if not torch.equal(held[key], value)]
     if differ:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 
 from pipedream.runtime.checkpoint import load_full_state_dict
 
@@ -97,6 +98,25 @@ def test_a_saved_model_fine_tunes_and_exports_as_a_transformers_directory(
     ]
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again")
     assert all(torch.equal(value, state[key]) for key, value in again.state_dict().items())
+
+    # a checkpoint without the record (older, or a model class of the user's own): the
+    # workload's factory builds the model, from the directory where it now is
+    manifest = checkpoint / "manifest.yaml"
+    text = yaml.safe_load(manifest.read_text())
+    del text["transformers_config"]
+    manifest.write_text(yaml.safe_dump(text))
+    said = run_main("export", str(checkpoint), "--hf", "old")
+    assert said.returncode == 2
+    assert "pretrained='" in said.stderr and "no such directory" in said.stderr
+    moved = f"pretrained={tmp_path / 'moved'}"
+    said = run_main("export", str(checkpoint), "--hf", "old", "--workload-arg", moved)
+    assert said.returncode == 0, said.stderr[-2000:]
+    old = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "old")
+    assert all(torch.equal(value, state[key]) for key, value in old.state_dict().items())
+    said = run_main("export", str(checkpoint), "-o", "m.pt", "--workload-arg", moved)
+    assert said.stderr.strip() == (
+        "pipedream export: error: --workload-arg builds the model --hf writes; give --hf DIR too"
+    )
     (tmp_path / "moved").rename(tmp_path / "gpt2")
 
     # the run started from the saved weights and trained as a plain loop from them does

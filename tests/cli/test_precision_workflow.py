@@ -159,3 +159,13 @@ def test_fp16_refuses_a_model_with_float16_weights_as_grad_scaler_does(tmp_path:
         "own dtype with --precision fp32"
     )
     assert not (tmp_path / "run" / "checkpoints").exists()
+    plan["precision"] = "fp16"  # a plan of an fp16 profile: its precision, not the flag
+    said = run_main("train", str(write_plan(plan, path)), "--steps", "1", "--no-progress")
+    assert said.returncode == 2
+    assert said.stderr.startswith("pipedream train: error: the plan's precision fp16 needs ")
+    said = run_main(
+        "profile", "dtype_model:build", "--workload-arg", "dtype=float16", "--precision", "fp16",
+        "-o", str(tmp_path / "profile.yaml"),
+    )  # fmt: skip
+    assert said.returncode == 2 and not (tmp_path / "profile.yaml").exists()
+    assert said.stderr.startswith("pipedream profile: error: profile --precision fp16 needs ")

@@ -1,5 +1,6 @@
 """``train --eval-every N`` on two ranks: the rank that logs the loss evaluates the whole model
-at every N-th checkpoint while the other waits, and the training goes on as it would have."""
+at every N-th checkpoint while the other waits, longer than ``--timeout`` if it must, and the
+training goes on as it would have with those checkpoints."""
 
 from __future__ import annotations
 
@@ -21,10 +22,12 @@ def test_evaluations_during_a_pipeline_run_are_its_checkpoints_evaluations(
     tmp_path: Path,
 ) -> None:
     said: list[str] = []
+    support = str(Path(__file__).resolve().parents[1] / "support")  # eval_workload
     got = train_and_load(
-        tmp_path, [["embed", "h0"], ["h1", "norm", "head"]], steps=8, workload="gpt",
-        workload_args=GPT, schedule="1f1b", microbatches=2, extra=("--eval-every", "4"),
-        said=said,
+        tmp_path, [["embed", "h0"], ["h1", "norm", "head"]], steps=8,
+        workload="eval_workload:build", workload_args={"pause": "4"}, schedule="1f1b",
+        microbatches=2, extra=("--eval-every", "4", "--timeout", "2"), said=said,
+        env={"PYTHONPATH": support},
     )  # fmt: skip
     run = tmp_path / "run"
     records = [json.loads(line) for line in (run / "evaluations.jsonl").read_text().splitlines()]
@@ -35,7 +38,9 @@ def test_evaluations_during_a_pipeline_run_are_its_checkpoints_evaluations(
     ]  # --eval-every without --checkpoint-every checkpoints where it evaluates
     summary = json.loads((run / "summary.json").read_text())
     assert records[1] == {"step": 8, **summary["evaluation"]}
-    middle = run_main("evaluate", str(run / "checkpoints" / "step-000004"), "--json")
+    middle = run_main(
+        "evaluate", str(run / "checkpoints" / "step-000004"), "--json", "--workload-arg", "pause=0"
+    )
     assert middle.returncode == 0, middle.stderr
     assert {"step": 4, **records[0]} == {
         key: value for key, value in json.loads(middle.stdout).items() if key != "checkpoint"
@@ -47,5 +52,5 @@ def test_evaluations_during_a_pipeline_run_are_its_checkpoints_evaluations(
         f"{records[0]['best_loss']:.4f}"
     )
     # the evaluation left the training as it was: a plain loop's weights
-    want, _ = plain_loop("gpt", GPT, steps=8, microbatches=2, microbatch_size=8)
+    want, _ = plain_loop("gpt", GPT, steps=8, microbatches=2, microbatch_size=8)  # its model
     assert max_rel_diff(got, want) < 1e-5

@@ -78,3 +78,46 @@ def test_eval_every_says_what_cannot_work(tmp_path: Path) -> None:
         assert said.returncode == 2, said.stderr
         assert said.stderr.strip() == f"pipedream train: error: {message}"
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_failed_evaluation_ends_the_run_in_one_line_and_a_resumed_run_makes_it(
+    tmp_path: Path,
+) -> None:
+    stages = [["embed", "h0", "h1", "norm", "head"]]
+    failing = straight_plan("eval_workload:build", stages, workload_args={"fail": "true"})
+    run = tmp_path / "run"
+
+    def train(plan: dict[str, object], *options: str) -> str:
+        path = write_plan(plan, tmp_path / "plan.yaml")
+        said = run_main(
+            "train", str(path), "--run-dir", str(run), "--no-progress", "--eval-every", "4",
+            *options,
+        )  # fmt: skip
+        return f"{said.returncode} {said.stderr.strip()}"
+
+    said = train(failing, "--steps", "8")
+    checkpoint = run / "checkpoints" / "step-000004"
+    assert said.splitlines()[-1] == (
+        "pipedream train: failed: the evaluation at step 4 failed (ValueError: the held-out set "
+        f"is missing); fix the workload's evaluate; {checkpoint} is complete: --resume auto "
+        "continues from it, evaluating it first"
+    )
+    assert said.startswith("1 ")
+    fixed = straight_plan("eval_workload:build", stages, workload_args={"fail": "false"})
+    said = train(fixed, "--steps", "8", "--resume", "auto")
+    assert said.startswith("0 ") and "step      4/8  evaluation: test_loss " in said
+    said = train(fixed, "--steps", "12", "--resume", "auto")  # from step 8, evaluated
+    assert said.startswith("0 ") and "step      8/12  evaluation" not in said
+    lines = (run / "evaluations.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [4, 8, 12]
+
+
+def test_the_options_that_set_the_checkpoints_are_named(tmp_path: Path) -> None:
+    plan = straight_plan("mlp", [["0", "1", "2", "3"], ["4", "5", "6", "7", "8"]], replicas=[1, 2])
+    path = write_plan(plan, tmp_path / "plan.yaml")
+    said = run_main("train", str(path), "--steps", "8", "--eval-every", "3", "--no-progress")
+    assert said.returncode == 2
+    assert said.stderr.strip() == (
+        "pipedream train: error: stage 1 has 2 replicas, so --steps and --eval-every must be "
+        "multiples of 2 (a segment of 3 minibatches starts at 0)"
+    )

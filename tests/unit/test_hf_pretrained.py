@@ -174,6 +174,14 @@ def test_a_model_that_ties_what_the_checkpoint_holds_apart_is_refused() -> None:
         load_transformers(tied, state)
     assert str(error.value).startswith("export --hf: the model built for the checkpoint does not ")
     assert "it is not the model that was trained" in str(error.value)
+    extra = {**state, "lm_head.bias": torch.zeros(32)}  # a head of the user's own
+    with pytest.raises(WorkloadError) as error:
+        load_transformers(transformers.LlamaForCausalLM(config), extra)
+    assert str(error.value).startswith(
+        "export --hf: the model built for the checkpoint does not fit it (Error(s) in loading "
+        'state_dict for LlamaForCausalLM: Unexpected key(s) in state_dict: "lm_head.bias".'
+    )
+    assert str(error.value).endswith("write its state dict with -o model.pt")
     with pytest.raises(WorkloadError) as error:
         load_transformers(nn.Linear(2, 2), {})
     assert str(error.value) == (
