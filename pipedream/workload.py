@@ -130,10 +130,7 @@ def load_workload(
     if _is_language_model(built):
         from pipedream.workloads.hf_lm import wrap  # a transformers causal LM
 
-        wrap_signature = runtime_signature(wrap).drop_first()
-        extra, unknown = keyword_args(wrap_signature, rest, name=name, source=source)
-        if unknown:
-            unknown_option(signature, next(iter(unknown)), name=name, source=source)
+        extra = _wrap_options(signature, rest, name=name, source=source)
         if microbatch_size is not None:
             extra["microbatch_size"] = microbatch_size
         return wrap(built, **extra)
@@ -143,12 +140,36 @@ def load_workload(
 
 
 def load_model(
-    name: str, args: Mapping[str, str] | None = None, *, source: str | None = None
+    name: str,
+    args: Mapping[str, str] | None = None,
+    *,
+    microbatch_size: int | None = None,
+    source: str | None = None,
 ) -> nn.Module:
     """The model of workload ``name``: what its factory builds, without the data around a
-    ``transformers`` model that a function returns (``pipedream export --hf`` needs no more)."""
-    built, _, _ = _build(name, args, microbatch_size=None, source=source)
-    return built if _is_language_model(built) else _checked(name, built).model
+    ``transformers`` model that a function returns (``pipedream export --hf`` needs no more).
+    Options and their checks are :func:`load_workload`'s."""
+    built, rest, signature = _build(name, args, microbatch_size=microbatch_size, source=source)
+    if _is_language_model(built):
+        _wrap_options(signature, rest, name=name, source=source)  # known, though not used
+        return built
+    if rest:
+        unknown_option(signature, next(iter(rest)), name=name, source=source)
+    return _checked(name, built).model
+
+
+def _wrap_options(
+    signature: Signature, rest: dict[str, str], *, name: str, source: str | None
+) -> dict[str, Any]:
+    """The options a factory returning a ``transformers`` model left to :func:`wrap`,
+    converted; one it does not take either is refused as the factory's unknown option."""
+    from pipedream.workloads.hf_lm import wrap
+
+    wrap_signature = runtime_signature(wrap).drop_first()
+    extra, unknown = keyword_args(wrap_signature, rest, name=name, source=source)
+    if unknown:
+        unknown_option(signature, next(iter(unknown)), name=name, source=source)
+    return extra
 
 
 def _build(

@@ -118,7 +118,10 @@ def _transformers_model(
         name, options = _manifest_options(directory, manifest)
         changed = {**options, **parse_workload_args(given)}
         source = None if given else str(directory / "manifest.yaml")
-        model = load_model(name, changed, source=source)
+        size = manifest.get("microbatch_size")
+        model = load_model(
+            name, changed, microbatch_size=size if isinstance(size, int) else None, source=source
+        )
     if callable(getattr(model, "save_pretrained", None)):
         check_fits(model.state_dict(), state, directory, doing="export it")
     load_transformers(model, state)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pipedream.errors import WorkloadError
+from pipedream.errors import PipedreamError, WorkloadError
 from pipedream.formats.plan import Plan
 from pipedream.formats.units import format_bytes
 from pipedream.formats.yamlio import atomic_write_text
@@ -218,14 +218,27 @@ def report(
             f"note: {plan.world_size} processes share {cores} CPU cores, so measured times "
             "include that contention; the prediction assumes one worker per process"
         )
+    failure = None
     if workload.evaluate is not None:
-        metrics = evaluate_checkpoint(workload, checkpoint, device or torch.device("cpu"))
-        summary["evaluation"] = metrics
-        lines.append("evaluation: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        try:
+            metrics = evaluate_checkpoint(workload, checkpoint, device or torch.device("cpu"))
+        except Exception as exc:  # the workload's code: said after the summary is written
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            if not isinstance(exc, PipedreamError):
+                reason = f"{type(exc).__name__}: {reason:.200}"
+            failure = (
+                f"the workload's evaluation of the final checkpoint failed ({reason}); the run "
+                f"is complete: fix the evaluation, then pipedream evaluate {checkpoint}"
+            )
+        else:
+            summary["evaluation"] = metrics
+            lines.append("evaluation: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     lines.append(f"checkpoint: {checkpoint}")
     text = json.dumps(finite(summary), indent=2, allow_nan=False)  # strict JSON readers
     atomic_write_text(run_dir / "summary.json", text + "\n")
     print("\n".join(lines), file=sys.stderr, flush=True)
+    if failure is not None:
+        raise WorkloadError(failure)
     return summary
 
 

@@ -26,7 +26,13 @@ import torch.distributed as dist
 
 from pipedream import wording
 from pipedream.data import MicrobatchStream
-from pipedream.errors import CheckpointError, PipedreamError, RunFailure, WorkloadError
+from pipedream.errors import (
+    AlreadyReported,
+    CheckpointError,
+    PipedreamError,
+    RunFailure,
+    WorkloadError,
+)
 from pipedream.formats.plan import Plan, load_plan
 from pipedream.formats.trace import RunSettings, TracedAction, remove_traces, write_trace
 from pipedream.host_memory import configure_host_memory
@@ -518,37 +524,57 @@ class _RankJob:
     def _evaluate(self, checkpoint: Path, step: int) -> None:
         """The workload's evaluation at ``checkpoint``, on the reporting rank, while the
         others wait (``--eval-every``); a step ``evaluations.jsonl`` already holds (a resumed
-        run's first checkpoint) is not evaluated again."""
-        resume = f"{checkpoint} is complete: --resume auto continues from it, evaluating it first"
+        run's first checkpoint) is not evaluated again. An evaluation that fails stops every
+        rank, said once by the reporting rank."""
+        failure = None
         if self.logger is not None and step not in evaluated_steps(self.run_dir):
-            on_gpu = self.device.type == "cuda"
-            if on_gpu:  # the summary's peak is the training's, not the evaluation's copy's
-                self.peak_outside_evaluations = max(
-                    self.peak_outside_evaluations, peak_memory_bytes(self.device)
-                )
+            failure = self._evaluate_here(checkpoint, step)
+        if self.eval_group is not None:  # everyone learns how it went, however long it took
+            outcome = [failure]
+            reporter = self.plan.stages[self.last_stage].ranks[0]
             try:
-                metrics = evaluate_during_run(self.workload, checkpoint, self.device)
-            except PipedreamError:
-                raise
-            except Exception as exc:
-                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                dist.broadcast_object_list(outcome, src=reporter, group=self.eval_group)
+            except RuntimeError:  # the reporting rank died (killed, out of memory)
                 raise RunFailure(
-                    f"the evaluation at step {step} failed ({type(exc).__name__}: {reason:.200}); "
-                    f"fix the workload's evaluate; {resume}"
-                ) from exc
-            if on_gpu:
-                torch.cuda.reset_peak_memory_stats(self.device)
-            append_evaluation(self.run_dir, step, metrics)
-            said = ", ".join(f"{key} {value:.4f}" for key, value in metrics.items())
-            self.logger.say(f"step {step:>6}/{self.options.steps}  evaluation: {said}")
-        if self.eval_group is not None:
-            try:
-                dist.barrier(group=self.eval_group)
-            except RuntimeError:  # the evaluating rank failed, or was stopped
-                raise RunFailure(
-                    f"rank {self.rank}: the evaluation at step {step} ended without finishing; "
-                    + resume
+                    f"rank {self.rank}: rank {reporter} stopped while evaluating step {step}; "
+                    f"{self._resume_advice(checkpoint)}"
                 ) from None
+            failure = outcome[0]
+        if failure is not None:
+            if self.logger is None:
+                raise AlreadyReported(failure)  # the reporting rank says it
+            raise WorkloadError(failure)
+
+    def _evaluate_here(self, checkpoint: Path, step: int) -> str | None:
+        """Evaluate ``checkpoint`` on this, the reporting rank; what went wrong, if anything."""
+        assert self.logger is not None
+        on_gpu = self.device.type == "cuda"
+        if on_gpu:  # the summary's peak is the training's, not the evaluation's copy's
+            self.peak_outside_evaluations = max(
+                self.peak_outside_evaluations, peak_memory_bytes(self.device)
+            )
+        try:
+            metrics = evaluate_during_run(self.workload, checkpoint, self.device)
+        except Exception as exc:  # the workload's code: one line, every rank stops
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            if not isinstance(exc, PipedreamError):
+                reason = f"{type(exc).__name__}: {reason:.200}"
+            return (
+                f"the workload's evaluation at step {step} failed ({reason}); fix it, then "
+                f"{self._resume_advice(checkpoint)}"
+            )
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        append_evaluation(self.run_dir, step, metrics)
+        said = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k != "step")
+        self.logger.say(f"step {step:>6}/{self.options.steps}  evaluation: {said}")
+        return None
+
+    def _resume_advice(self, checkpoint: Path) -> str:
+        """How to continue from ``checkpoint``, evaluating it first (``--eval-every``)."""
+        inside = self.run_dir.resolve() in checkpoint.resolve().parents
+        how = "--resume auto" if inside else f"--resume {checkpoint}"
+        return f"{how} continues from {checkpoint}, evaluating it first"
 
     def _fitting(self, stage: int, doing: str) -> contextlib.AbstractContextManager[None]:
         """Out of device memory while ``doing`` something for ``stage``: one line."""

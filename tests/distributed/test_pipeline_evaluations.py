@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from launching import run_main
+from launching import launch, run_main, straight_plan, write_plan
 from plain_loop import plain_loop
 from runs import max_rel_diff, train_and_load
 
@@ -54,3 +54,27 @@ def test_evaluations_during_a_pipeline_run_are_its_checkpoints_evaluations(
     # the evaluation left the training as it was: a plain loop's weights
     want, _ = plain_loop("gpt", GPT, steps=8, microbatches=2, microbatch_size=8)  # its model
     assert max_rel_diff(got, want) < 1e-5
+
+
+def test_a_failed_evaluation_stops_every_rank_in_one_line(tmp_path: Path) -> None:
+    """The evaluating rank says why; the rank that waited stops without a word of its own,
+    and ``launch.sh`` without torchrun's report."""
+    support = str(Path(__file__).resolve().parents[1] / "support")  # eval_workload
+    plan = straight_plan(
+        "eval_workload:build", [["embed", "h0"], ["h1", "norm", "head"]], schedule="1f1b",
+        microbatches=2, workload_args={"fail": "true"},
+    )  # fmt: skip
+    path = write_plan(plan, tmp_path / "plan.yaml")
+    run = tmp_path / "run"
+    said = launch(
+        path, "--steps", "8", "--eval-every", "4", "--run-dir", str(run), "--no-progress",
+        env={"PYTHONPATH": support},
+    )  # fmt: skip
+    assert said.returncode == 2, said.stderr[-3000:]
+    lines = [line for line in said.stderr.splitlines() if "error" in line.lower()]
+    assert lines == [
+        "pipedream train: error: the workload's evaluation at step 4 failed (ValueError: the "
+        "held-out set is missing); fix it, then --resume auto continues from "
+        f"{run / 'checkpoints' / 'step-000004'}, evaluating it first"
+    ]
+    assert "Traceback" not in said.stderr

@@ -98,11 +98,11 @@ def test_a_failed_evaluation_ends_the_run_in_one_line_and_a_resumed_run_makes_it
     said = train(failing, "--steps", "8")
     checkpoint = run / "checkpoints" / "step-000004"
     assert said.splitlines()[-1] == (
-        "pipedream train: failed: the evaluation at step 4 failed (ValueError: the held-out set "
-        f"is missing); fix the workload's evaluate; {checkpoint} is complete: --resume auto "
-        "continues from it, evaluating it first"
+        "pipedream train: error: the workload's evaluation at step 4 failed (ValueError: the "
+        "held-out set is missing); fix it, then --resume auto continues from "
+        f"{checkpoint}, evaluating it first"
     )
-    assert said.startswith("1 ")
+    assert said.startswith("2 ") and "Traceback" not in said
     fixed = straight_plan("eval_workload:build", stages, workload_args={"fail": "false"})
     said = train(fixed, "--steps", "8", "--resume", "auto")
     assert said.startswith("0 ") and "step      4/8  evaluation: test_loss " in said
@@ -110,6 +110,18 @@ def test_a_failed_evaluation_ends_the_run_in_one_line_and_a_resumed_run_makes_it
     assert said.startswith("0 ") and "step      8/12  evaluation" not in said
     lines = (run / "evaluations.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [4, 8, 12]
+
+    # the final checkpoint's evaluation fails after the summary is written, in one line too
+    said = train(failing, "--steps", "16", "--resume", "auto")
+    final = run / "checkpoints" / "step-000016"
+    assert said.startswith("2 ") and "Traceback" not in said
+    assert said.splitlines()[-1] == (
+        "pipedream train: error: the workload's evaluation of the final checkpoint failed "
+        "(ValueError: the held-out set is missing); the run is complete: fix the evaluation, "
+        f"then pipedream evaluate {final}"
+    )
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["minibatches"] == 4 and "evaluation" not in summary
 
 
 def test_the_options_that_set_the_checkpoints_are_named(tmp_path: Path) -> None:

@@ -200,3 +200,17 @@ def test_a_functions_model_trains_in_train_mode() -> None:
     workload = wrap(model, seq=8, samples=32, weight_decay=0.0)
     assert workload.model.training
     assert workload.optimizer(model.parameters()).param_groups[0]["weight_decay"] == 0.0
+
+
+def test_load_model_checks_options_as_load_workload_does(tmp_path: Path) -> None:
+    """``export --hf`` builds with :func:`load_model`: a misspelt option is refused, not
+    dropped, and the options a function leaves to ``wrap`` are known."""
+    from pipedream.workload import load_model
+
+    _gpt2(tmp_path / "gpt2")
+    model = load_model("hf-lm", {"pretrained": str(tmp_path / "gpt2"), "seq": "8"})
+    assert type(model).__name__ == "GPT2LMHeadModel"
+    with pytest.raises(WorkloadError, match="has no option 'pretraned'"):
+        load_model("hf-lm", {"pretraned": str(tmp_path / "gpt2")})
+    with pytest.raises(WorkloadError, match="has no option 'width'"):
+        load_model("gpt", {"width": "8"})
