@@ -25,7 +25,7 @@ def test_evaluations_during_a_pipeline_run_are_its_checkpoints_evaluations(
     support = str(Path(__file__).resolve().parents[1] / "support")  # eval_workload
     got = train_and_load(
         tmp_path, [["embed", "h0"], ["h1", "norm", "head"]], steps=8,
-        workload="eval_workload:build", workload_args={"pause": "4"}, schedule="1f1b",
+        workload="eval_workload:build", workload_args={"pause": "3.5"}, schedule="1f1b",
         microbatches=2, extra=("--eval-every", "4", "--timeout", "2"), said=said,
         env={"PYTHONPATH": support},
     )  # fmt: skip
