@@ -29,6 +29,7 @@ __all__ = [
     "RankStats",
     "checked_metrics",
     "evaluate_checkpoint",
+    "failure_reason",
     "finite",
     "peak_memory_bytes",
     "report",
@@ -223,12 +224,10 @@ def report(
         try:
             metrics = evaluate_checkpoint(workload, checkpoint, device or torch.device("cpu"))
         except Exception as exc:  # the workload's code: said after the summary is written
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            if not isinstance(exc, PipedreamError):
-                reason = f"{type(exc).__name__}: {reason:.200}"
             failure = (
-                f"the workload's evaluation of the final checkpoint failed ({reason}); the run "
-                f"is complete: fix the evaluation, then pipedream evaluate {checkpoint}"
+                f"the workload's evaluation of the final checkpoint failed ({failure_reason(exc)})"
+                f"; the run is complete: pipedream evaluate {checkpoint} shows where it fails, "
+                "and evaluates it once fixed"
             )
         else:
             summary["evaluation"] = metrics
@@ -265,6 +264,15 @@ def evaluate_checkpoint(
         model.load_state_dict(state)
         metrics = workload.evaluate(model)
     return checked_metrics(metrics)
+
+
+def failure_reason(exc: Exception) -> str:
+    """What a workload's failed evaluation says, in one line: its exception's first line,
+    named by its type unless it is one of pipedream's own messages."""
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if isinstance(exc, PipedreamError):
+        return reason
+    return f"{type(exc).__name__}: {reason:.200}"
 
 
 def checked_metrics(metrics: Any) -> dict[str, float]:

@@ -68,7 +68,7 @@ from pipedream.runtime.routing import input_needs_grad
 from pipedream.runtime.segments import Segments
 from pipedream.runtime.stage_layout import StageLayout, stage_layout
 from pipedream.runtime.stage_worker import StageWorker, WorkerConfig
-from pipedream.runtime.summary import RankStats, peak_memory_bytes, report
+from pipedream.runtime.summary import RankStats, failure_reason, peak_memory_bytes, report
 from pipedream.runtime.train_options import (
     MAX_TIMEOUT_S,
     TrainOptions,
@@ -556,11 +556,9 @@ class _RankJob:
         try:
             metrics = evaluate_during_run(self.workload, checkpoint, self.device)
         except Exception as exc:  # the workload's code: one line, every rank stops
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            if not isinstance(exc, PipedreamError):
-                reason = f"{type(exc).__name__}: {reason:.200}"
             return (
-                f"the workload's evaluation at step {step} failed ({reason}); fix it, then "
+                f"the workload's evaluation at step {step} failed ({failure_reason(exc)}); "
+                f"pipedream evaluate {checkpoint} shows where; fix it, then "
                 f"{self._resume_advice(checkpoint)}"
             )
         if on_gpu:

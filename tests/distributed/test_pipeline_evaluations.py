@@ -74,7 +74,9 @@ def test_a_failed_evaluation_stops_every_rank_in_one_line(tmp_path: Path) -> Non
     lines = [line for line in said.stderr.splitlines() if "error" in line.lower()]
     assert lines == [
         "pipedream train: error: the workload's evaluation at step 4 failed (ValueError: the "
-        "held-out set is missing); fix it, then --resume auto continues from "
+        "held-out set is missing); pipedream evaluate "
+        f"{run / 'checkpoints' / 'step-000004'} shows where; fix it, then --resume auto "
+        "continues from "
         f"{run / 'checkpoints' / 'step-000004'}, evaluating it first"
     ]
     assert "Traceback" not in said.stderr

@@ -99,7 +99,9 @@ def test_a_failed_evaluation_ends_the_run_in_one_line_and_a_resumed_run_makes_it
     checkpoint = run / "checkpoints" / "step-000004"
     assert said.splitlines()[-1] == (
         "pipedream train: error: the workload's evaluation at step 4 failed (ValueError: the "
-        "held-out set is missing); fix it, then --resume auto continues from "
+        "held-out set is missing); pipedream evaluate "
+        f"{run / 'checkpoints' / 'step-000004'} shows where; fix it, then --resume auto "
+        "continues from "
         f"{checkpoint}, evaluating it first"
     )
     assert said.startswith("2 ") and "Traceback" not in said
@@ -117,8 +119,8 @@ def test_a_failed_evaluation_ends_the_run_in_one_line_and_a_resumed_run_makes_it
     assert said.startswith("2 ") and "Traceback" not in said
     assert said.splitlines()[-1] == (
         "pipedream train: error: the workload's evaluation of the final checkpoint failed "
-        "(ValueError: the held-out set is missing); the run is complete: fix the evaluation, "
-        f"then pipedream evaluate {final}"
+        "(ValueError: the held-out set is missing); the run is complete: pipedream evaluate "
+        f"{final} shows where it fails, and evaluates it once fixed"
     )
     summary = json.loads((run / "summary.json").read_text())
     assert summary["minibatches"] == 4 and "evaluation" not in summary
