@@ -94,6 +94,9 @@ class LayerCosts:
     """Activations are recomputed in backward (``--recompute``): ``compute_ms`` holds each
     layer's forward twice, and a stage keeps only its inputs per microbatch in flight, the
     activations of one microbatch at a time (:mod:`~pipedream.optimizer.memory`)."""
+    data_bytes: float = 0.0
+    """Bytes of one microbatch's model input, which the first stage reads from the data
+    (0 where the profile does not say)."""
 
     @property
     def num_layers(self) -> int:
@@ -108,6 +111,11 @@ class LayerCosts:
         stage, whose input the data loader gives)."""
         return self.boundary_bytes[first - 1] if first > 0 else 0.0
 
+    def kept_input_bytes(self, first: int) -> float:
+        """Bytes of input a stage starting at layer ``first`` keeps per microbatch in flight
+        when it recomputes its activations: what it receives, or the first stage's data."""
+        return self.input_bytes(first) if first > 0 else self.data_bytes
+
     @classmethod
     def from_profile(cls, profile: Profile, *, recompute: bool = False) -> LayerCosts:
         """The profile's costs; ``recompute``: of a run that recomputes activations in
@@ -115,6 +123,7 @@ class LayerCosts:
         layers = profile.layers
         return cls(
             recompute=recompute,
+            data_bytes=float(profile.input_bytes or 0),
             compute_ms=tuple(
                 layer.compute_ms + (layer.forward_ms if recompute else 0.0) for layer in layers
             ),

@@ -123,6 +123,7 @@ class _Solver:
         self.compute = _range_sums(self.cum)
         bounds = np.asarray(costs.boundary_bytes, dtype=np.float64)
         self.bytes_in = np.concatenate(([0.0], bounds))  # into a stage starting at x
+        self.kept_in = np.concatenate(([costs.data_bytes], bounds))  # kept when recomputing
         self.bytes_out = np.concatenate((bounds, [0.0]))  # out of a stage ending at y
         self.acum = _prefix(costs.activation_bytes)
         self.ocum = _prefix(costs.optimizer_state_bytes)
@@ -179,7 +180,7 @@ class _Solver:
                     self.limit,
                     self.ocum[lo : hi + 2],
                     self.acum[lo : hi + 2],
-                    self.bytes_in[lo : hi + 1] if self.costs.recompute else None,
+                    self.kept_in[lo : hi + 1] if self.costs.recompute else None,
                 )
             key: tuple[object, ...] = (
                 0,

@@ -14,6 +14,9 @@ flight, and the activations of the one microbatch whose backward recomputes them
 
     activations  in_flight x input bytes + 1 x activations
 
+(the first stage's input bytes: one microbatch of the model's input, the profile's
+``input_bytes``).
+
 ``in_flight`` is the number of microbatches whose activations a worker keeps at once, read
 off the runtime's action tables (``pipedream.schedules``) for a stage of ``R`` replicas
 with ``W_from`` workers in it and all later stages, ``S - s`` stages from it on:
@@ -145,7 +148,7 @@ class MemoryModel:
         copies = costs.tied.copy_bytes(first, last) if costs.tied else 0.0
         activations = sum(costs.activation_bytes[span])
         if costs.recompute:  # inputs per microbatch in flight, one microbatch's activations
-            held = activation_factor * costs.input_bytes(first) + activations
+            held = activation_factor * costs.kept_input_bytes(first) + activations
         else:
             held = activation_factor * activations
         return (

@@ -59,7 +59,7 @@ def worker_memory(
     recomputed = dict.fromkeys(held, 0.0)  # an unsplit backward's, while it runs
     if costs.recompute:
         activations = held
-        held = {stage: costs.input_bytes(first) for stage, (first, _) in enumerate(spans)}
+        held = {stage: costs.kept_input_bytes(first) for stage, (first, _) in enumerate(spans)}
         # split: I keeps the recomputed graph for W, and what it leaves for W as above
         deferred = {s: 2 * a for s, a in activations.items()} if split else dict.fromkeys(held, 0.0)
         recomputed = dict.fromkeys(held, 0.0) if split else activations

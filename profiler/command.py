@@ -43,7 +43,7 @@ from pipedream.formats.profile import (
 from pipedream.formats.units import format_bytes
 from pipedream.graph import LayerGraph
 from pipedream.host_memory import configure_host_memory
-from pipedream.model_io import batch_size, call_model, map_tensors
+from pipedream.model_io import batch_size, call_model, map_tensors, tensors_in
 from pipedream.precision import DEFAULT_PRECISION, PRECISIONS, SCALES_LOSS, autocast, loss_input
 from pipedream.profiler.corunners import Corunners, CorunnerSpec
 from pipedream.profiler.graph_profile import (
@@ -272,6 +272,7 @@ def profile_workload(
         layers=measured.layers,
         precision=precision,
         device_memory=_device_memory(device),
+        input_bytes=sum(t.numel() * t.element_size() for t in tensors_in(workload.example_input)),
         cut_bytes=measured.cut_bytes,
         workload_args=recorded_args(name, workload_args),
         overhead=measured.overhead,

@@ -385,6 +385,9 @@ class Profile:
     device_memory: int | None = None
     """Bytes of memory of the device measured on (a GPU's total; None on the CPU, whose memory
     the ranks of a host share): ``pipedream plan``'s limit per worker unless told another."""
+    input_bytes: int | None = None
+    """Bytes of one microbatch of the model's input, which the first stage keeps per
+    microbatch in flight when it recomputes its activations; optional (None: not measured)."""
 
     def __post_init__(self) -> None:
         assert self.cut_bytes is None or len(self.cut_bytes) == len(self.layers) - 1
@@ -424,6 +427,8 @@ class Profile:
             out["precision"] = self.precision
         if self.device_memory is not None:
             out["device_memory"] = self.device_memory
+        if self.input_bytes is not None:
+            out["input_bytes"] = self.input_bytes
         if self.concurrent != 1:
             out["concurrent"] = self.concurrent
         out["layers"] = [layer.to_dict() for layer in self.layers]
@@ -454,6 +459,7 @@ class Profile:
         dtype = reader.str("dtype")
         precision = reader.choice("precision", PRECISIONS, DEFAULT_PRECISION)
         device_memory = reader.int("device_memory", None, minimum=1)
+        input_bytes = reader.int("input_bytes", None, minimum=0)
         concurrent = reader.int("concurrent", 1, minimum=1)
         raw_layers = reader.list("layers")
         if len(raw_layers) > MAX_LAYERS:
@@ -523,6 +529,7 @@ class Profile:
             layers=tuple(layers),
             precision=precision,
             device_memory=device_memory,
+            input_bytes=input_bytes,
             cut_bytes=cuts,
             workload_args=args,
             overhead=overhead,

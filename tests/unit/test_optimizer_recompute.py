@@ -157,3 +157,41 @@ def test_a_split_backward_keeps_the_recomputed_graph_until_w() -> None:
     again = worker_memory(plan, LayerCosts.from_profile(PROFILE, recompute=True), spans)
     assert plain == {0: weights + 60 * MB, 1: weights + 80 * MB}  # F0 F1 I0: 3 x 20 on rank 0
     assert again == {0: weights + 40 * MB, 1: weights + 82 * MB}
+
+
+def test_the_first_stage_keeps_its_data_input_in_flight() -> None:
+    """The profile's ``input_bytes``: one microbatch of the model's input, which the first
+    stage keeps per microbatch in flight when it recomputes (it counted 0 before)."""
+    images = dataclasses.replace(PROFILE, input_bytes=3 * MB)
+    costs = LayerCosts.from_profile(images, recompute=True)
+    memory = MemoryModel("1f1b", 4)
+    first = memory.stage_bytes(costs, first=0, last=1, workers_from=4, replicas=1)
+    assert first == 4 * MB + 4 * 3 * MB + 20 * MB  # 4 microbatches' inputs in flight
+    plain = LayerCosts.from_profile(images)  # without recomputing: in its saved activations
+    assert memory.stage_bytes(plain, first=0, last=1, workers_from=4, replicas=1) == (
+        4 * MB + 4 * 20 * MB
+    )
+    plan = Plan(
+        "toy", "1f1b", 8, 2, 2, (StagePlan("l0", "l1", 1, (0,)), StagePlan("l2", "l3", 1, (1,)))
+    )
+    held = worker_memory(plan, costs, [(0, 1), (2, 3)])
+    assert held == {0: 4 * MB + 2 * 3 * MB + 20 * MB, 1: 4 * MB + 1 * MB + 20 * MB}
+    # the dynamic program sees it too: 26 MB on the first stage no longer fits in 25
+    options = PlanOptions(
+        schedule="1f1b", microbatches=2, straight=True, memory=25 * MB, recompute=True
+    )
+    topology = Topology.single_level(2)
+    assert make_plan(PROFILE, topology=topology, options=options).prediction is not None
+    with pytest.raises(PlanningError, match="no partition of 4 layers over 2 workers fits in"):
+        make_plan(images, topology=topology, options=options)
+
+
+def test_a_profile_records_its_input_bytes(tmp_path) -> None:
+    from pipedream.formats import load_profile
+
+    assert (
+        main(["profile", "mlp", "--warmup", "0", "--repeats", "1", "-o", str(tmp_path / "p")]) == 0
+    )
+    profile = load_profile(tmp_path / "p")
+    assert profile.input_bytes == profile.microbatch_size * 16 * 4  # float32 rows of width 16
+    assert "input_bytes: " in (tmp_path / "p").read_text()
