@@ -229,6 +229,7 @@ def report(
                 f"; the run is complete: pipedream evaluate {checkpoint} shows where it fails, "
                 "and evaluates it once fixed"
             )
+            summary["evaluation_error"] = failure
         else:
             summary["evaluation"] = metrics
             lines.append("evaluation: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))

@@ -525,25 +525,34 @@ class _RankJob:
         """The workload's evaluation at ``checkpoint``, on the reporting rank, while the
         others wait (``--eval-every``); a step ``evaluations.jsonl`` already holds (a resumed
         run's first checkpoint) is not evaluated again. An evaluation that fails stops every
-        rank, said once by the reporting rank."""
+        rank, said once per node: by the evaluating rank on its node, before the others learn
+        of it (torchrun stops a node's ranks once one has exited), and by the first rank of
+        every other node."""
         failure = None
+        node = self.env.rank - self.env.local_rank  # torchrun numbers a node's ranks in a row
         if self.logger is not None and step not in evaluated_steps(self.run_dir):
             failure = self._evaluate_here(checkpoint, step)
+            if failure is not None:
+                print(f"pipedream train: error: {failure}", file=sys.stderr, flush=True)
         if self.eval_group is not None:  # everyone learns how it went, however long it took
-            outcome = [failure]
+            outcome = [(failure, node)]
             reporter = self.plan.stages[self.last_stage].ranks[0]
             try:
                 dist.broadcast_object_list(outcome, src=reporter, group=self.eval_group)
-            except RuntimeError:  # the reporting rank died (killed, out of memory)
+            except RuntimeError:  # a rank died (killed, out of memory): torch's DistError
+                if failure is not None:
+                    raise AlreadyReported(failure) from None
+                who = "a rank" if self.rank == reporter else f"rank {reporter}"
                 raise RunFailure(
-                    f"rank {self.rank}: rank {reporter} stopped while evaluating step {step}; "
-                    f"{self._resume_advice(checkpoint)}"
+                    f"rank {self.rank}: {who} stopped while the evaluation at step {step} was "
+                    f"made or reported; {self._resume_advice(checkpoint, evaluate=False)}"
                 ) from None
-            failure = outcome[0]
+            failure, reporter_node = outcome[0]
+            if failure is not None and self.logger is None:
+                if reporter_node != node and self.env.local_rank == 0:  # another node's line
+                    print(f"pipedream train: error: {failure}", file=sys.stderr, flush=True)
         if failure is not None:
-            if self.logger is None:
-                raise AlreadyReported(failure)  # the reporting rank says it
-            raise WorkloadError(failure)
+            raise AlreadyReported(failure)
 
     def _evaluate_here(self, checkpoint: Path, step: int) -> str | None:
         """Evaluate ``checkpoint`` on this, the reporting rank; what went wrong, if anything."""
@@ -559,7 +568,7 @@ class _RankJob:
             return (
                 f"the workload's evaluation at step {step} failed ({failure_reason(exc)}); "
                 f"pipedream evaluate {checkpoint} shows where; fix it, then "
-                f"{self._resume_advice(checkpoint)}"
+                f"{self._resume_advice(checkpoint, evaluate=True)}"
             )
         if on_gpu:
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -568,11 +577,12 @@ class _RankJob:
         self.logger.say(f"step {step:>6}/{self.options.steps}  evaluation: {said}")
         return None
 
-    def _resume_advice(self, checkpoint: Path) -> str:
-        """How to continue from ``checkpoint``, evaluating it first (``--eval-every``)."""
+    def _resume_advice(self, checkpoint: Path, *, evaluate: bool) -> str:
+        """How to continue from ``checkpoint``; ``evaluate``: its evaluation is still to make
+        (a resumed run makes it first)."""
         inside = self.run_dir.resolve() in checkpoint.resolve().parents
         how = "--resume auto" if inside else f"--resume {checkpoint}"
-        return f"{how} continues from {checkpoint}, evaluating it first"
+        return f"{how} continues from {checkpoint}" + (", evaluating it first" if evaluate else "")
 
     def _fitting(self, stage: int, doing: str) -> contextlib.AbstractContextManager[None]:
         """Out of device memory while ``doing`` something for ``stage``: one line."""

@@ -124,6 +124,9 @@ def test_a_failed_evaluation_ends_the_run_in_one_line_and_a_resumed_run_makes_it
     )
     summary = json.loads((run / "summary.json").read_text())
     assert summary["minibatches"] == 4 and "evaluation" not in summary
+    assert summary["evaluation_error"] == said.splitlines()[-1].removeprefix(
+        "pipedream train: error: "
+    )
 
 
 def test_the_options_that_set_the_checkpoints_are_named(tmp_path: Path) -> None:
