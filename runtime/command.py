@@ -158,22 +158,21 @@ def _manifest_options(directory: Path, manifest: dict[str, Any]) -> tuple[str, d
     return name, {str(k): str(v) for k, v in options.items()}
 
 
-def _manifest_workload(directory: Path, workload_args: list[str]) -> Workload:
+def _manifest_workload(
+    directory: Path, manifest: dict[str, Any], workload_args: list[str]
+) -> Workload:
     """The workload a checkpoint was trained on, built from its manifest's name and options,
     each ``KEY=VALUE`` of ``workload_args`` replacing one (other data, a file that moved)."""
     from pipedream.workload import load_workload, parse_workload_args
 
-    manifest = load_manifest(directory)
     name, options = _manifest_options(directory, manifest)
     given = parse_workload_args(workload_args)
-    built = {**options, **given}
-    workload = load_workload(
+    return load_workload(
         name,
-        built,
+        {**options, **given},
         microbatch_size=manifest.get("microbatch_size"),
         source=None if given else str(directory / "manifest.yaml"),
     )
-    return workload
 
 
 def evaluate(args: argparse.Namespace) -> int:
@@ -189,8 +188,8 @@ def evaluate(args: argparse.Namespace) -> int:
         wanted = "cuda" if torch.cuda.is_available() else "cpu"
     elif wanted == "cuda" and not torch.cuda.is_available():
         raise LaunchError("--device cuda: this machine has no CUDA GPU; use --device cpu")
-    workload = _manifest_workload(directory, args.workload_arg)
     manifest = load_manifest(directory)
+    workload = _manifest_workload(directory, manifest, args.workload_arg)
     name = manifest["workload"]
     if workload.evaluate is None:
         raise WorkloadError(

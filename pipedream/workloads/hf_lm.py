@@ -530,16 +530,19 @@ def _check_causal(model: nn.Module, example: Any, vocab: int) -> None:
     earlier position."""
     from pipedream.model_io import call_model
 
-    probe = {k: v[:1, :8] for k, v in example.items()} if isinstance(example, dict) else None
-    ids = probe["input_ids"] if probe is not None else example[:1, :8]
+    if isinstance(example, dict):
+        probe: Any = {k: v[:1, :8] for k, v in example.items()}
+        ids = probe["input_ids"]
+    else:
+        probe = ids = example[:1, :8]
     other = ids.clone()
     other[0, -1] = (other[0, -1] + 1) % vocab
+    changed = {**probe, "input_ids": other} if isinstance(probe, dict) else other
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            first = call_model(model, ids if probe is None else probe)
-            second = call_model(model, other if probe is None else {**probe, "input_ids": other})
+            first, second = call_model(model, probe), call_model(model, changed)
     finally:
         model.train(was_training)
     a, b = (getattr(out, "logits", out)[0, :-1] for out in (first, second))
