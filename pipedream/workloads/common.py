@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
 from pipedream.errors import WorkloadError
 
-__all__ = ["OPTIMIZERS", "check_sizes", "optimizer_factory", "warmup_decay"]
+__all__ = ["OPTIMIZERS", "check_sizes", "decay_groups", "optimizer_factory", "warmup_decay"]
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 
@@ -30,7 +31,8 @@ def optimizer_factory(
     name: str, *, lr: float, momentum: float = 0.0, weight_decay: float | None = None
 ) -> Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]:
     """Return a function that builds optimizer ``name`` over a set of parameters, with
-    ``weight_decay`` (None: :data:`ADAMW_WEIGHT_DECAY` for AdamW, 0 for the others)."""
+    ``weight_decay`` (None: :data:`ADAMW_WEIGHT_DECAY` for AdamW, 0 for the others) on the
+    parameters :func:`decay_groups` decays."""
     if name not in OPTIMIZERS:
         raise WorkloadError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)}")
     if not (math.isfinite(lr) and lr > 0):
@@ -44,13 +46,32 @@ def optimizer_factory(
     decay = weight_decay
 
     def build(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        groups = decay_groups(params, decay)
         if name == "sgd":
-            return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=decay)
+            return torch.optim.SGD(groups, lr=lr, momentum=momentum, weight_decay=decay)
         if name == "adam":
-            return torch.optim.Adam(params, lr=lr, weight_decay=decay)
-        return torch.optim.AdamW(params, lr=lr, weight_decay=decay)
+            return torch.optim.Adam(groups, lr=lr, weight_decay=decay)
+        return torch.optim.AdamW(groups, lr=lr, weight_decay=decay)
 
     return build
+
+
+def decay_groups(
+    params: Iterable[nn.Parameter], weight_decay: float
+) -> list[nn.Parameter] | list[dict[str, Any]]:
+    """``params`` as an optimizer's parameter groups: with ``weight_decay`` on the matrices
+    (weights of linear layers, embeddings, convolutions: two or more dimensions) and none on
+    the vectors (biases, the gains and shifts of LayerNorm and RMSNorm), as Megatron-LM,
+    nanoGPT and Hugging Face's ``Trainer`` decay them: shrinking a norm's gain or a bias
+    towards 0 is not regularization. Without decay, one group of them all. A group that
+    would be empty (a stage of norms only) is left out."""
+    params = list(params)
+    if not weight_decay:
+        return params
+    matrices = [p for p in params if p.ndim >= 2]
+    vectors = [p for p in params if p.ndim < 2]
+    groups = [{"params": matrices, "weight_decay": weight_decay}] if matrices else []
+    return groups + ([{"params": vectors, "weight_decay": 0.0}] if vectors else [])
 
 
 DECAY_FLOOR = 0.1

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -147,3 +148,41 @@ def test_an_unchanged_resume_says_nothing_changed(tmp_path: Path) -> None:
         tmp_path, resumed.module, resumed.optimizer, param_names=resumed.param_names
     )
     assert restored.changed_settings == ()
+
+
+def test_a_checkpoint_that_decayed_every_parameter_resumes_saying_the_biases_no_longer_are(
+    tmp_path: Path,
+) -> None:
+    """The built-in workloads' AdamW decayed biases and norms too; resumed under today's, which
+    leaves them out (a group of their own without decay), the run says so and keeps the
+    moments saved."""
+    from pipedream.workloads.common import optimizer_factory
+
+    def worker(factory: Any) -> StageWorker:
+        table = build_tables(PipelineSpec("1f1b", ((0,),), 1, 1))[0]
+        return StageWorker(
+            WorkerConfig(0, 1, 1),
+            _model(),
+            table,
+            optimizer_factory=factory,
+            loss_fn=nn.functional.mse_loss,
+            data=None,
+        )
+
+    torch.manual_seed(0)
+    old = worker(lambda params: torch.optim.AdamW(params, lr=0.1, weight_decay=0.01))
+    assert old.optimizer is not None
+    for p in old.module.parameters():
+        p.grad = torch.randn_like(p)
+    old.optimizer.step()
+    _save(tmp_path, [old])
+    resumed = worker(optimizer_factory("adamw", lr=0.1))
+    restored = restore_stage(
+        tmp_path, resumed.module, resumed.optimizer, param_names=resumed.param_names
+    )
+    assert restored.changed_settings == ("group 1: weight_decay 0.01 -> 0.0",)
+    moments = {name: moments for name, (_, _, moments) in _state(old).items()}
+    assert {name: m for name, (_, _, m) in _state(resumed).items()} == moments
+    assert {name: decay for name, (_, decay, _) in _state(resumed).items()} == {
+        "0.weight": 0.01, "0.bias": 0.0, "2.weight": 0.01, "2.bias": 0.0,
+    }  # fmt: skip

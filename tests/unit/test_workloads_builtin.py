@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -253,10 +254,11 @@ def test_weight_decay_is_what_the_option_says() -> None:
 
     from pipedream.workloads.common import optimizer_factory
 
-    params = [nn.Parameter(torch.zeros(2))]
+    params = [nn.Parameter(torch.zeros(2, 2))]
 
     def decay(name: str, **given: float) -> float:
-        return optimizer_factory(name, lr=0.1, **given)(params).param_groups[0]["weight_decay"]
+        groups = optimizer_factory(name, lr=0.1, **given)(params).param_groups
+        return groups[0]["weight_decay"]
 
     assert (decay("adamw"), decay("adamw", weight_decay=0.0), decay("adamw", weight_decay=0.1)) == (
         0.01,
@@ -268,3 +270,48 @@ def test_weight_decay_is_what_the_option_says() -> None:
     assert gpt.optimizer(params).param_groups[0]["weight_decay"] == 0.05
     with pytest.raises(WorkloadError, match=r"weight_decay=-1.0; e.g. 0.1"):
         load_workload("gpt", {"weight_decay": "-1"})
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adam", "sgd"])
+def test_weight_decay_shrinks_matrices_not_biases_or_norms(optimizer: str) -> None:
+    """One step with zero gradients: a linear layer's weight shrinks by ``lr * weight_decay``
+    (AdamW's decoupled decay; Adam's and SGD's L2 term moves it the same first step), its bias
+    and a LayerNorm's gain and shift stay where they are."""
+    from torch import nn
+
+    from pipedream.workloads.common import optimizer_factory
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3))
+    for p in model.parameters():
+        nn.init.constant_(p, 2.0)
+        p.grad = torch.zeros_like(p)
+
+    def decays(decay: float, params: Any) -> list[float]:
+        return [
+            g["weight_decay"]
+            for g in optimizer_factory(optimizer, lr=0.1, weight_decay=decay)(params).param_groups
+        ]
+
+    step = optimizer_factory(optimizer, lr=0.1, weight_decay=0.5)(model.parameters())
+    step.step()
+    after = {name: float(p.detach().flatten()[0]) for name, p in model.named_parameters()}
+    # AdamW: 2 * (1 - 0.1 * 0.5); Adam: the L2 gradient 2 * 0.5, normalized, makes a step of
+    # lr; SGD: lr times that gradient. All three: 1.9
+    assert after == pytest.approx({"0.weight": 1.9, "0.bias": 2.0, "1.weight": 2.0, "1.bias": 2.0})
+    assert decays(0.5, model.parameters()) == [0.5, 0.0]
+    assert decays(0.0, model.parameters()) == [0.0]  # without decay: one group of them all
+    assert decays(0.5, model[1].parameters()) == [0.0]  # a stage of norms only: no empty group
+
+
+def test_the_language_models_decay_their_matrices_only() -> None:
+    """gpt and hf-lm under AdamW: every parameter of one dimension (biases, norms) in the group
+    without decay, every matrix (embeddings included) in the decayed one."""
+    for name, args in (("gpt", {"samples": "32"}), ("hf-lm", {"config": "gpt2", "layers": "1"})):
+        if name == "hf-lm":
+            pytest.importorskip("transformers")
+        workload = load_workload(name, {**args, "optimizer": "adamw", "weight_decay": "0.1"})
+        groups = workload.optimizer(workload.model.parameters()).param_groups
+        assert [g["weight_decay"] for g in groups] == [0.1, 0.0], name
+        assert {p.ndim >= 2 for p in groups[0]["params"]} == {True}, name
+        assert {p.ndim for p in groups[1]["params"]} == {1}, name
+        assert sum(len(g["params"]) for g in groups) == len(list(workload.model.parameters()))
