@@ -123,11 +123,20 @@ def build_stage_module(
     def lookup(node: fx.Node) -> fx.Node:
         if node.name in env:
             return env[node.name]
-        if node.op == "get_attr":  # the body of a region (no_grad, autocast) the graph calls
-            body = graph.program.graph_module.get_submodule(str(node.target))
-            if not _has_path(root, str(node.target)):
-                root.add_module(str(node.target), body)
-            env[node.name] = new.get_attr(str(node.target))
+        if node.op == "get_attr":
+            # the body of a region (no_grad, autocast) the graph calls, or a constant of a
+            # higher-order op (the spec of the function torch.vmap maps, as transformers 4's
+            # attention masks are built)
+            target = str(node.target)
+            if not _has_path(root, target):
+                value = graph.program.graph_module
+                for part in target.split("."):
+                    value = getattr(value, part)
+                if isinstance(value, nn.Module):
+                    root.add_module(target, value)
+                else:
+                    setattr(root, target, value)
+            env[node.name] = new.get_attr(target)
             return env[node.name]
         target = graph.tensor_names.get(node.name)
         if target is None:
