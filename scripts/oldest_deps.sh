@@ -18,7 +18,7 @@ venv="${VENV:-.venv-oldest}"
     tqdm==4.60.0 \
     numpy==1.24.4 \
     scikit-learn==1.3.0 \
-    transformers==5.0.0
+    transformers==4.57.1
 # the project and its test tools; the pins above already satisfy its own dependencies
 "$venv/bin/python" -m pip install -q -e '.[test,hf]'
 "$venv/bin/python" -c 'import sys, torch, numpy, transformers; print("Python", sys.version.split()[0], "torch", torch.__version__, "numpy", numpy.__version__, "transformers", transformers.__version__)'

@@ -40,6 +40,7 @@ A ``package.module:function`` that returns a ``transformers`` causal LM instead 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -78,14 +79,31 @@ _EVAL_CHUNK = 32
 """Held-out sequences evaluated at once."""
 
 
+MIN_TRANSFORMERS = (4, 57, 1)
+"""The oldest ``transformers`` pipedream trains (the floor of ``pyproject.toml``'s hf extra)."""
+
+
 def _transformers() -> Any:
+    """The ``transformers`` module; a missing or too old one is refused in one line."""
     try:
         import transformers
     except ImportError:
         raise WorkloadError(
             "hf-lm needs the transformers package; install the extra: pip install -e '.[hf]'"
         ) from None
+    check_transformers_version(transformers.__version__)
     return transformers
+
+
+def check_transformers_version(version: str) -> None:
+    """Refuse a ``transformers`` older than :data:`MIN_TRANSFORMERS` ("4.46.3", "5.1.0.dev0")."""
+    release = tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+    if release < MIN_TRANSFORMERS:
+        floor = ".".join(map(str, MIN_TRANSFORMERS))
+        raise WorkloadError(
+            f"transformers {version} is older than {floor}, the oldest pipedream is "
+            f"tested with; upgrade it: pip install 'transformers>={floor},<6'"
+        )
 
 
 def hf_config(
@@ -469,6 +487,8 @@ def wrap(
             f"the workload function returned a {type(model).__name__}, not a pipedream Workload "
             "or a transformers causal LM (a model with config.vocab_size)"
         )
+    if type(model).__module__.split(".")[0] == "transformers":
+        _transformers()  # refuses a release older than pipedream is tested with
     if config is not None and getattr(config, "use_cache", False):
         config.use_cache = False  # a cache is state across calls: nothing a pipeline can cut
     model.train()  # from_pretrained gives a model in eval mode: its dropout off

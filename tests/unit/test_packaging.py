@@ -217,3 +217,12 @@ def test_the_oldest_deps_script_pins_the_floors(pyproject: dict[str, Any]) -> No
     assert set(pins) == set(floors)
     for name, floor in floors.items():
         assert pins[name] == floor or pins[name].startswith(floor + "."), (name, pins[name], floor)
+
+
+def test_the_transformers_floor_of_the_code_is_the_extras(pyproject: dict[str, Any]) -> None:
+    """hf-lm refuses a transformers older than the hf extra's floor, not another."""
+    from pipedream.workloads.hf_lm import MIN_TRANSFORMERS
+
+    (requirement,) = pyproject["project"]["optional-dependencies"]["hf"]
+    floor = re.fullmatch(r"transformers>=([0-9.]+),<\d+", requirement).group(1)
+    assert ".".join(map(str, MIN_TRANSFORMERS)) == floor

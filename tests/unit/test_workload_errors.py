@@ -128,3 +128,44 @@ def test_other_runtime_errors_of_a_factory_pass_through(tmp_path, monkeypatch) -
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(RuntimeError, match="a bug in the factory"):
         load_workload("wl_broken:build", {})
+
+
+@pytest.mark.parametrize("version", ["4.57.1", "4.57.6", "5.0.0", "5.1.0.dev0", "6.0.0rc1"])
+def test_a_transformers_release_pipedream_is_tested_with_is_taken(version: str) -> None:
+    from pipedream.workloads.hf_lm import check_transformers_version
+
+    check_transformers_version(version)  # the extra's <6 is pip's to say, not this check's
+
+
+@pytest.mark.parametrize("version", ["4.46.3", "4.57.0", "4.9.0"])
+def test_a_transformers_release_before_the_floor_is_refused(version: str) -> None:
+    from pipedream.workloads.hf_lm import check_transformers_version
+
+    with pytest.raises(WorkloadError, match=rf"^transformers {version} is older than 4\.57\.1"):
+        check_transformers_version(version)
+
+
+def test_an_older_transformers_is_refused_in_one_line(tmp_path, monkeypatch) -> None:
+    """Built in or the user's own model: a transformers older than pipedream is tested with is
+    refused naming the release and the fix (here: the installed one, against a floor above it)."""
+    from pipedream.workloads import hf_lm
+
+    transformers = pytest.importorskip("transformers")
+    (tmp_path / "wl_own_gpt2.py").write_text(
+        "import transformers\n\n"
+        "def build():\n"
+        "    config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16)\n"
+        "    return transformers.GPT2LMHeadModel(config)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(hf_lm, "MIN_TRANSFORMERS", (99, 0, 1))
+    message = (
+        f"transformers {transformers.__version__} is older than 99.0.1, the oldest pipedream is "
+        "tested with; upgrade it: pip install 'transformers>=99.0.1,<6'"
+    )
+    for name, args in (("hf-lm", {"layers": "1"}), ("wl_own_gpt2:build", {})):
+        with pytest.raises(WorkloadError) as info:
+            load_workload(name, args)
+        assert str(info.value) == message, name
+    with pytest.raises(WorkloadError, match=r"^transformers 4\.46\.3 is older than 99\.0\.1"):
+        hf_lm.check_transformers_version("4.46.3")
