@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import fx, nn
 
 from pipedream.errors import WorkloadError
@@ -90,18 +91,23 @@ def stages_using(graph: LayerGraph, ranges: Sequence[tuple[int, int]]) -> dict[s
     return users
 
 
-def _attach(root: nn.Module, name: str, tensor: object) -> None:
-    """Register ``tensor`` at the dotted path ``name`` below ``root``, creating holders."""
+def _attach(root: nn.Module, name: str, value: object) -> None:
+    """Put ``value`` at the dotted path ``name`` below ``root``, creating holders: a parameter
+    or a buffer (which moves with the stage), a module, or another constant as an attribute."""
     *parents, leaf = name.split(".")
     module = root
     for part in parents:
         if not hasattr(module, part):
             module.add_module(part, nn.Module())
         module = getattr(module, part)
-    if isinstance(tensor, nn.Parameter):
-        module.register_parameter(leaf, tensor)
+    if isinstance(value, nn.Parameter):
+        module.register_parameter(leaf, value)
+    elif isinstance(value, torch.Tensor):
+        module.register_buffer(leaf, value)
+    elif isinstance(value, nn.Module):
+        module.add_module(leaf, value)
     else:
-        module.register_buffer(leaf, tensor)  # type: ignore[arg-type]
+        setattr(module, leaf, value)
 
 
 def build_stage_module(
@@ -129,13 +135,10 @@ def build_stage_module(
             # attention masks are built)
             target = str(node.target)
             if not _has_path(root, target):
-                value = graph.program.graph_module
+                value: object = graph.program.graph_module
                 for part in target.split("."):
                     value = getattr(value, part)
-                if isinstance(value, nn.Module):
-                    root.add_module(target, value)
-                else:
-                    setattr(root, target, value)
+                _attach(root, target, value)
             env[node.name] = new.get_attr(target)
             return env[node.name]
         target = graph.tensor_names.get(node.name)

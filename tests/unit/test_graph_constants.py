@@ -37,6 +37,10 @@ class VmappedMask(nn.Module):
         return self.second(hidden * mask)
 
 
+@pytest.mark.skipif(
+    tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 9),
+    reason="torch.export of torch 2.8 cannot trace an index inside torch.vmap",
+)
 def test_stages_of_a_graph_with_a_treespec_constant_compute_the_model() -> None:
     torch.manual_seed(0)
     model = VmappedMask()
@@ -61,3 +65,26 @@ def test_stages_of_a_graph_with_a_treespec_constant_compute_the_model() -> None:
     want.sum().backward()
     assert grads.keys() == {n for n, _ in model.named_parameters()}
     assert all(torch.equal(grads[n], p.grad) for n, p in model.named_parameters())
+
+
+def test_a_constant_at_a_dotted_path_is_held_where_the_graph_reads_it() -> None:
+    """A get_attr target below a holder ("holder.spec"): the stage's root gets the holder, as
+    for a tensor, so GraphModule finds the constant by walking the path (and a tensor there is a
+    buffer, which moves with the stage to its device)."""
+    from torch import fx
+    from torch.utils._pytree import tree_flatten
+
+    from pipedream.graph.stages import _attach
+
+    spec = tree_flatten((1, [2]))[1]
+    root = nn.Module()
+    _attach(root, "holder.spec", spec)
+    _attach(root, "holder.scale", torch.tensor(2.0))
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    read = graph.call_function(str, (graph.get_attr("holder.spec"),))
+    graph.output((graph.call_function(torch.mul, (x, graph.get_attr("holder.scale"))), read))
+    module = fx.GraphModule(root, graph)
+    out, text = module(torch.ones(2))
+    assert torch.equal(out, torch.full((2,), 2.0)) and text == str(spec)
+    assert [name for name, _ in module.named_buffers()] == ["holder.scale"]
