@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,10 @@ _EVAL_CHUNK = 32
 
 MIN_TRANSFORMERS = (4, 57, 1)
 """The oldest ``transformers`` pipedream trains (the floor of ``pyproject.toml``'s hf extra)."""
+MIN_TORCH_FOR_TRANSFORMERS_4 = (2, 9)
+"""The oldest torch that traces a ``transformers`` 4 model: 4.x builds its attention masks by
+indexing inside ``torch.vmap``, which ``torch.export`` of torch 2.8 fails on ("Current active
+mode ProxyTorchDispatchMode not registered"). transformers 5 traces on torch 2.8."""
 
 
 def _transformers() -> Any:
@@ -91,19 +96,42 @@ def _transformers() -> Any:
         raise WorkloadError(
             "hf-lm needs the transformers package; install the extra: pip install -e '.[hf]'"
         ) from None
-    check_transformers_version(transformers.__version__)
+    check_transformers_version(transformers.__version__, torch.__version__)
     return transformers
 
 
-def check_transformers_version(version: str) -> None:
-    """Refuse a ``transformers`` older than :data:`MIN_TRANSFORMERS` ("4.46.3", "5.1.0.dev0")."""
-    release = tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+def check_transformers_version(version: str, torch_version: str) -> None:
+    """Refuse a ``transformers`` release older than :data:`MIN_TRANSFORMERS` (``"4.46.3"``),
+    and a 4.x on a torch older than :data:`MIN_TORCH_FOR_TRANSFORMERS_4`; a later release, a
+    local or development build of one (``"5.1.0.dev0"``, ``"4.57.1+local"``) and a version that
+    does not start with a release number pass."""
+    release = _release(version)
+    if release is None:
+        return
     if release < MIN_TRANSFORMERS:
         floor = ".".join(map(str, MIN_TRANSFORMERS))
         raise WorkloadError(
             f"transformers {version} is older than {floor}, the oldest pipedream is "
             f"tested with; upgrade it: pip install 'transformers>={floor},<6'"
         )
+    torch_release = _release(torch_version)
+    if release[0] == 4 and torch_release is not None:
+        if torch_release[:2] < MIN_TORCH_FOR_TRANSFORMERS_4:
+            floor = ".".join(map(str, MIN_TORCH_FOR_TRANSFORMERS_4))
+            raise WorkloadError(
+                f"transformers {version} needs torch {floor} or later here (torch.export of "
+                f"torch {torch_version} fails on its attention masks); upgrade torch, or "
+                "transformers to 5.x: pip install 'transformers>=5,<6'"
+            )
+
+
+def _release(version: str) -> tuple[int, int, int] | None:
+    """The release numbers a version string starts with (``"2.9.1+cu128"``: (2, 9, 1))."""
+    found = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    if found is None:
+        return None
+    major, minor, patch = (int(part or 0) for part in found.groups())
+    return major, minor, patch
 
 
 def hf_config(
@@ -487,7 +515,8 @@ def wrap(
             f"the workload function returned a {type(model).__name__}, not a pipedream Workload "
             "or a transformers causal LM (a model with config.vocab_size)"
         )
-    if type(model).__module__.split(".")[0] == "transformers":
+    installed = sys.modules.get("transformers")  # imported where the model is one of its own
+    if installed is not None and isinstance(model, installed.PreTrainedModel):
         _transformers()  # refuses a release older than pipedream is tested with
     if config is not None and getattr(config, "use_cache", False):
         config.use_cache = False  # a cache is state across calls: nothing a pipeline can cut

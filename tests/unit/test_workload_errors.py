@@ -130,11 +130,18 @@ def test_other_runtime_errors_of_a_factory_pass_through(tmp_path, monkeypatch) -
         load_workload("wl_broken:build", {})
 
 
-@pytest.mark.parametrize("version", ["4.57.1", "4.57.6", "5.0.0", "5.1.0.dev0", "6.0.0rc1"])
-def test_a_transformers_release_pipedream_is_tested_with_is_taken(version: str) -> None:
+@pytest.mark.parametrize(
+    ("version", "torch"),
+    [
+        ("4.57.1", "2.9.0"), ("4.57.6", "2.13.0"), ("4.57.1+local", "2.9.1+cu128"),
+        ("5.0.0", "2.8.0"), ("5.1.0.dev0", "2.8.0+cpu"), ("6.0.0rc1", "2.8.0"), ("dev", "2.8.0"),
+        ("4.57.1", "dev"),
+    ],
+)  # fmt: skip
+def test_a_transformers_release_pipedream_is_tested_with_is_taken(version: str, torch: str) -> None:
     from pipedream.workloads.hf_lm import check_transformers_version
 
-    check_transformers_version(version)  # the extra's <6 is pip's to say, not this check's
+    check_transformers_version(version, torch)  # the extra's <6 is pip's to say, not this check's
 
 
 @pytest.mark.parametrize("version", ["4.46.3", "4.57.0", "4.9.0"])
@@ -142,20 +149,37 @@ def test_a_transformers_release_before_the_floor_is_refused(version: str) -> Non
     from pipedream.workloads.hf_lm import check_transformers_version
 
     with pytest.raises(WorkloadError, match=rf"^transformers {version} is older than 4\.57\.1"):
-        check_transformers_version(version)
+        check_transformers_version(version, "2.13.0")
+
+
+def test_transformers_4_on_torch_2_8_is_refused_in_one_line() -> None:
+    """torch.export of torch 2.8 fails on transformers 4's attention masks (a vmapped index);
+    transformers 5 builds them without it."""
+    from pipedream.workloads.hf_lm import check_transformers_version
+
+    with pytest.raises(WorkloadError) as info:
+        check_transformers_version("4.57.1", "2.8.0+cu128")
+    assert str(info.value) == (
+        "transformers 4.57.1 needs torch 2.9 or later here (torch.export of torch 2.8.0+cu128 "
+        "fails on its attention masks); upgrade torch, or transformers to 5.x: pip install "
+        "'transformers>=5,<6'"
+    )
 
 
 def test_an_older_transformers_is_refused_in_one_line(tmp_path, monkeypatch) -> None:
-    """Built in or the user's own model: a transformers older than pipedream is tested with is
-    refused naming the release and the fix (here: the installed one, against a floor above it)."""
+    """Built in or the user's own model (a subclass in the user's module): a transformers older
+    than pipedream is tested with is refused naming the release and the fix (here: the installed
+    one, against a floor above it)."""
     from pipedream.workloads import hf_lm
 
     transformers = pytest.importorskip("transformers")
     (tmp_path / "wl_own_gpt2.py").write_text(
         "import transformers\n\n"
+        "class MyLM(transformers.GPT2LMHeadModel):  # a class of the user's module\n"
+        "    pass\n\n"
         "def build():\n"
         "    config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16)\n"
-        "    return transformers.GPT2LMHeadModel(config)\n"
+        "    return MyLM(config)\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(hf_lm, "MIN_TRANSFORMERS", (99, 0, 1))
@@ -168,4 +192,4 @@ def test_an_older_transformers_is_refused_in_one_line(tmp_path, monkeypatch) -> 
             load_workload(name, args)
         assert str(info.value) == message, name
     with pytest.raises(WorkloadError, match=r"^transformers 4\.46\.3 is older than 99\.0\.1"):
-        hf_lm.check_transformers_version("4.46.3")
+        hf_lm.check_transformers_version("4.46.3", "2.13.0")
