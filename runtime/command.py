@@ -107,11 +107,16 @@ def _transformers_model(
     and ``given`` (``KEY=VALUE``) changes it."""
     from pipedream.runtime.checkpoint import check_fits
     from pipedream.workload import load_model, parse_workload_args
-    from pipedream.workloads.hf_pretrained import load_transformers, model_from_record
+    from pipedream.workloads.hf_pretrained import (
+        check_record_release,
+        load_transformers,
+        model_from_record,
+    )
 
     record = manifest.get("transformers_config")
     model = None
     if isinstance(record, dict) and not given:
+        check_record_release(record)
         with contextlib.suppress(WorkloadError):  # a class of the user's own: its factory
             model = model_from_record(record)
     if model is None:

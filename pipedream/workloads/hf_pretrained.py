@@ -34,6 +34,7 @@ from pipedream.wording import count
 
 __all__ = [
     "TOKENIZER_FILES",
+    "check_record_release",
     "config_record",
     "load_pretrained",
     "load_transformers",
@@ -115,6 +116,24 @@ def config_record(model: nn.Module) -> dict[str, Any] | None:
         return None
     record: dict[str, Any] = json.loads(config.to_json_string(use_diff=False))
     return record
+
+
+def check_record_release(record: dict[str, Any]) -> None:
+    """Refuse to build a model from a config that another major release of ``transformers``
+    recorded: 4.x and 5.x name some settings differently (5.x's ``rope_parameters`` holds what
+    4.x reads from ``rope_theta``), and the other release would build a model that differs
+    without a word."""
+    from pipedream.workloads.hf_lm import _transformers
+
+    recorded = str(record.get("transformers_version", ""))
+    installed = str(_transformers().__version__)
+    if recorded and recorded.split(".")[0] != installed.split(".")[0]:
+        major = recorded.split(".")[0]
+        raise WorkloadError(
+            f"export --hf: the checkpoint's model config was written by transformers {recorded}, "
+            f"and transformers {installed} reads some of its settings otherwise; export with "
+            f"transformers {major}.x installed, or write the state dict with -o model.pt"
+        )
 
 
 def model_from_record(record: dict[str, Any]) -> nn.Module:
