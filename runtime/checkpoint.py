@@ -95,26 +95,33 @@ def load_optimizer_by_name(
     with a changed ``lr`` in its ``workload_args`` trains with the new one. Unchanged, they
     equal the saved ones and the resumed run the uninterrupted one. A group is compared with
     the saved group that held its first parameter (a workload's optimizer may give weights and
-    biases groups of their own, with their own weight decay or learning rate).
+    biases groups of their own, with their own weight decay or learning rate); where the
+    optimizer has several groups, a change names the parameters of its group.
     """
     index = {name: i for i, name in enumerate(names)}
     group_of = {name: group for group in saved["param_groups"] for name in group["params"]}
     groups = optimizer.state_dict()["param_groups"]
     changed = []
-    for number, group in enumerate(groups):
-        held = (group_of.get(names[i]) for i in group["params"])
-        source = next((found for found in held if found is not None), None)
+    for group in groups:
+        members = [names[i] for i in group["params"]]
+        source = next((group_of[n] for n in members if n in group_of), None)
         if source is None:
             continue
-        where = f"group {number}: " if len(groups) > 1 else ""
+        which = f" for {_some(members)}" if len(groups) > 1 else ""
         changed += [
-            f"{where}{key} {source[key]!r} -> {value!r}"
+            f"{key} {source[key]!r} -> {value!r}{which}"
             for key, value in group.items()
             if key != "params" and key in source and not _same_setting(source[key], value)
         ]
     state = {index[n]: v for n, v in saved["state"].items() if n in index}
     optimizer.load_state_dict({"state": state, "param_groups": groups})
     return tuple(changed)
+
+
+def _some(names: list[str]) -> str:
+    """``names``, the first two of them and how many more: ``"0.bias, 2.bias and 3 more"``."""
+    shown = ", ".join(names[:2])
+    return shown if len(names) <= 2 else f"{shown} and {len(names) - 2} more"
 
 
 def _same_setting(saved: Any, given: Any) -> bool:

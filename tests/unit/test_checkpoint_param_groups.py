@@ -132,7 +132,7 @@ def test_a_resume_trains_with_the_settings_the_workload_gives_now(tmp_path: Path
     restored = restore_stage(
         tmp_path, resumed.module, resumed.optimizer, param_names=resumed.param_names
     )
-    assert restored.changed_settings == ("group 1: lr 0.1 -> 0.05",)
+    assert restored.changed_settings == ("lr 0.1 -> 0.05 for 0.weight, 2.weight",)
     expected = {
         name: (0.05 if lr == 0.1 else lr, decay, moments)
         for name, (lr, decay, moments) in _state(saved).items()
@@ -180,9 +180,17 @@ def test_a_checkpoint_that_decayed_every_parameter_resumes_saying_the_biases_no_
     restored = restore_stage(
         tmp_path, resumed.module, resumed.optimizer, param_names=resumed.param_names
     )
-    assert restored.changed_settings == ("group 1: weight_decay 0.01 -> 0.0",)
+    assert restored.changed_settings == ("weight_decay 0.01 -> 0.0 for 0.bias, 2.bias",)
     moments = {name: moments for name, (_, _, moments) in _state(old).items()}
     assert {name: m for name, (_, _, m) in _state(resumed).items()} == moments
     assert {name: decay for name, (_, decay, _) in _state(resumed).items()} == {
         "0.weight": 0.01, "0.bias": 0.0, "2.weight": 0.01, "2.bias": 0.0,
     }  # fmt: skip
+
+
+def test_a_changed_group_is_named_by_its_first_parameters() -> None:
+    from pipedream.runtime.checkpoint import _some
+
+    assert [_some(["a"]), _some(["a", "b"]), _some(["a", "b", "c", "d"])] == [
+        "a", "a, b", "a, b and 2 more",
+    ]  # fmt: skip
