@@ -32,13 +32,13 @@ def _grouped(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW([g for g in groups if g["params"]])
 
 
-def _worker(module: nn.Module) -> StageWorker:
+def _worker(module: nn.Module, optimizer: Any = _grouped) -> StageWorker:
     table = build_tables(PipelineSpec("1f1b", ((0,),), 1, 1))[0]
     return StageWorker(
         WorkerConfig(0, 1, 1),
         module,
         table,
-        optimizer_factory=_grouped,
+        optimizer_factory=optimizer,
         loss_fn=nn.functional.mse_loss,
         data=None,
     )
@@ -120,15 +120,7 @@ def test_a_resume_trains_with_the_settings_the_workload_gives_now(tmp_path: Path
         optimizer.param_groups[1]["lr"] = 0.05  # the weights' group: 0.1 in the checkpoint
         return optimizer
 
-    table = build_tables(PipelineSpec("1f1b", ((0,),), 1, 1))[0]
-    resumed = StageWorker(
-        WorkerConfig(0, 1, 1),
-        _model(),
-        table,
-        optimizer_factory=slower,
-        loss_fn=nn.functional.mse_loss,
-        data=None,
-    )
+    resumed = _worker(_model(), slower)
     restored = restore_stage(
         tmp_path, resumed.module, resumed.optimizer, param_names=resumed.param_names
     )
@@ -158,25 +150,14 @@ def test_a_checkpoint_that_decayed_every_parameter_resumes_saying_the_biases_no_
     moments saved."""
     from pipedream.workloads.common import optimizer_factory
 
-    def worker(factory: Any) -> StageWorker:
-        table = build_tables(PipelineSpec("1f1b", ((0,),), 1, 1))[0]
-        return StageWorker(
-            WorkerConfig(0, 1, 1),
-            _model(),
-            table,
-            optimizer_factory=factory,
-            loss_fn=nn.functional.mse_loss,
-            data=None,
-        )
-
     torch.manual_seed(0)
-    old = worker(lambda params: torch.optim.AdamW(params, lr=0.1, weight_decay=0.01))
+    old = _worker(_model(), lambda params: torch.optim.AdamW(params, lr=0.1, weight_decay=0.01))
     assert old.optimizer is not None
     for p in old.module.parameters():
         p.grad = torch.randn_like(p)
     old.optimizer.step()
     _save(tmp_path, [old])
-    resumed = worker(optimizer_factory("adamw", lr=0.1))
+    resumed = _worker(_model(), optimizer_factory("adamw", lr=0.1))
     restored = restore_stage(
         tmp_path, resumed.module, resumed.optimizer, param_names=resumed.param_names
     )
