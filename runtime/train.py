@@ -708,12 +708,7 @@ class _RankJob:
             refuse_together([message] * self.env.world_size, local_rank=self.env.local_rank)
         changed = [c for _, theirs in everyone for each in theirs for c in each.changed_settings]
         if changed and self.rank == 0:
-            print(
-                f"pipedream: the workload's optimizer settings differ from those of {directory} "
-                f"and are used: {', '.join(dict.fromkeys(changed))} (the optimizer's state is "
-                "the checkpoint's)",
-                file=sys.stderr,
-            )
+            print(settings_note(directory, changed), file=sys.stderr)
         if self.rank == 0:
             note = recipe_change(load_manifest(directory), self.precision, self.clip)
             if note:
@@ -820,6 +815,16 @@ class _RankJob:
             max_norm=self.clip,
             scaler=self.scaler,
         )
+
+
+def settings_note(checkpoint: Path, changed: list[str]) -> str:
+    """What a resumed run says of the optimizer settings that differ from ``checkpoint``'s, as
+    every stage found them (``"lr 0.1 -> 0.05"``, ``"weight_decay 0.01 -> 0.0 for 0.bias,
+    2.bias"``): each once, ``;`` between them (a change may name parameters, with commas)."""
+    return (
+        f"pipedream: the workload's optimizer settings differ from those of {checkpoint} and are "
+        f"used: {'; '.join(dict.fromkeys(changed))} (the optimizer's state is the checkpoint's)"
+    )
 
 
 def _new_groups(

@@ -175,3 +175,15 @@ def test_a_changed_group_is_named_by_its_first_parameters() -> None:
     assert [_some(["a"]), _some(["a", "b"]), _some(["a", "b", "c", "d"])] == [
         "a", "a, b", "a, b and 2 more",
     ]  # fmt: skip
+
+
+def test_the_stages_changes_are_said_once_each_apart() -> None:
+    """Two stages' changes named their parameters with commas, and were joined with commas."""
+    from pipedream.runtime.train import settings_note
+
+    changed = ["lr 0.1 -> 0.05", "weight_decay 0.01 -> 0.0 for 0.bias, 2.bias", "lr 0.1 -> 0.05"]
+    assert settings_note(Path("ck"), changed) == (
+        "pipedream: the workload's optimizer settings differ from those of ck and are used: "
+        "lr 0.1 -> 0.05; weight_decay 0.01 -> 0.0 for 0.bias, 2.bias (the optimizer's state is "
+        "the checkpoint's)"
+    )
