@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -208,6 +209,12 @@ def _checked(name: str, built: Any) -> Workload:
             f"workload {name!r}: factory returned {type(built).__name__}, expected "
             "pipedream.workload.Workload (or a transformers causal language model)"
         )
+    installed = sys.modules.get("transformers")  # imported where a model is one of its own
+    if installed is not None and isinstance(built.model, nn.Module):
+        if any(isinstance(m, installed.PreTrainedModel) for m in built.model.modules()):
+            from pipedream.workloads.hf_lm import _transformers
+
+            _transformers()  # refuses a release pipedream does not take
     return built
 
 

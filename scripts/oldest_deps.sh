@@ -2,8 +2,9 @@
 # The test suite against the oldest releases pipedream supports: the floors of pyproject.toml's
 # dependencies and of its hf extra (tests/unit/test_packaging.py keeps the pins below equal to
 # them), on the oldest Python it supports. One exception: transformers 4.x needs torch 2.9
-# (hf_lm.MIN_TORCH_FOR_TRANSFORMERS_4), so next to torch 2.8 the oldest is transformers 5.0. Not part of .ci/run: it downloads several GB (torch
-# from PyPI) into a virtual environment of its own.
+# (hf_lm.MIN_TORCH_FOR_TRANSFORMERS_4), so next to torch 2.8 the oldest is transformers 5.0.
+# Not part of .ci/run: it downloads several GB (torch from PyPI) into a virtual environment of
+# its own.
 #
 #   PYTHON=python3.10 scripts/oldest_deps.sh [PYTEST ARGS...]     (default: -n 2)
 # VENV sets the environment's folder (default: .venv-oldest, reused when it exists).

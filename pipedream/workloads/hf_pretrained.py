@@ -81,6 +81,16 @@ def load_pretrained(path: str, *, seed: int) -> nn.Module:
             "save_pretrained wrote (config.json and the weights)"
         )
     transformers = _transformers()
+    recorded: object = None
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # from_pretrained says why
+        recorded = json.loads((directory / "config.json").read_text()).get("transformers_version")
+    installed = newer_release_than_installed(recorded)
+    if installed is not None:
+        raise WorkloadError(
+            f"hf-lm: pretrained={path!r} was saved by transformers {recorded}, and "
+            f"transformers {installed} reads some of its settings otherwise; install "
+            f"transformers {str(recorded).split('.')[0]}.x to train it"
+        )
     with _quiet(transformers), torch.random.fork_rng(devices=[]):
         torch.manual_seed(torch_seed(seed))
         try:
@@ -118,21 +128,32 @@ def config_record(model: nn.Module) -> dict[str, Any] | None:
     return record
 
 
-def check_record_release(record: dict[str, Any]) -> None:
-    """Refuse to build a model from a config that another major release of ``transformers``
-    recorded: 4.x and 5.x name some settings differently (5.x's ``rope_parameters`` holds what
-    4.x reads from ``rope_theta``), and the other release would build a model that differs
-    without a word."""
-    from pipedream.workloads.hf_lm import _transformers
+def newer_release_than_installed(recorded: object) -> str | None:
+    """The installed ``transformers`` version where ``recorded`` (a config's
+    ``transformers_version``) is of a later major release, else None. 5.x names some settings
+    otherwise than 4.x (``rope_parameters`` holds what 4.x reads from ``rope_theta``), so 4.x
+    builds a model of a 5.x config that differs without a word; 5.x reads 4.x configs."""
+    from pipedream.workloads.hf_lm import _release, _transformers
 
-    recorded = str(record.get("transformers_version", ""))
     installed = str(_transformers().__version__)
-    if recorded and recorded.split(".")[0] != installed.split(".")[0]:
-        major = recorded.split(".")[0]
+    saved = _release(recorded) if isinstance(recorded, str) else None
+    present = _release(installed)
+    if saved is None or present is None or saved[0] <= present[0]:
+        return None
+    return installed
+
+
+def check_record_release(record: dict[str, Any]) -> None:
+    """Refuse to build a model from a config a later major release of ``transformers`` recorded
+    (:func:`newer_release_than_installed`)."""
+    recorded = record.get("transformers_version")
+    installed = newer_release_than_installed(recorded)
+    if installed is not None:
         raise WorkloadError(
             f"export --hf: the checkpoint's model config was written by transformers {recorded}, "
             f"and transformers {installed} reads some of its settings otherwise; export with "
-            f"transformers {major}.x installed, or write the state dict with -o model.pt"
+            f"transformers {str(recorded).split('.')[0]}.x installed, or write the state dict "
+            "with -o model.pt"
         )
 
 

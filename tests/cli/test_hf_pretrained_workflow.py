@@ -175,20 +175,26 @@ def test_export_says_what_it_cannot_write_before_writing_anything(
         said = run_main("export", str(checkpoint), *options)
         assert said.returncode == 2, said.stderr
         assert said.stderr.strip() == f"pipedream export: error: {message}"
-    # a config another major release of transformers recorded: it would read it otherwise
+    # a config a later major release of transformers recorded: this one reads it otherwise
     manifest = yaml.safe_load((gpt2 / "manifest.yaml").read_text())
     installed = transformers.__version__
-    other = "4.57.1" if installed.startswith("5.") else "5.0.0"
-    manifest["transformers_config"]["transformers_version"] = other
+    major = int(installed.split(".")[0])
+    later = f"{major + 1}.0.0"
+    manifest["transformers_config"]["transformers_version"] = later
     (gpt2 / "manifest.yaml").write_text(yaml.safe_dump(manifest))
     said = run_main("export", str(gpt2), "--hf", "out")
     assert said.returncode == 2, said.stderr
     assert said.stderr.strip() == (
         f"pipedream export: error: export --hf: the checkpoint's model config was written by "
-        f"transformers {other}, and transformers {installed} reads some of its settings "
-        f"otherwise; export with transformers {other[0]}.x installed, or write the state dict "
+        f"transformers {later}, and transformers {installed} reads some of its settings "
+        f"otherwise; export with transformers {major + 1}.x installed, or write the state dict "
         "with -o model.pt"
     )
+    # an earlier major release's: a later one reads it (5.x builds what 4.x recorded)
+    manifest["transformers_config"]["transformers_version"] = f"{major - 1}.57.1"
+    (gpt2 / "manifest.yaml").write_text(yaml.safe_dump(manifest))
+    said = run_main("export", str(gpt2), "--hf", "earlier")
+    assert said.returncode == 0, said.stderr
     assert not (tmp_path / "out").exists() and not (tmp_path / "m.pt").exists()
     assert _saved_files(tmp_path / "gpt2") == source  # nothing written there either
     assert (tmp_path / "gpt2" / "model.safetensors").stat().st_mtime <= trained_at

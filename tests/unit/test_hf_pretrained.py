@@ -4,6 +4,7 @@ be; ``save_transformers``, the writing side of ``pipedream export --hf``."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,13 @@ def test_what_cannot_be_loaded_is_refused_in_one_line(
     (tmp_path / "config-only" / "config.json").write_text(
         (tmp_path / "gpt2" / "config.json").read_text()
     )
+    installed = transformers.__version__
+    later = f"{int(installed.split('.')[0]) + 1}.0.0"  # names some settings otherwise
+    _gpt2(tmp_path / "later")
+    config = json.loads((tmp_path / "later" / "config.json").read_text())
+    (tmp_path / "later" / "config.json").write_text(
+        json.dumps({**config, "transformers_version": later})
+    )
     cases = [
         ({"pretrained": "missing"}, f"hf-lm: pretrained='missing': no such directory in "
          f"{tmp_path}; give a directory that save_pretrained wrote (config.json and the "
@@ -123,6 +131,9 @@ def test_what_cannot_be_loaded_is_refused_in_one_line(
         ({"pretrained": "gpt2/config.json"}, "hf-lm: pretrained='gpt2/config.json': is a file, "
          "not a directory; give a directory that save_pretrained wrote (config.json and the "
          "weights)"),
+        ({"pretrained": "later"}, f"hf-lm: pretrained='later' was saved by transformers "
+         f"{later}, and transformers {installed} reads some of its settings otherwise; install "
+         f"transformers {later[0]}.x to train it"),
         ({"pretrained": "bert"}, "hf-lm: the BertLMHeadModel is not causal: its outputs at a "
          "position change with later tokens (an encoder such as BERT attends both ways), so it "
          "would learn to read the next token off its input; give a decoder-only causal LM (or a "

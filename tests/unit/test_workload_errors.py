@@ -167,9 +167,9 @@ def test_transformers_4_on_torch_2_8_is_refused_in_one_line() -> None:
 
 
 def test_an_older_transformers_is_refused_in_one_line(tmp_path, monkeypatch) -> None:
-    """Built in or the user's own model (a subclass in the user's module): a transformers older
-    than pipedream is tested with is refused naming the release and the fix (here: the installed
-    one, against a floor above it)."""
+    """Built in, the user's own model (a subclass in the user's module) or a Workload of the
+    user's own holding one: a transformers older than pipedream is tested with is refused naming
+    the release and the fix (here: the installed one, against a floor above it)."""
     from pipedream.workloads import hf_lm
 
     transformers = pytest.importorskip("transformers")
@@ -179,7 +179,15 @@ def test_an_older_transformers_is_refused_in_one_line(tmp_path, monkeypatch) -> 
         "    pass\n\n"
         "def build():\n"
         "    config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16)\n"
-        "    return MyLM(config)\n"
+        "    return MyLM(config)\n\n"
+        "def held(microbatch_size: int = 2):  # a Workload of the user's own around one\n"
+        "    import torch\n"
+        "    from torch.utils.data import TensorDataset\n"
+        "    from pipedream.workload import Workload\n"
+        "    ids = torch.zeros(8, 4, dtype=torch.long)\n"
+        "    return Workload(model=build(), example_input=ids[:microbatch_size],\n"
+        "        loss_fn=lambda out, y: out.logits.sum(), dataset=TensorDataset(ids, ids),\n"
+        "        optimizer=lambda p: torch.optim.SGD(p, lr=0.1))\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(hf_lm, "MIN_TRANSFORMERS", (99, 0, 1))
@@ -187,7 +195,8 @@ def test_an_older_transformers_is_refused_in_one_line(tmp_path, monkeypatch) -> 
         f"transformers {transformers.__version__} is older than 99.0.1, the oldest pipedream is "
         "tested with; upgrade it: pip install 'transformers>=99.0.1,<6'"
     )
-    for name, args in (("hf-lm", {"layers": "1"}), ("wl_own_gpt2:build", {})):
+    built_in = [("hf-lm", {"layers": "1"})]
+    for name, args in [*built_in, ("wl_own_gpt2:build", {}), ("wl_own_gpt2:held", {})]:
         with pytest.raises(WorkloadError) as info:
             load_workload(name, args)
         assert str(info.value) == message, name
