@@ -209,13 +209,20 @@ def _checked(name: str, built: Any) -> Workload:
             f"workload {name!r}: factory returned {type(built).__name__}, expected "
             "pipedream.workload.Workload (or a transformers causal language model)"
         )
-    installed = sys.modules.get("transformers")  # imported where a model is one of its own
-    if installed is not None and isinstance(built.model, nn.Module):
-        if any(isinstance(m, installed.PreTrainedModel) for m in built.model.modules()):
-            from pipedream.workloads.hf_lm import _transformers
+    model = built.model
+    if isinstance(model, nn.Module) and any(map(is_transformers_model, model.modules())):
+        from pipedream.workloads.hf_lm import _transformers
 
-            _transformers()  # refuses a release pipedream does not take
+        _transformers()  # refuses a release pipedream does not take
     return built
+
+
+def is_transformers_model(module: nn.Module) -> bool:
+    """Whether ``module`` is a ``transformers`` model (a ``PreTrainedModel``). Read from the
+    modules already imported: asking ``transformers`` for the class would import its modeling
+    code, 2 s of a process that trains no such model."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    return modeling is not None and isinstance(module, modeling.PreTrainedModel)
 
 
 def recorded_args(name: str, args: Mapping[str, str]) -> dict[str, str]:

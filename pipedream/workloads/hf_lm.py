@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import math
 import re
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -515,8 +514,9 @@ def wrap(
             f"the workload function returned a {type(model).__name__}, not a pipedream Workload "
             "or a transformers causal LM (a model with config.vocab_size)"
         )
-    installed = sys.modules.get("transformers")  # imported where the model is one of its own
-    if installed is not None and isinstance(model, installed.PreTrainedModel):
+    from pipedream.workload import is_transformers_model
+
+    if is_transformers_model(model):
         _transformers()  # refuses a release older than pipedream is tested with
     if config is not None and getattr(config, "use_cache", False):
         config.use_cache = False  # a cache is state across calls: nothing a pipeline can cut

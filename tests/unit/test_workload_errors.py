@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from pipedream.errors import PipedreamError, WorkloadError
@@ -202,3 +205,19 @@ def test_an_older_transformers_is_refused_in_one_line(tmp_path, monkeypatch) -> 
         assert str(info.value) == message, name
     with pytest.raises(WorkloadError, match=r"^transformers 4\.46\.3 is older than 99\.0\.1"):
         hf_lm.check_transformers_version("4.46.3", "2.13.0")
+
+
+def test_the_version_check_does_not_import_transformers_models_code() -> None:
+    """A process that has imported transformers (a forkserver's preload, a tokenizer) and builds
+    another model: asking transformers for PreTrainedModel imported its modeling code, 2 s of
+    every rank the test suite forks."""
+    pytest.importorskip("transformers")
+    code = (
+        "import sys, transformers\n"
+        "from pipedream.workload import load_workload\n"
+        "load_workload('mlp', {})\n"
+        "print('transformers.modeling_utils' in sys.modules)\n"
+    )
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert ran.stdout.strip() == "False"
