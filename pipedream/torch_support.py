@@ -14,7 +14,14 @@ import sys
 
 from pipedream.errors import PipedreamError
 
-__all__ = ["MIN_TORCH", "UnsupportedTorch", "check_installed_torch", "check_torch_release", "main"]
+__all__ = [
+    "MIN_TORCH",
+    "UnsupportedTorch",
+    "check_installed_torch",
+    "check_torch_release",
+    "main",
+    "release_numbers",
+]
 
 MIN_TORCH = (2, 8)
 """The oldest release (major, minor) pipedream supports. Before 2.8, destroying a gloo process
@@ -34,17 +41,26 @@ def check_torch_release(version: str) -> None:
 
     A version string that does not start with ``MAJOR.MINOR`` (a custom build) is let through:
     the check is there to explain a known failure, not to gate unknown builds."""
-    match = re.match(r"(\d+)\.(\d+)", version)
-    if match is None:
+    numbers = release_numbers(version)
+    if numbers is None:
         return
-    release = (int(match.group(1)), int(match.group(2)))
-    if release < MIN_TORCH:
+    if numbers[:2] < MIN_TORCH:
         floor = ".".join(str(part) for part in MIN_TORCH)
         raise UnsupportedTorch(
             f"pipedream needs torch >= {floor}, and this Python has torch {version}: older "
             f"releases can hang a run's ranks at its end (gloo); install a newer one, e.g. "
             f"pip install 'torch>={floor}'"
         )
+
+
+def release_numbers(version: str) -> tuple[int, int, int] | None:
+    """The release a version string starts with (``"2.9.1+cu128"``: (2, 9, 1); ``"5.1.0.dev0"``:
+    (5, 1, 0); ``"4.57"``: (4, 57, 0)); None where it does not start with ``MAJOR.MINOR``."""
+    found = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    if found is None:
+        return None
+    major, minor, patch = (int(part or 0) for part in found.groups())
+    return major, minor, patch
 
 
 def check_installed_torch() -> None:

@@ -131,8 +131,8 @@ def build_stage_module(
             return env[node.name]
         if node.op == "get_attr":
             # the body of a region (no_grad, autocast) the graph calls, or a constant of a
-            # higher-order op (the spec of the function torch.vmap maps, as transformers 4's
-            # attention masks are built)
+            # higher-order op (the pytree spec a flat_apply calls with, as an index inside
+            # torch.vmap makes: transformers 4's attention masks)
             target = str(node.target)
             if not _has_path(root, target):
                 value: object = graph.program.graph_module

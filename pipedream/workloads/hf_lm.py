@@ -40,7 +40,6 @@ A ``package.module:function`` that returns a ``transformers`` causal LM instead 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,6 +51,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from pipedream.data import torch_seed
 from pipedream.errors import WorkloadError
+from pipedream.torch_support import release_numbers
 from pipedream.workload import Workload
 from pipedream.workloads.common import optimizer_factory, warmup_decay
 from pipedream.workloads.gpt import entropy_rate, markov_chain, sample_sequences
@@ -104,7 +104,7 @@ def check_transformers_version(version: str, torch_version: str) -> None:
     and a 4.x on a torch older than :data:`MIN_TORCH_FOR_TRANSFORMERS_4`; a later release, a
     local or development build of one (``"5.1.0.dev0"``, ``"4.57.1+local"``) and a version that
     does not start with a release number pass."""
-    release = _release(version)
+    release = release_numbers(version)
     if release is None:
         return
     if release < MIN_TRANSFORMERS:
@@ -113,7 +113,7 @@ def check_transformers_version(version: str, torch_version: str) -> None:
             f"transformers {version} is older than {floor}, the oldest pipedream is "
             f"tested with; upgrade it: pip install 'transformers>={floor},<6'"
         )
-    torch_release = _release(torch_version)
+    torch_release = release_numbers(torch_version)
     if release[0] == 4 and torch_release is not None:
         if torch_release[:2] < MIN_TORCH_FOR_TRANSFORMERS_4:
             floor = ".".join(map(str, MIN_TORCH_FOR_TRANSFORMERS_4))
@@ -122,15 +122,6 @@ def check_transformers_version(version: str, torch_version: str) -> None:
                 f"torch {torch_version} fails on its attention masks); upgrade torch, or "
                 "transformers to 5.x: pip install 'transformers>=5,<6'"
             )
-
-
-def _release(version: str) -> tuple[int, int, int] | None:
-    """The release numbers a version string starts with (``"2.9.1+cu128"``: (2, 9, 1))."""
-    found = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
-    if found is None:
-        return None
-    major, minor, patch = (int(part or 0) for part in found.groups())
-    return major, minor, patch
 
 
 def hf_config(

@@ -133,11 +133,12 @@ def newer_release_than_installed(recorded: object) -> str | None:
     ``transformers_version``) is of a later major release, else None. 5.x names some settings
     otherwise than 4.x (``rope_parameters`` holds what 4.x reads from ``rope_theta``), so 4.x
     builds a model of a 5.x config that differs without a word; 5.x reads 4.x configs."""
-    from pipedream.workloads.hf_lm import _release, _transformers
+    from pipedream.torch_support import release_numbers
+    from pipedream.workloads.hf_lm import _transformers
 
     installed = str(_transformers().__version__)
-    saved = _release(recorded) if isinstance(recorded, str) else None
-    present = _release(installed)
+    saved = release_numbers(recorded) if isinstance(recorded, str) else None
+    present = release_numbers(installed)
     if saved is None or present is None or saved[0] <= present[0]:
         return None
     return installed
