@@ -195,7 +195,22 @@ def _build(
         raise WorkloadError(
             f"workload {name!r} ({given}) does not fit in memory: {reason}; choose smaller sizes"
         ) from None
+    _refuse_compiled(name, built)
     return built, rest, signature
+
+
+def _refuse_compiled(name: str, built: Any) -> None:
+    """A model wrapped by ``torch.compile`` is refused: pipedream traces the model and runs each
+    stage as traced, so the wrapper would be dropped without a word (and the profile would time
+    its compilations, its layers named ``_orig_mod.*``)."""
+    model = built.model if isinstance(built, Workload) else built
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # imported by any torch.compile call
+    if eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
+        raise WorkloadError(
+            f"workload {name!r}: the model is wrapped by torch.compile, which pipedream does not "
+            "run (it traces the model and runs each stage as traced); return the model itself, "
+            "not torch.compile(model)"
+        )
 
 
 def _is_language_model(built: Any) -> bool:

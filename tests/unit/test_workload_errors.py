@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from pipedream.errors import PipedreamError, WorkloadError
-from pipedream.workload import load_workload, parse_workload_args
+from pipedream.workload import load_model, load_workload, parse_workload_args
 
 
 @pytest.mark.parametrize(
@@ -131,6 +131,60 @@ def test_other_runtime_errors_of_a_factory_pass_through(tmp_path, monkeypatch) -
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(RuntimeError, match="a bug in the factory"):
         load_workload("wl_broken:build", {})
+
+
+COMPILED_FACTORIES = """
+import types
+
+import torch
+from torch import nn
+
+from pipedream.workloads.mlp import build as make
+
+
+def workload():
+    built = make()
+    built.model = torch.compile(built.model)
+    return built
+
+
+def language_model():  # what a transformers model looks like to load_workload: a config
+    model = nn.Linear(2, 2)
+    model.config = types.SimpleNamespace(vocab_size=2)
+    return torch.compile(model)
+
+
+def compiled_child():
+    built = make()
+    built.model[0] = torch.compile(built.model[0])
+    return built
+"""
+
+
+@pytest.mark.parametrize("factory", ["workload", "language_model"])
+def test_a_model_wrapped_by_torch_compile_is_refused(tmp_path, monkeypatch, factory: str) -> None:
+    """It was traced through the wrapper and run uncompiled: the profile timed compilations and
+    named the layers ``_orig_mod.*``, and training ran without a word about the wrapper."""
+    (tmp_path / "wl_compiled.py").write_text(COMPILED_FACTORIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    name = f"wl_compiled:{factory}"
+    message = (
+        f"workload {name!r}: the model is wrapped by torch.compile, which pipedream does not run "
+        "(it traces the model and runs each stage as traced); return the model itself, not "
+        "torch.compile(model)"
+    )
+    for load in (load_workload, load_model):
+        with pytest.raises(WorkloadError) as info:
+            load(name, {})
+        assert str(info.value) == message
+
+
+def test_a_sequential_with_a_compiled_layer_is_taken(tmp_path, monkeypatch) -> None:
+    """An ``nn.Sequential`` is cut between its children and runs them as they are."""
+    (tmp_path / "wl_compiled.py").write_text(COMPILED_FACTORIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = load_workload("wl_compiled:compiled_child", {}).model
+    assert type(model[0]).__name__ == "OptimizedModule"
 
 
 @pytest.mark.parametrize(
