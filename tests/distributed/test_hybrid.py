@@ -8,9 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from pipedream.data import MicrobatchStream
 from pipedream.runtime.checkpoint import load_full_state_dict
+from pipedream.workload import load_workload
 
 from launching import straight_plan, write_plan
+from oracles import replicated_oracle
 from reference_run import reference_layout_weights, reference_weights
 from runs import max_rel_diff, train_and_load
 from workers import run_plan
@@ -155,4 +158,29 @@ def test_two_copies_of_a_pipeline_of_several_stages_per_rank(
         "mlp", ARGS, stages, schedule=schedule, microbatches=2, steps=4, microbatch_size=8,
         placement=placement, replicas=[2] * 4,
     )  # fmt: skip
+    assert max_rel_diff(got, want) < 1e-5
+
+
+def test_replicated_batch_norm_statistics_are_replica_0s(tmp_path: Path) -> None:
+    """A ResNet (batch norm) whose first stage has 2 replicas: the checkpoint's running
+    statistics of that stage are those of the minibatches replica 0 ran, the unreplicated
+    stage's those of every minibatch (docs/schedules.md), with the parameters of the rule."""
+    args = {"width": "4", "samples": "256", "lr": "0.05", "momentum": "0.5"}
+    stages = [["stem.0", "layer1.1"], ["layer2.0", "fc"]]
+    steps, m, size = 4, 2, 4
+    got = train_and_load(
+        tmp_path, stages, steps=steps, workload="resnet", workload_args=args,
+        schedule="1f1b", microbatch_size=size, microbatches=m, replicas=[2, 1],
+    )  # fmt: skip
+    workload = load_workload("resnet", args, microbatch_size=size)
+    data = MicrobatchStream(workload.dataset, size, 0)
+    layers = [name for name, _ in workload.model.named_children()]  # stem, layer1, layer2, ...
+    groups = [["stem", "layer1"], [x for x in layers if x not in ("stem", "layer1")]]
+    want_params = replicated_oracle(
+        workload.model, groups, [2, 1], num_minibatches=steps,
+        minibatch=lambda t: [data.microbatch(t * m + j) for j in range(m)],
+        loss_fn=workload.loss_fn, optimizer=workload.optimizer,
+    )  # fmt: skip
+    want = {**workload.model.state_dict(), **want_params}
+    assert "stem.1.running_mean" in want and "layer2.0.bn1.running_var" in want
     assert max_rel_diff(got, want) < 1e-5

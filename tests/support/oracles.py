@@ -112,8 +112,14 @@ def replicated_oracle(
 ) -> dict[str, Tensor]:
     """Synchronous training of replicated stages (1F1B-RR with a flush per minibatch): stage s
     computes minibatch t at W_s^(t // r_s) and updates once per r_s minibatches with the mean
-    of their gradients."""
+    of their gradients. The model's buffers that forwards update (batch norm's running
+    statistics) end as replica 0 of each stage leaves them: a forward of minibatch t updates
+    stage s's only where ``t % r_s == 0``."""
     names = stage_param_names(model, stages)
+    buffer_names = [
+        [n for n, _ in model.named_buffers() if n.startswith(tuple(f"{x}." for x in layers))]
+        for layers in stages
+    ]
     live = {n: nn.Parameter(p.detach().clone()) for n, p in model.named_parameters()}
     optimizers = [optimizer([live[n] for n in stage_names]) for stage_names in names]
     history = [[{n: live[n].detach().clone() for n in stage_names}] for stage_names in names]
@@ -125,11 +131,16 @@ def replicated_oracle(
             for name, value in history[s][t // count].items():
                 params[name] = value.clone().requires_grad_(True)
         micro = minibatch(t)
+        other_replicas = [n for s, r in enumerate(replicas) if t % r for n in buffer_names[s]]
+        kept = {n: buffers[n].clone() for n in other_replicas}
         total = sum(
             loss_fn(functional_call(model, {**params, **buffers}, (x,)), y) / len(micro)
             for x, y in micro
         )
         grads = dict(zip(params, torch.autograd.grad(total, list(params.values()))))
+        with torch.no_grad():
+            for name, value in kept.items():
+                buffers[name].copy_(value)
         for s, count in enumerate(replicas):
             for name in names[s]:
                 sums[s][name] += grads[name] / count
