@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, for a machine with PyTorch and a CUDA GPU (no internet needed):
-#   1. installs pipedream into that Python without touching its packages (--no-deps);
+#   1. checks that the Python has what pipedream needs besides torch (PyYAML, numpy, pytest),
+#      then installs pipedream into it without touching its packages (--no-deps);
 #   2. runs the GPU test tier (tests/gpu: one stage against a plain loop and without a host
 #      synchronisation between its updates, the schedules' oracles, bf16, fp16, clipping,
 #      recomputation, checkpoint and resume, evaluations during a run, a tied Hugging Face
@@ -8,28 +9,61 @@
 #      rank, skipped where it has fewer);
 #   3. times one stage against a plain PyTorch loop on the same GPU (benchmarks/gpu_speed.py)
 #      and prints the table.
-# Both parts run even when the first fails; the last line gives each one's time and outcome, and
-# the script exits non-zero when either failed.
+# Both parts run even when the first fails, each within a time limit of its own (a hang ends
+# at the limit, with what ran so far reported); the last line gives each one's time and
+# outcome, and the script exits non-zero when either failed.
 #
-#   scripts/gpu_check.sh [OUT_DIR]      (OUT_DIR: where the log and the table go; default .)
-# Set PYTHON to choose the interpreter (default: python3).
+#   scripts/gpu_check.sh [OUT_DIR]      (OUT_DIR: where the logs and the table go; default .)
+# PYTHON chooses the interpreter (default: python3); GPU_CHECK_TIER_S and GPU_CHECK_SPEED_S
+# limit the two parts (default 360 and 240 seconds).
 set -euo pipefail
+out="$(mkdir -p "${1:-.}" && cd "${1:-.}" && pwd)"  # before the cd: OUT_DIR is the caller's
 cd "$(dirname "$0")/.."
 python_bin="${PYTHON:-python3}"
-out="${1:-.}"
-mkdir -p "$out"
+tier_limit="${GPU_CHECK_TIER_S:-360}"
+speed_limit="${GPU_CHECK_SPEED_S:-240}"
 export PYTHONUNBUFFERED=1
-"$python_bin" -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -n 3
+summary() { echo "$1" | tee -a "$out/gpu-check.txt"; }
+: >"$out/gpu-check.txt"
+
+# --- what pipedream needs besides torch: --no-deps installs none of it ---
+missing=$("$python_bin" -c '
+import importlib.util
+print(" ".join(m for m in ("torch", "yaml", "numpy", "pytest") if importlib.util.find_spec(m) is None))')
+if [ -n "$missing" ]; then
+  summary "gpu_check: $python_bin lacks: $missing (the check needs torch, yaml (PyYAML), numpy and pytest; install what is missing, from wheels where there is no internet)"
+  exit 2
+fi
+# --- install: pip's whole output goes to a log, and its end is shown if it fails ---
+# (PIP_BREAK_SYSTEM_PACKAGES: a distribution's Python marked "externally managed" takes it)
+if ! PIP_BREAK_SYSTEM_PACKAGES=1 "$python_bin" -m pip install --no-deps --no-build-isolation \
+    -e . >"$out/pip-install.log" 2>&1; then
+  tail -n 25 "$out/pip-install.log"
+  summary "gpu_check: installing pipedream failed (log: $out/pip-install.log); it needs pip and setuptools >= 70.1, or an older setuptools with the wheel package"
+  exit 2
+fi
 "$python_bin" -m pipedream.torch_support  # one line and status 2 where torch is too old
-"$python_bin" -c 'import torch; assert torch.cuda.is_available(), "no CUDA GPU"; print("GPU:", torch.cuda.get_device_name(), "torch", torch.__version__)'
+"$python_bin" -c 'import torch; assert torch.cuda.is_available(), "no CUDA GPU"; print("GPU:", torch.cuda.get_device_name(), "torch", torch.__version__)' \
+  | tee -a "$out/gpu-check.txt"
+
+# --- each part within its limit; SIGINT lets pytest stop the runs it started and report ---
+limited() { timeout --signal=INT --kill-after=30 "$@"; }
+outcome() {
+  case "$1" in
+    0) echo passed ;;
+    124) echo "STOPPED at its limit of $2 s" ;;
+    *) echo "FAILED, status $1" ;;
+  esac
+}
 start=$(date +%s)
-# the speed comparison runs even when a test fails; the script fails if either did
 tests_rc=0
-"$python_bin" -m pytest tests/gpu -m gpu -q -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log" || tests_rc=$?
-tests_s=$(( $(date +%s) - start ))
+limited "$tier_limit" "$python_bin" -m pytest tests/gpu -m gpu -q -p no:cacheprovider 2>&1 \
+  | tee "$out/gpu-tests.log" || tests_rc=$?
+tests_s=$(($(date +%s) - start))
 start=$(date +%s)
 speed_rc=0
-"$python_bin" benchmarks/gpu_speed.py --out "$out/gpu-speed.md" || speed_rc=$?
-outcome() { [ "$1" = 0 ] && echo passed || echo "FAILED, status $1"; }
-echo "GPU tier: ${tests_s} s ($(outcome "$tests_rc")); speed comparison: $(( $(date +%s) - start )) s ($(outcome "$speed_rc"))"
+limited "$speed_limit" "$python_bin" benchmarks/gpu_speed.py --out "$out/gpu-speed.md" 2>&1 \
+  | tee "$out/gpu-speed.log" || speed_rc=$?
+speed_s=$(($(date +%s) - start))
+summary "GPU tier: ${tests_s} s ($(outcome "$tests_rc" "$tier_limit")); speed comparison: ${speed_s} s ($(outcome "$speed_rc" "$speed_limit"))"
 [ "$tests_rc" = 0 ] && [ "$speed_rc" = 0 ]

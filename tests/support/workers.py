@@ -34,7 +34,7 @@ _PRELOAD = [
     "pipedream.workloads.mlp",
     "pipedream.workloads.gpt",
     "pipedream.workloads.hf_lm",
-    "transformers",  # where installed (a failed preload is skipped)
+    "transformers_if_importable",  # transformers, where it imports
 ]
 """What the server imports once, so that every rank forked from it starts with it."""
 _context: Any = None
