@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check, for a machine with PyTorch and a CUDA GPU (no internet needed):
-#   1. checks that the Python has what pipedream needs besides torch (PyYAML, numpy, pytest),
-#      then installs pipedream into it without touching its packages (--no-deps);
+#   1. checks that the Python has what pipedream needs besides torch (PyYAML, numpy, pytest;
+#      setuptools to install it), then installs pipedream into it without touching its
+#      packages (--no-deps --no-build-isolation);
 #   2. runs the GPU test tier (tests/gpu: one stage against a plain loop and without a host
 #      synchronisation between its updates, the schedules' oracles, bf16, fp16, clipping,
 #      recomputation, checkpoint and resume, evaluations during a run, a tied Hugging Face
@@ -26,12 +27,13 @@ export PYTHONUNBUFFERED=1
 summary() { echo "$1" | tee -a "$out/gpu-check.txt"; }
 : >"$out/gpu-check.txt"
 
-# --- what pipedream needs besides torch: --no-deps installs none of it ---
+# --- what pipedream needs besides torch: --no-deps installs none of it, and without build
+# isolation (which would download setuptools) the install uses the Python's own setuptools ---
 missing=$("$python_bin" -c '
 import importlib.util
-print(" ".join(m for m in ("torch", "yaml", "numpy", "pytest") if importlib.util.find_spec(m) is None))')
+print(" ".join(m for m in ("torch", "yaml", "numpy", "pytest", "setuptools") if importlib.util.find_spec(m) is None))')
 if [ -n "$missing" ]; then
-  summary "gpu_check: $python_bin lacks: $missing (the check needs torch, yaml (PyYAML), numpy and pytest; install what is missing, from wheels where there is no internet)"
+  summary "gpu_check: $python_bin lacks: $missing (the check needs torch, yaml (PyYAML), numpy, pytest and setuptools; install what is missing, from wheels where there is no internet)"
   exit 2
 fi
 # --- install: pip's whole output goes to a log, and its end is shown if it fails ---

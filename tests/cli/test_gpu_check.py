@@ -12,9 +12,9 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.sh"
 
 
 def test_a_python_without_the_packages_is_named_in_one_line(tmp_path: Path) -> None:
-    """A Python that sees no site-packages (``-S``) lacks torch, PyYAML, numpy and pytest; the
-    line lands in ``OUT_DIR/gpu-check.txt``, OUT_DIR taken relative to the caller (the script
-    changes to the checkout, where a relative OUT_DIR once landed)."""
+    """A Python that sees no site-packages (``-S``) lacks torch, PyYAML, numpy, pytest and
+    setuptools; the line lands in ``OUT_DIR/gpu-check.txt``, OUT_DIR taken relative to the
+    caller (the script changes to the checkout, where a relative OUT_DIR once landed)."""
     bare = tmp_path / "bare-python"
     bare.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')
     bare.chmod(0o755)
@@ -27,8 +27,9 @@ def test_a_python_without_the_packages_is_named_in_one_line(tmp_path: Path) -> N
         timeout=60,
     )
     line = (
-        f"gpu_check: {bare} lacks: torch yaml numpy pytest (the check needs torch, yaml (PyYAML), "
-        "numpy and pytest; install what is missing, from wheels where there is no internet)"
+        f"gpu_check: {bare} lacks: torch yaml numpy pytest setuptools (the check needs torch, yaml "
+        "(PyYAML), numpy, pytest and setuptools; install what is missing, from wheels where there "
+        "is no internet)"
     )
     assert (result.returncode, result.stdout.strip()) == (2, line), result.stderr
     assert (tmp_path / "out" / "gpu-check.txt").read_text().strip() == line
