@@ -200,17 +200,31 @@ def _build(
 
 
 def _refuse_compiled(name: str, built: Any) -> None:
-    """A model wrapped by ``torch.compile`` is refused: pipedream traces the model and runs each
-    stage as traced, so the wrapper would be dropped without a word (and the profile would time
-    its compilations, its layers named ``_orig_mod.*``)."""
+    """A model compiled by ``torch.compile`` (wrapped, or in place by ``model.compile()``) is
+    refused, and so is a compiled module inside a model that is traced: pipedream runs each
+    stage as traced, so the compilation would be dropped without a word (and the profile would
+    time it, the layers of a wrapper named ``_orig_mod.*``). The children of an ``nn.Sequential``
+    run as given, so they may be compiled."""
     model = built.model if isinstance(built, Workload) else built
+    if not isinstance(model, nn.Module):
+        return
+    traced = not isinstance(model, nn.Sequential)
+    for path, module in model.named_modules() if traced else [("", model)]:
+        if _compiled(module):
+            what = "the model" if not path else f"module {path!r} of the model"
+            raise WorkloadError(
+                f"workload {name!r}: {what} is compiled (torch.compile), which pipedream would "
+                "drop: it traces the model and runs each stage as traced; return it uncompiled "
+                "(not torch.compile(model) or model.compile()); only the children of an "
+                "nn.Sequential may be compiled, as they run as given"
+            )
+
+
+def _compiled(module: nn.Module) -> bool:
+    """Whether ``module`` is wrapped by ``torch.compile`` or compiled in place."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # imported by any torch.compile call
-    if eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
-        raise WorkloadError(
-            f"workload {name!r}: the model is wrapped by torch.compile, which pipedream does not "
-            "run (it traces the model and runs each stage as traced); return the model itself, "
-            "not torch.compile(model)"
-        )
+    wrapped = eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
+    return wrapped or getattr(module, "_compiled_call_impl", None) is not None
 
 
 def _is_language_model(built: Any) -> bool:

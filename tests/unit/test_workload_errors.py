@@ -142,10 +142,30 @@ from torch import nn
 from pipedream.workloads.mlp import build as make
 
 
-def workload():
+class Traced(nn.Module):  # not an nn.Sequential: pipedream traces it
+    def __init__(self, body):
+        super().__init__()
+        self.body = body
+        self.head = nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def with_model(model):
     built = make()
-    built.model = torch.compile(built.model)
+    built.model = model
     return built
+
+
+def wrapped():
+    return with_model(torch.compile(make().model))
+
+
+def in_place():
+    model = make().model
+    model.compile()
+    return with_model(model)
 
 
 def language_model():  # what a transformers model looks like to load_workload: a config
@@ -154,24 +174,51 @@ def language_model():  # what a transformers model looks like to load_workload: 
     return torch.compile(model)
 
 
-def compiled_child():
-    built = make()
-    built.model[0] = torch.compile(built.model[0])
-    return built
+def traced_wrapped_child():
+    return with_model(Traced(torch.compile(nn.Linear(2, 2))))
+
+
+def traced_child_in_place():
+    body = nn.Linear(2, 2)
+    body.compile()
+    return with_model(Traced(body))
+
+
+def sequential_wrapped_child():
+    model = make().model
+    model[0] = torch.compile(model[0])
+    return with_model(model)
+
+
+def sequential_child_in_place():
+    model = make().model
+    model[0].compile()
+    return with_model(model)
 """
 
 
-@pytest.mark.parametrize("factory", ["workload", "language_model"])
-def test_a_model_wrapped_by_torch_compile_is_refused(tmp_path, monkeypatch, factory: str) -> None:
-    """It was traced through the wrapper and run uncompiled: the profile timed compilations and
-    named the layers ``_orig_mod.*``, and training ran without a word about the wrapper."""
+@pytest.mark.parametrize(
+    ("factory", "what"),
+    [
+        ("wrapped", "the model"),
+        ("in_place", "the model"),
+        ("language_model", "the model"),
+        ("traced_wrapped_child", "module 'body' of the model"),
+        ("traced_child_in_place", "module 'body' of the model"),
+    ],
+)
+def test_a_compiled_model_is_refused(tmp_path, monkeypatch, factory: str, what: str) -> None:
+    """A wrapper was traced through and run uncompiled: the profile timed compilations and named
+    the layers ``_orig_mod.*``, and training ran without a word about it. A model compiled in
+    place, or a compiled module inside a traced model, was traced and run uncompiled too."""
     (tmp_path / "wl_compiled.py").write_text(COMPILED_FACTORIES)
     monkeypatch.syspath_prepend(str(tmp_path))
     name = f"wl_compiled:{factory}"
     message = (
-        f"workload {name!r}: the model is wrapped by torch.compile, which pipedream does not run "
-        "(it traces the model and runs each stage as traced); return the model itself, not "
-        "torch.compile(model)"
+        f"workload {name!r}: {what} is compiled (torch.compile), which pipedream would drop: it "
+        "traces the model and runs each stage as traced; return it uncompiled (not "
+        "torch.compile(model) or model.compile()); only the children of an nn.Sequential may "
+        "be compiled, as they run as given"
     )
     for load in (load_workload, load_model):
         with pytest.raises(WorkloadError) as info:
@@ -179,12 +226,13 @@ def test_a_model_wrapped_by_torch_compile_is_refused(tmp_path, monkeypatch, fact
         assert str(info.value) == message
 
 
-def test_a_sequential_with_a_compiled_layer_is_taken(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("factory", ["sequential_wrapped_child", "sequential_child_in_place"])
+def test_a_sequential_with_a_compiled_layer_is_taken(tmp_path, monkeypatch, factory: str) -> None:
     """An ``nn.Sequential`` is cut between its children and runs them as they are."""
     (tmp_path / "wl_compiled.py").write_text(COMPILED_FACTORIES)
     monkeypatch.syspath_prepend(str(tmp_path))
-    model = load_workload("wl_compiled:compiled_child", {}).model
-    assert type(model[0]).__name__ == "OptimizedModule"
+    model = load_workload(f"wl_compiled:{factory}", {}).model
+    assert type(model[0]).__name__ == "OptimizedModule" or model[0]._compiled_call_impl
 
 
 @pytest.mark.parametrize(
