@@ -18,7 +18,7 @@
 # PYTHON chooses the interpreter (default: python3); GPU_CHECK_TIER_S and GPU_CHECK_SPEED_S
 # limit the two parts (default 360 and 240 seconds).
 set -euo pipefail
-out="$(mkdir -p "${1:-.}" && cd "${1:-.}" && pwd)"  # before the cd: OUT_DIR is the caller's
+out="$(mkdir -p -- "${1:-.}" && CDPATH="" cd -- "${1:-.}" >/dev/null && pwd)"  # the caller's
 cd "$(dirname "$0")/.."
 python_bin="${PYTHON:-python3}"
 tier_limit="${GPU_CHECK_TIER_S:-360}"
@@ -32,8 +32,9 @@ summary() { echo "$1" | tee -a "$out/gpu-check.txt"; }
 missing=$("$python_bin" -c '
 import importlib.util
 print(" ".join(m for m in ("torch", "yaml", "numpy", "pytest", "setuptools") if importlib.util.find_spec(m) is None))')
+command -v timeout >/dev/null || missing="${missing:+$missing }timeout (coreutils)"
 if [ -n "$missing" ]; then
-  summary "gpu_check: $python_bin lacks: $missing (the check needs torch, yaml (PyYAML), numpy, pytest and setuptools; install what is missing, from wheels where there is no internet)"
+  summary "gpu_check: not found: $missing (the check needs torch, yaml (PyYAML), numpy, pytest and setuptools in $python_bin, and coreutils' timeout; install what is missing, from wheels where there is no internet)"
   exit 2
 fi
 # --- install: pip's whole output goes to a log, and its end is shown if it fails ---
@@ -41,31 +42,38 @@ fi
 if ! PIP_BREAK_SYSTEM_PACKAGES=1 "$python_bin" -m pip install --no-deps --no-build-isolation \
     -e . >"$out/pip-install.log" 2>&1; then
   tail -n 25 "$out/pip-install.log"
-  summary "gpu_check: installing pipedream failed (log: $out/pip-install.log); it needs pip and setuptools >= 70.1, or an older setuptools with the wheel package"
+  summary "gpu_check: installing pipedream failed (log: $out/pip-install.log); it needs pip and setuptools >= 70.1, or setuptools 64 to 70.0 with the wheel package"
   exit 2
 fi
 "$python_bin" -m pipedream.torch_support  # one line and status 2 where torch is too old
 "$python_bin" -c 'import torch; assert torch.cuda.is_available(), "no CUDA GPU"; print("GPU:", torch.cuda.get_device_name(), "torch", torch.__version__)' \
   | tee -a "$out/gpu-check.txt"
 
-# --- each part within its limit; SIGINT lets pytest stop the runs it started and report ---
-limited() { timeout --signal=INT --kill-after=30 "$@"; }
+# --- each part within its limit; SIGINT lets pytest stop the runs it started and report.
+# At a terminal, timeout stays in the foreground process group, so that Ctrl-C reaches the part
+# (in a group of its own the part would miss it); the check then stops once the part has
+# reported, and tee -i keeps that report in the log ---
+foreground=()
+[ -t 0 ] && foreground=(--foreground)
+trap 'summary "gpu_check: interrupted"; exit 130' INT
+limited() { timeout ${foreground[@]+"${foreground[@]}"} --signal=INT --kill-after=30 "$@"; }
 outcome() {
   case "$1" in
     0) echo passed ;;
     124) echo "STOPPED at its limit of $2 s" ;;
+    137) echo "KILLED 30 s after its limit of $2 s" ;;
     *) echo "FAILED, status $1" ;;
   esac
 }
 start=$(date +%s)
 tests_rc=0
 limited "$tier_limit" "$python_bin" -m pytest tests/gpu -m gpu -q -p no:cacheprovider 2>&1 \
-  | tee "$out/gpu-tests.log" || tests_rc=$?
+  | tee -i "$out/gpu-tests.log" || tests_rc=$?
 tests_s=$(($(date +%s) - start))
 start=$(date +%s)
 speed_rc=0
 limited "$speed_limit" "$python_bin" benchmarks/gpu_speed.py --out "$out/gpu-speed.md" 2>&1 \
-  | tee "$out/gpu-speed.log" || speed_rc=$?
+  | tee -i "$out/gpu-speed.log" || speed_rc=$?
 speed_s=$(($(date +%s) - start))
 summary "GPU tier: ${tests_s} s ($(outcome "$tests_rc" "$tier_limit")); speed comparison: ${speed_s} s ($(outcome "$speed_rc" "$speed_limit"))"
 [ "$tests_rc" = 0 ] && [ "$speed_rc" = 0 ]

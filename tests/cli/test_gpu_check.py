@@ -27,10 +27,49 @@ def test_a_python_without_the_packages_is_named_in_one_line(tmp_path: Path) -> N
         timeout=60,
     )
     line = (
-        f"gpu_check: {bare} lacks: torch yaml numpy pytest setuptools (the check needs torch, yaml "
-        "(PyYAML), numpy, pytest and setuptools; install what is missing, from wheels where there "
-        "is no internet)"
+        "gpu_check: not found: torch yaml numpy pytest setuptools (the check needs torch, yaml "
+        f"(PyYAML), numpy, pytest and setuptools in {bare}, and coreutils' timeout; install what "
+        "is missing, from wheels where there is no internet)"
     )
     assert (result.returncode, result.stdout.strip()) == (2, line), result.stderr
     assert (tmp_path / "out" / "gpu-check.txt").read_text().strip() == line
     assert not (tmp_path / "out" / "pip-install.log").exists()  # nothing was installed
+
+
+STUB = """#!/usr/bin/env bash
+# A Python that has everything and a GPU, whose test tier hangs: the check's time limit stops it.
+case "$*" in
+  *"-m pip install"*) echo installed ;;
+  *"-m pipedream.torch_support"*) ;;
+  *"torch.cuda.is_available"*) echo "GPU: stub" ;;
+  *"-m pytest"*) trap 'echo "tier: interrupted"; exit 2' INT; echo "tier: running"; sleep 30 ;;
+  *"gpu_speed.py"*) echo "| the speed table |" ;;
+  *) exec "{python}" "$@" ;;
+esac
+"""
+
+
+def test_a_part_that_hangs_is_stopped_at_its_limit_and_the_other_still_runs(
+    tmp_path: Path,
+) -> None:
+    stub = tmp_path / "stub-python"
+    stub.write_text(STUB.replace("{python}", sys.executable))
+    stub.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(stub), GPU_CHECK_TIER_S="2")
+    result = subprocess.run(
+        ["bash", str(SCRIPT), str(tmp_path / "out")],
+        stdin=subprocess.DEVNULL,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    last = result.stdout.strip().splitlines()[-1]
+    assert result.returncode == 1, result.stderr
+    assert last.startswith("GPU tier: ") and last.endswith(
+        " s (STOPPED at its limit of 2 s); speed comparison: 0 s (passed)"
+    ), last
+    out = tmp_path / "out"
+    assert (out / "gpu-tests.log").read_text() == "tier: running\ntier: interrupted\n"
+    assert (out / "gpu-speed.log").read_text() == "| the speed table |\n"
+    assert (out / "gpu-check.txt").read_text() == f"GPU: stub\n{last}\n"
