@@ -46,8 +46,14 @@ if ! PIP_BREAK_SYSTEM_PACKAGES=1 "$python_bin" -m pip install --no-deps --no-bui
   exit 2
 fi
 "$python_bin" -m pipedream.torch_support  # one line and status 2 where torch is too old
-"$python_bin" -c 'import torch; assert torch.cuda.is_available(), "no CUDA GPU"; print("GPU:", torch.cuda.get_device_name(), "torch", torch.__version__)' \
-  | tee -a "$out/gpu-check.txt"
+gpu=$("$python_bin" -c 'import torch
+if torch.cuda.is_available():
+    print("GPU:", torch.cuda.get_device_name(), "torch", torch.__version__)')
+if [ -z "$gpu" ]; then
+  summary "gpu_check: PyTorch sees no CUDA GPU here ($("$python_bin" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda)'))"
+  exit 2
+fi
+summary "$gpu"
 
 # --- each part within its limit; SIGINT lets pytest stop the runs it started and report.
 # At a terminal, timeout stays in the foreground process group, so that Ctrl-C reaches the part

@@ -1,5 +1,6 @@
-"""``scripts/gpu_check.sh`` on a machine that cannot run it: it says so in one line, before
-installing anything, and writes where the caller asked."""
+"""``scripts/gpu_check.sh``: on a machine that cannot run it, it says why in one line; a part
+that hangs is stopped at its limit while the other still runs; it writes where the caller
+asked."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.sh"
 
@@ -73,3 +77,27 @@ def test_a_part_that_hangs_is_stopped_at_its_limit_and_the_other_still_runs(
     assert (out / "gpu-tests.log").read_text() == "tier: running\ntier: interrupted\n"
     assert (out / "gpu-speed.log").read_text() == "| the speed table |\n"
     assert (out / "gpu-check.txt").read_text() == f"GPU: stub\n{last}\n"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
+def test_a_machine_without_a_gpu_is_told_so_in_one_line(tmp_path: Path) -> None:
+    """This Python, its install stubbed (the test's own environment stays as it is)."""
+    stub = tmp_path / "python"
+    stub.write_text(
+        '#!/usr/bin/env bash\ncase "$*" in *"-m pip install"*) ;; '
+        f'*) exec "{sys.executable}" "$@" ;; esac\n'
+    )
+    stub.chmod(0o755)
+    result = subprocess.run(
+        ["bash", str(SCRIPT), str(tmp_path / "out")],
+        env=dict(os.environ, PYTHON=str(stub)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    line = (
+        f"gpu_check: PyTorch sees no CUDA GPU here (torch {torch.__version__} CUDA "
+        f"{torch.version.cuda})"
+    )
+    assert (result.returncode, result.stdout.strip()) == (2, line), result.stderr
+    assert (tmp_path / "out" / "gpu-check.txt").read_text() == line + "\n"
