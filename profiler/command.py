@@ -61,6 +61,7 @@ from pipedream.profiler.measure import (
 from pipedream.profiler.overhead import measure_data_reads, measure_loss, measure_overhead
 from pipedream.runtime.loss_scale import check_scalable
 from pipedream.runtime.out_of_memory import torch_summary
+from pipedream.wording import count
 from pipedream.workload import Workload, load_workload, parse_workload_args, recorded_args
 
 __all__ = [
@@ -407,8 +408,9 @@ def _share_the_host_like_ranks(concurrent: int, out: TextIO) -> None:
     threads = concurrent * torch.get_num_threads()
     if cores is not None and threads > cores:
         print(
-            f"note: --concurrent {concurrent} x {torch.get_num_threads()} thread(s) = {threads} "
-            f"busy threads on {cores} CPU cores: the layers' times include waiting for a core",
+            f"note: --concurrent {concurrent} x {count(torch.get_num_threads(), 'thread')} = "
+            f"{threads} busy threads on {cores} CPU cores: the layers' times include waiting for "
+            "a core",
             file=out,
         )
 
@@ -472,7 +474,8 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
             concurrent=concurrent,
             precision=getattr(args, "precision", None) or DEFAULT_PRECISION,
         )
-        threads = f", {torch.get_num_threads()} CPU threads" if profile.device == "cpu" else ""
+        cpu = profile.device == "cpu"
+        threads = f", {count(torch.get_num_threads(), 'CPU thread')}" if cpu else ""
         autocast_note = (
             f" in {profile.precision} (autocast)" if profile.precision != DEFAULT_PRECISION else ""
         )

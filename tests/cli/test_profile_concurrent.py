@@ -283,7 +283,7 @@ def test_profile_cli_records_concurrent_and_stops_its_corunners(
     assert load_profile(out).concurrent == 2
     assert "concurrent: 2\n" in out.read_text()
     printed = capsys.readouterr().out
-    assert "1 CPU threads, 1 more process training beside it (--concurrent 2)" in printed
+    assert "1 CPU thread, 1 more process training beside it (--concurrent 2)" in printed
     assert _corunner_children() == []
 
 
@@ -295,7 +295,7 @@ def test_more_busy_threads_than_cores_is_said(capsys, monkeypatch) -> None:
         cores = len(os.sched_getaffinity(0))
         command._share_the_host_like_ranks(cores + 1, sys.stdout)
         assert capsys.readouterr().out == (
-            f"note: --concurrent {cores + 1} x 1 thread(s) = {cores + 1} busy threads on "
+            f"note: --concurrent {cores + 1} x 1 thread = {cores + 1} busy threads on "
             f"{cores} CPU cores: the layers' times include waiting for a core\n"
         )
         command._share_the_host_like_ranks(cores, sys.stdout)
