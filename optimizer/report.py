@@ -215,12 +215,11 @@ def _stages(numbers: list[int]) -> str:
 
 def format_candidates(result: PlanResult, *, microbatch_size: int) -> str:
     """The schedules and microbatch counts ``--schedule auto`` tried, best first."""
-    rows = []
+    rows, reasons = [], []
     for outcome in result.candidates:
-        if outcome.tree is None:
-            rows.append(
-                [outcome.schedule, str(outcome.microbatches), "-", "-", outcome.problem[:60]]
-            )
+        if outcome.tree is None:  # why, in full below the table (a cut sentence said too little)
+            rows.append([outcome.schedule, str(outcome.microbatches), "-", "-", "not planned"])
+            reasons.append(f"{outcome.schedule} x {outcome.microbatches}: {outcome.problem}")
             continue
         speed = outcome.microbatches_per_ms * microbatch_size * 1e3
         rows.append(
@@ -233,7 +232,7 @@ def format_candidates(result: PlanResult, *, microbatch_size: int) -> str:
             ]
         )
     header = ["schedule", "microbatches", "ms/minibatch", "samples/s", ""]
-    lines = ["--schedule auto tried:", *table(header, rows)]
+    lines = ["--schedule auto tried:", *table(header, rows), *reasons]
     if result.not_compared:
         lines.append(f"not compared: {result.not_compared}")
     if result.refined is not None and result.refined.tried:

@@ -166,6 +166,29 @@ def test_plan_auto_says_what_it_left_out(files, capsys) -> None:
     )
 
 
+def test_plan_auto_says_in_full_why_a_schedule_was_not_planned(files, capsys) -> None:
+    """The reasons were cut to 60 characters in the table's last column, mid-sentence ("...
+    fits in 30.0 MiB per")."""
+    argv = ["plan", str(files["profile"]), "--workers", "3", "--schedule", "auto"]
+    argv += ["--microbatches", "4", "--memory", "12 MB", "-o", str(files["plan"])]
+    code, out, _ = run_cli(argv, capsys)
+    assert code == 0
+    lines = out.splitlines()
+    table = lines[lines.index("--schedule auto tried:") + 1 :]
+    assert [row.split()[0] for row in table[1:6]] == ["1f1b", "2bw", "gpipe", "zb-h1", "zbv"]
+    assert [row.split(maxsplit=4)[4] for row in table[3:6]] == ["not planned"] * 3
+    fixes = "raise --memory or add workers"
+    assert table[6:9] == [
+        "gpipe x 4: no partition of 6 layers over 3 workers fits in 11.4 MiB per worker "
+        f"(schedule gpipe, estimated memory); {fixes}",
+        "zb-h1 x 4: no partition of 6 layers over 3 workers fits in 11.4 MiB per worker "
+        f"(schedule zb-h1, estimated memory); {fixes}",
+        "zbv x 4: schedule 'zbv' does not fit: its leanest plan needs 12.4 MiB on one worker, "
+        "the limit is 11.4 MiB; use fewer microbatches, more memory, or another schedule",
+    ]
+    assert table[9].startswith("not compared: ")
+
+
 def test_plan_auto_with_nothing_that_fits_says_why_once(files, capsys) -> None:
     argv = ["plan", str(files["profile"]), "--workers", "2", "--schedule", "auto"]
     code, out, err = run_cli([*argv, "--memory", "1 KiB", "-o", str(files["plan"])], capsys)
