@@ -12,6 +12,7 @@ from pipedream.optimizer.refine import Refined
 from pipedream.optimizer.verify import needs_simulation
 from pipedream.precision import DEFAULT_PRECISION
 from pipedream.schedules import lookup
+from pipedream.wording import count
 
 __all__ = ["format_candidates", "format_comparison", "format_summary", "table"]
 
@@ -307,7 +308,7 @@ def format_comparison(
     else:
         how = ""
     title = (
-        f"comparison ({under}, {plan.microbatches} microbatches, cost model "
+        f"comparison ({under}, {count(plan.microbatches, 'microbatch')}, cost model "
         f"{plan.prediction.cost_model}{how}; baselines ignore the memory limit):"
     )
     return "\n".join([title, *table(header, rows)])

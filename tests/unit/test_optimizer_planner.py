@@ -210,6 +210,7 @@ def test_cli_writes_plan_and_prints_table(
         f"wrote {out}",
     ):
         assert expected in text
+    assert "comparison (schedule pipedream, 1 microbatch, cost model " in text  # "1 microbatches"
 
 
 def test_cli_topology_file(profile_file: Path, tmp_path: Path) -> None:
