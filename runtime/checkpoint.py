@@ -173,10 +173,7 @@ def write_manifest(
 def load_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
     path = Path(directory) / "manifest.yaml"
     if not path.is_file():
-        raise CheckpointError(
-            f"{directory}: no manifest.yaml (not a checkpoint directory, or an incomplete one); "
-            "pass a runs/<run>/checkpoints/step-NNNNNN directory"
-        )
+        raise CheckpointError(f"{directory}: no manifest.yaml {_not_a_checkpoint(Path(directory))}")
     try:
         manifest = yaml.safe_load(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError:
@@ -289,6 +286,23 @@ def stage_payload(
         ),
         "data_position": data_position,
     }
+
+
+def _not_a_checkpoint(directory: Path) -> str:
+    """Why ``directory`` is not a checkpoint, and which to pass: a run's folder, or its
+    ``checkpoints`` folder, names its newest step."""
+    for kind, folder in (("a run's folder", directory / "checkpoints"), ("", directory)):
+        steps = step_directories(folder)
+        if steps:
+            what = kind or "a folder of checkpoints"
+            return (
+                f"({what}, not a checkpoint); pass one of its checkpoints, e.g. the newest: "
+                f"{steps[-1]}"
+            )
+    return (
+        "(not a checkpoint directory, or an incomplete one); pass a "
+        "runs/<run>/checkpoints/step-NNNNNN directory"
+    )
 
 
 def step_directories(checkpoints: Path) -> list[Path]:

@@ -659,6 +659,22 @@ def test_export_missing_directory(tmp_path: Path) -> None:
     assert not out.exists()
 
 
+@pytest.mark.parametrize("given", ["run", "run/checkpoints"])
+def test_a_run_folder_given_for_a_checkpoint_names_its_newest(tmp_path: Path, given: str) -> None:
+    """A run's folder, or its checkpoints folder, was told to pass a step-NNNNNN directory, not
+    which; the newest is by number (step-1000000 sorts before step-999999 by name)."""
+    for step in ("step-999999", "step-1000000"):
+        (tmp_path / "run" / "checkpoints" / step).mkdir(parents=True)
+    directory = tmp_path / given
+    result = run_main("export", str(directory), "-o", str(tmp_path / "model.pt"))
+    what = "a run's folder" if given == "run" else "a folder of checkpoints"
+    newest = tmp_path / "run" / "checkpoints" / "step-1000000"
+    assert _one_line(result, "pipedream export: error: ") == (
+        f"pipedream export: error: {directory}: no manifest.yaml ({what}, not a checkpoint); "
+        f"pass one of its checkpoints, e.g. the newest: {newest}"
+    )
+
+
 def test_export_directory_without_manifest(tmp_path: Path) -> None:
     directory = tmp_path / "step-000001"
     directory.mkdir()
