@@ -16,6 +16,7 @@ without Python source), :func:`source_signature` gives up and the ranks check.
 from __future__ import annotations
 
 import ast
+import difflib
 import importlib.util
 import inspect
 from collections.abc import Callable, Collection, Mapping
@@ -347,10 +348,12 @@ def check_required(
 
 def unknown_option(signature: Signature, key: str, *, name: str, source: str | None) -> None:
     """Raise the error for an option ``key`` that the factory ``name`` does not take."""
-    known = ", ".join(p for p in signature.names if p != "microbatch_size") or "none"
+    names = [p for p in signature.names if p != "microbatch_size"]
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.75)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
     raise WorkloadError(
         f"{where(source, f'workload_args.{key}')}workload {name!r} has no option "
-        f"{key!r}; its options are: {known}"
+        f"{key!r}{hint}; its options are: {', '.join(names) or 'none'}"
     )
 
 

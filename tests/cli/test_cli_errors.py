@@ -570,9 +570,9 @@ def test_launch_sh_checks_the_workload_before_torchrun(tmp_path: Path) -> None:
     result = launch(path, "--steps", "1", "--no-progress", timeout=60)
     line = _one_line(result, "launch.sh: error: ")
     assert line == (
-        f"launch.sh: error: {path}: workload_args.widht: workload 'mlp' has no option 'widht'; "
-        "its options are: layers, width, in_features, out_features, samples, lr, momentum, "
-        "optimizer, warmup, decay, seed"
+        f"launch.sh: error: {path}: workload_args.widht: workload 'mlp' has no option 'widht' "
+        "(did you mean 'width'?); its options are: layers, width, in_features, out_features, "
+        "samples, lr, momentum, optimizer, warmup, decay, seed"
     )
     assert result.stdout == ""  # torchrun never started
 
