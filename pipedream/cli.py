@@ -84,6 +84,17 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
 
 
+def _key_value(text: str) -> str:
+    """A ``--workload-arg``, checked as it is read: ``--workload-arg layers 8`` was told that
+    ``8`` is an unrecognized argument, not to write ``layers=8``."""
+    key, sep, _ = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not KEY=VALUE; write e.g. --workload-arg layers=8"
+        )
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="pipedream",
@@ -98,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--workload-arg",
         action="append",
         default=[],
+        type=_key_value,
         metavar="KEY=VALUE",
         help="option for the workload factory (repeatable)",
     )
@@ -452,6 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--workload-arg",
         action="append",
         default=[],
+        type=_key_value,
         metavar="KEY=VALUE",
         help="with --hf, build the model with the workload's factory, this option of the "
         "checkpoint's replaced (repeatable): where the recorded config is not enough (a model "
@@ -472,6 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--workload-arg",
         action="append",
         default=[],
+        type=_key_value,
         metavar="KEY=VALUE",
         help="replace one of the checkpoint's workload options (repeatable), e.g. "
         "tokens=val.bin to evaluate on other data, or a tokens file that moved",
@@ -507,6 +521,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _verb_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """Each verb's parser, by name."""
+    return next(
+        action.choices
+        for action in parser._actions
+        if isinstance(action, argparse._SubParsersAction)
+    )
+
+
 def _stdout_closed() -> int:
     """The reader of stdout went away (``pipedream plan ... | head -1``): exit with status 1
     and no traceback, as Python's documentation advises (the note on SIGPIPE in the ``signal``
@@ -523,7 +546,9 @@ def _stdout_closed() -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the verb's parser ("pipedream profile: ..."), as its other errors are
+        _verb_parsers(parser)[args.verb].error(f"unrecognized arguments: {' '.join(unknown)}")
     module_name, _, function = _HANDLERS[args.verb].partition(":")
     try:
         outputs = []

@@ -659,6 +659,29 @@ def test_export_missing_directory(tmp_path: Path) -> None:
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (  # was "pipedream: error: unrecognized arguments: 8"
+            ["profile", "mlp", "--workload-arg", "layers", "8", "-o", "p.yaml"],
+            "pipedream profile: error: argument --workload-arg: 'layers' is not KEY=VALUE; "
+            "write e.g. --workload-arg layers=8",
+        ),
+        (
+            ["evaluate", "ckpt", "--workload-arg", "=8"],
+            "pipedream evaluate: error: argument --workload-arg: '=8' is not KEY=VALUE; write "
+            "e.g. --workload-arg layers=8",
+        ),
+        (  # said by the verb, as its other usage errors are (was "pipedream: error: ...")
+            ["plan", "p.yaml", "--workers", "2", "-o", "plan.yaml", "extra"],
+            "pipedream plan: error: unrecognized arguments: extra",
+        ),
+    ],
+)
+def test_usage_errors_name_the_verb_and_the_fix(argv: list[str], line: str) -> None:
+    assert _one_line(run_main(*argv), "pipedream ") == line
+
+
 @pytest.mark.parametrize("given", ["run", "run/checkpoints"])
 def test_a_run_folder_given_for_a_checkpoint_names_its_newest(tmp_path: Path, given: str) -> None:
     """A run's folder, or its checkpoints folder, was told to pass a step-NNNNNN directory, not

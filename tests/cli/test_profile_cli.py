@@ -143,7 +143,11 @@ def test_bad_input_exits_2_with_one_line(
 ) -> None:
     out = tmp_path / "never.yaml"
     argv = [fake_workloads if arg == "FAKE" else arg for arg in argv]
-    assert main([*argv, "-o", str(out)]) == 2
+    try:
+        code = main([*argv, "-o", str(out)])
+    except SystemExit as exc:  # argparse's own usage errors
+        code = exc.code
+    assert code == 2
     err = capsys.readouterr().err
     assert expected in err
     assert err.count("\n") == 1 and "Traceback" not in err

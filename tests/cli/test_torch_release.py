@@ -68,7 +68,7 @@ def test_the_torch_verbs_refuse_an_old_torch_in_one_line(verb: str, tmp_path: Pa
             "-o",
             str(tmp_path / "model.pt"),
         ],
-        "profile": ["profile", "--workload", "mlp", "-o", str(tmp_path / "profile.yaml")],
+        "profile": ["profile", "mlp", "-o", str(tmp_path / "profile.yaml")],
     }[verb]
     result = run_main(*args)
     assert result.returncode == 2
