@@ -10,6 +10,12 @@ cd "$(dirname "$0")"
 workload="${1:-digits}"
 steps="${2:-300}"
 python_bin="${PYTHON:-.venv/bin/python}"
+if ! "$python_bin" -c 'import pipedream.runtime' 2>/dev/null; then
+  echo "demo.sh: error: $python_bin: cannot import pipedream; set up first (README:" \
+    "python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e .), or name a Python" \
+    "that has it (PYTHON=...)" >&2
+  exit 2
+fi
 out="${DEMO_DIR:-demo}"
 mkdir -p "$out"
 

@@ -19,7 +19,15 @@ fi
 
 plan="$1"
 shift
-python_bin="${PYTHON:-$(command -v python || command -v python3)}"
+python_bin="${PYTHON:-$(command -v python || command -v python3 || true)}"
+# pipedream.runtime, not pipedream: in the checkout's root a Python without pipedream installed
+# finds the pipedream folder, but not the runtime, which the install maps into it
+if [[ -z "$python_bin" ]] || ! "$python_bin" -c 'import pipedream.runtime' 2>/dev/null; then
+  echo "launch.sh: error: ${python_bin:-no python on PATH}: cannot import pipedream; activate" \
+    "the virtualenv it is installed in (. .venv/bin/activate) or name its Python" \
+    "(PYTHON=.venv/bin/python ./launch.sh ...)" >&2
+  exit 2
+fi
 
 torchrun_args=()
 train_args=()

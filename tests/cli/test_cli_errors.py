@@ -659,6 +659,33 @@ def test_export_missing_directory(tmp_path: Path) -> None:
     assert not out.exists()
 
 
+@pytest.mark.parametrize("script", ["launch.sh", "demo.sh"])
+def test_a_python_without_pipedream_is_told_which_to_use(tmp_path: Path, script: str) -> None:
+    """Outside the virtualenv, launch.sh's python printed "Error while finding module
+    specification for 'pipedream.runtime.launch_check' (ModuleNotFoundError ...)", and demo.sh
+    without the set-up ".venv/bin/python: No such file or directory"."""
+    bare = tmp_path / "python"
+    bare.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')  # sees no site-packages
+    bare.chmod(0o755)
+    args = ["plan.yaml", "--steps", "1"] if script == "launch.sh" else []
+    result = subprocess.run(
+        ["bash", str(REPO / script), *args],
+        cwd=REPO,  # where an uninstalled Python finds the pipedream folder, not its runtime
+        env=dict(os.environ, PYTHON=str(bare)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    fix = {
+        "launch.sh": "activate the virtualenv it is installed in (. .venv/bin/activate) or name "
+        "its Python (PYTHON=.venv/bin/python ./launch.sh ...)",
+        "demo.sh": "set up first (README: python3 -m venv .venv && .venv/bin/pip install "
+        "torch==2.13.0 -e .), or name a Python that has it (PYTHON=...)",
+    }[script]
+    line = f"{script}: error: {bare}: cannot import pipedream; {fix}"
+    assert _one_line(result, f"{script}: error: ") == line
+
+
 @pytest.mark.parametrize(
     ("argv", "line"),
     [
