@@ -6,6 +6,7 @@
 #
 #   ./demo.sh [WORKLOAD] [STEPS]        default: digits 300; output in demo/
 set -euo pipefail
+unset CDPATH  # cd goes where it is told, and says nothing
 cd "$(dirname "$0")"
 workload="${1:-digits}"
 steps="${2:-300}"

@@ -18,7 +18,7 @@ from pipedream.errors import AlreadyReported, PipedreamError, RunFailure
 from pipedream.outputs import check_distinct, check_not_input, check_output
 from pipedream.precision import PRECISIONS
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "parse_command_line"]
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -521,6 +521,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_command_line(argv: Sequence[str] | None) -> argparse.Namespace:
+    """``pipedream ARGV`` parsed; a usage error exits 2 with one line. Arguments no option
+    takes are said by the verb's parser ("pipedream train: error: unrecognized arguments:
+    ..."), as its other usage errors are, not by the top-level one ("pipedream: error: ...")."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _verb_parsers(parser)[args.verb].error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def _verb_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     """Each verb's parser, by name."""
     return next(
@@ -545,10 +556,7 @@ def _stdout_closed() -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:  # said by the verb's parser ("pipedream profile: ..."), as its other errors are
-        _verb_parsers(parser)[args.verb].error(f"unrecognized arguments: {' '.join(unknown)}")
+    args = parse_command_line(argv)
     module_name, _, function = _HANDLERS[args.verb].partition(":")
     try:
         outputs = []

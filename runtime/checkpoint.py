@@ -290,14 +290,18 @@ def stage_payload(
 
 def _not_a_checkpoint(directory: Path) -> str:
     """Why ``directory`` is not a checkpoint, and which to pass: a run's folder, or its
-    ``checkpoints`` folder, names its newest step."""
+    ``checkpoints`` folder, names its newest step that has a manifest (one a save did not
+    finish has none)."""
     for kind, folder in (("a run's folder", directory / "checkpoints"), ("", directory)):
         steps = step_directories(folder)
         if steps:
             what = kind or "a folder of checkpoints"
+            saved = [step for step in steps if (step / "manifest.yaml").is_file()]
+            if not saved:
+                return f"({what}, not a checkpoint); none of its checkpoints was saved whole"
             return (
                 f"({what}, not a checkpoint); pass one of its checkpoints, e.g. the newest: "
-                f"{steps[-1]}"
+                f"{saved[-1]}"
             )
     return (
         "(not a checkpoint directory, or an incomplete one); pass a "

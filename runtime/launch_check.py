@@ -89,9 +89,9 @@ def check_train_options(
     cannot give its ``nproc_per_node`` ranks, the checkpoint to resume from, the steps from
     there, and a run directory with checkpoints past them. ``--resume auto`` needs the run
     directory given, not launch.sh's fresh default."""
-    from pipedream.cli import build_parser
+    from pipedream.cli import parse_command_line
 
-    options = train_options(build_parser().parse_args(["train", plan_path, *train_args]))
+    options = train_options(parse_command_line(["train", plan_path, *train_args]))
     check_options(options)
     check_global_norm(options, plan)
     if options.device.startswith("cuda"):  # only then is torch imported, to count the GPUs

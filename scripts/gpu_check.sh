@@ -18,7 +18,8 @@
 # PYTHON chooses the interpreter (default: python3); GPU_CHECK_TIER_S and GPU_CHECK_SPEED_S
 # limit the two parts (default 360 and 240 seconds).
 set -euo pipefail
-out="$(mkdir -p -- "${1:-.}" && CDPATH="" cd -- "${1:-.}" >/dev/null && pwd)"  # the caller's
+unset CDPATH  # cd goes where it is told, and says nothing
+out="$(mkdir -p -- "${1:-.}" && cd -- "${1:-.}" && pwd)"  # before the cd below: the caller's
 cd "$(dirname "$0")/.."
 python_bin="${PYTHON:-python3}"
 tier_limit="${GPU_CHECK_TIER_S:-360}"
@@ -63,11 +64,12 @@ foreground=()
 [ -t 0 ] && foreground=(--foreground)
 trap 'summary "gpu_check: interrupted"; exit 130' INT
 limited() { timeout ${foreground[@]+"${foreground[@]}"} --signal=INT --kill-after=30 "$@"; }
-outcome() {
+outcome() {  # status, limit, seconds taken
   case "$1" in
     0) echo passed ;;
     124) echo "STOPPED at its limit of $2 s" ;;
-    137) echo "KILLED 30 s after its limit of $2 s" ;;
+    137) if [ "$3" -ge "$2" ]; then echo "KILLED 30 s after its limit of $2 s"
+         else echo "KILLED by SIGKILL: out of memory?"; fi ;;
     *) echo "FAILED, status $1" ;;
   esac
 }
@@ -81,5 +83,5 @@ speed_rc=0
 limited "$speed_limit" "$python_bin" benchmarks/gpu_speed.py --out "$out/gpu-speed.md" 2>&1 \
   | tee -i "$out/gpu-speed.log" || speed_rc=$?
 speed_s=$(($(date +%s) - start))
-summary "GPU tier: ${tests_s} s ($(outcome "$tests_rc" "$tier_limit")); speed comparison: ${speed_s} s ($(outcome "$speed_rc" "$speed_limit"))"
+summary "GPU tier: ${tests_s} s ($(outcome "$tests_rc" "$tier_limit" "$tests_s")); speed comparison: ${speed_s} s ($(outcome "$speed_rc" "$speed_limit" "$speed_s"))"
 [ "$tests_rc" = 0 ] && [ "$speed_rc" = 0 ]

@@ -431,6 +431,11 @@ REPLICATED = straight_plan("mlp", [["0", "2"]], replicas=[2], workload_args=MLP_
             "pipedream train: error: argument --steps: invalid int value: 'many'",
             id="steps-not-int",
         ),
+        pytest.param(  # as `pipedream train` says it (was "pipedream: error: ...")
+            ["--steps", "2", "--bogus"],
+            "pipedream train: error: unrecognized arguments: --bogus",
+            id="unknown-option",
+        ),
         pytest.param(  # the ranks would have built tables of gigabytes before the first step
             ["--steps", "100000000"],
             "launch.sh: error: a stretch of 100000000 minibatches between checkpoints (--steps "
@@ -712,16 +717,23 @@ def test_usage_errors_name_the_verb_and_the_fix(argv: list[str], line: str) -> N
 @pytest.mark.parametrize("given", ["run", "run/checkpoints"])
 def test_a_run_folder_given_for_a_checkpoint_names_its_newest(tmp_path: Path, given: str) -> None:
     """A run's folder, or its checkpoints folder, was told to pass a step-NNNNNN directory, not
-    which; the newest is by number (step-1000000 sorts before step-999999 by name)."""
-    for step in ("step-999999", "step-1000000"):
-        (tmp_path / "run" / "checkpoints" / step).mkdir(parents=True)
+    which; the newest is by number (step-1000000 sorts before step-999999 by name), of those
+    saved whole (with a manifest)."""
+    checkpoints = tmp_path / "run" / "checkpoints"
     directory = tmp_path / given
-    result = run_main("export", str(directory), "-o", str(tmp_path / "model.pt"))
     what = "a run's folder" if given == "run" else "a folder of checkpoints"
-    newest = tmp_path / "run" / "checkpoints" / "step-1000000"
+    prefix = f"pipedream export: error: {directory}: no manifest.yaml ({what}, not a checkpoint); "
+    (checkpoints / "step-1000001").mkdir(parents=True)  # a save that did not finish
+    result = run_main("export", str(directory), "-o", str(tmp_path / "model.pt"))
     assert _one_line(result, "pipedream export: error: ") == (
-        f"pipedream export: error: {directory}: no manifest.yaml ({what}, not a checkpoint); "
-        f"pass one of its checkpoints, e.g. the newest: {newest}"
+        prefix + "none of its checkpoints was saved whole"
+    )
+    for step in ("step-999999", "step-1000000"):
+        (checkpoints / step).mkdir()
+        (checkpoints / step / "manifest.yaml").write_text("stages: []\n")
+    result = run_main("export", str(directory), "-o", str(tmp_path / "model.pt"))
+    assert _one_line(result, "pipedream export: error: ") == (
+        prefix + f"pass one of its checkpoints, e.g. the newest: {checkpoints / 'step-1000000'}"
     )
 
 
