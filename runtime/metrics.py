@@ -119,14 +119,19 @@ class MetricsLogger:
         return self.first_step + len(self.losses) * self.per_update
 
     def time_per_step_ms(self) -> float | None:
-        """Steady-state time per minibatch: median gap between updates in the second half."""
-        return _steady_gap_ms(self.step_times)
+        """Steady-state time per minibatch: the median gap between updates in the second half,
+        over the minibatches an update applies (the last stage's replicas: with 2, the gap
+        between its updates is the time of 2 minibatches)."""
+        gap = _steady_gap_ms(self.step_times)
+        return None if gap is None else gap / self.per_update
 
     def host_cpu_per_step_ms(self) -> float | None:
-        """Steady-state CPU time of the issuing thread per minibatch (median gap between
-        updates in the second half). On a GPU, where the host only queues work, it nearing
-        :meth:`time_per_step_ms` says the host's launches set the pace, not the GPU."""
-        return _steady_gap_ms(self.step_cpu)
+        """Steady-state CPU time of the issuing thread per minibatch (the median gap between
+        updates in the second half, over the minibatches an update applies). On a GPU, where
+        the host only queues work, it nearing :meth:`time_per_step_ms` says the host's
+        launches set the pace, not the GPU."""
+        gap = _steady_gap_ms(self.step_cpu)
+        return None if gap is None else gap / self.per_update
 
     def close(self) -> None:
         if self._bar is not None:

@@ -39,6 +39,30 @@ def test_each_line_has_the_times_of_its_update_not_of_its_read(
     assert logger.host_cpu_per_step_ms() == pytest.approx(6.0)
 
 
+def test_a_replicated_last_stages_time_is_per_minibatch_not_per_update(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With 2 replicas of the last stage an update applies 2 minibatches: the summary said 31 ms
+    per minibatch for a data-parallel run that trained 200 minibatches in 3.4 s."""
+    clock = {"wall": 100.0, "cpu": 50.0}
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: clock["wall"])
+    monkeypatch.setattr(metrics.time, "thread_time", lambda: clock["cpu"])
+    logger = MetricsLogger(
+        tmp_path / "m.jsonl",
+        total_steps=8,
+        samples_per_step=8,
+        progress=False,
+        minibatches_per_update=2,
+    )
+    for step in range(4):
+        clock["wall"] += 0.030
+        clock["cpu"] += 0.026
+        logger.log(step, 1.0)
+    logger.close()
+    assert logger.time_per_step_ms() == pytest.approx(15.0)
+    assert logger.host_cpu_per_step_ms() == pytest.approx(13.0)
+
+
 def test_a_resumed_runs_progress_counts_on_from_its_checkpoint(tmp_path: Path) -> None:
     """It counted from 1 again: "step 1/6" for the first update after a checkpoint at 4."""
     import io
