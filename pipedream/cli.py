@@ -87,11 +87,11 @@ class _Parser(argparse.ArgumentParser):
 def _key_value(text: str) -> str:
     """A ``--workload-arg``, checked as it is read: ``--workload-arg layers 8`` was told that
     ``8`` is an unrecognized argument, not to write ``layers=8``."""
-    key, sep, _ = text.partition("=")
-    if not sep or not key.strip():
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not KEY=VALUE; write e.g. --workload-arg layers=8"
-        )
+    from pipedream.workload_options import key_value_problem  # only where the option is given
+
+    problem = key_value_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
     return text
 
 

@@ -29,6 +29,7 @@ from pipedream.workload_options import (
     absolute_paths,
     check_required,
     import_error,
+    key_value_problem,
     keyword_args,
     missing_function,
     runtime_signature,
@@ -79,11 +80,10 @@ def parse_workload_args(pairs: Iterable[str]) -> dict[str, str]:
     """Parse ``KEY=VALUE`` strings from ``--workload-arg``."""
     out: dict[str, str] = {}
     for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
-            raise WorkloadError(
-                f"--workload-arg {pair!r} is not KEY=VALUE; write e.g. --workload-arg layers=8"
-            )
+        problem = key_value_problem(pair)
+        if problem is not None:
+            raise WorkloadError(f"--workload-arg {problem}")
+        key, _, value = pair.partition("=")
         out[key.strip()] = value.strip()
     return out
 

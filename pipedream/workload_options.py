@@ -37,6 +37,7 @@ __all__ = [
     "check_workload",
     "convert",
     "import_error",
+    "key_value_problem",
     "keyword_args",
     "missing_function",
     "runtime_signature",
@@ -344,6 +345,16 @@ def check_required(
             f"{where(source, 'workload_args')}workload {name!r} needs "
             f"{', '.join(repr(option) for option in missing)}, which has no default; {fix}"
         )
+
+
+def key_value_problem(pair: str) -> str | None:
+    """What is wrong with a ``--workload-arg`` value (``'layers' is not KEY=VALUE; ...``), or
+    None where it is ``KEY=VALUE`` with a key: the one rule, for the command line's parser and
+    for :func:`~pipedream.workload.parse_workload_args`."""
+    key, sep, _ = pair.partition("=")
+    if sep and key.strip():
+        return None
+    return f"{pair!r} is not KEY=VALUE; write e.g. --workload-arg layers=8"
 
 
 def unknown_option(signature: Signature, key: str, *, name: str, source: str | None) -> None:

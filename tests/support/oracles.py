@@ -26,11 +26,12 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 def stage_param_names(model: nn.Module, stages: Sequence[Sequence[str]]) -> list[list[str]]:
-    out = []
-    for layers in stages:
-        prefixes = tuple(f"{layer}." for layer in layers)
-        out.append([n for n, _ in model.named_parameters() if n.startswith(prefixes)])
-    return out
+    return _by_stage([n for n, _ in model.named_parameters()], stages)
+
+
+def _by_stage(names: Sequence[str], stages: Sequence[Sequence[str]]) -> list[list[str]]:
+    """``names`` of each stage: those under one of its layers."""
+    return [[n for n in names if n.startswith(tuple(f"{x}." for x in layers))] for layers in stages]
 
 
 def stale_oracle(
@@ -116,10 +117,7 @@ def replicated_oracle(
     statistics) end as replica 0 of each stage leaves them: a forward of minibatch t updates
     stage s's only where ``t % r_s == 0``."""
     names = stage_param_names(model, stages)
-    buffer_names = [
-        [n for n, _ in model.named_buffers() if n.startswith(tuple(f"{x}." for x in layers))]
-        for layers in stages
-    ]
+    buffer_names = _by_stage([n for n, _ in model.named_buffers()], stages)
     live = {n: nn.Parameter(p.detach().clone()) for n, p in model.named_parameters()}
     optimizers = [optimizer([live[n] for n in stage_names]) for stage_names in names]
     history = [[{n: live[n].detach().clone() for n in stage_names}] for stage_names in names]
